@@ -1,0 +1,222 @@
+"""The one config schema for the ``robust_plugins`` block.
+
+The same frozen dataclasses are built from a DeepSpeed JSON config (``"robust_plugins": {...}``),
+from keyword arguments (megatron-core and plain PyTorch users) and by ``robust check-config``.
+Every user mistake raises :class:`~robust_plugins.errors.ConfigError` naming the key, the bad value
+and what is allowed; unknown keys get a "did you mean".
+
+Environment overrides (all in one place, all with the ``ROBUST_`` prefix):
+
+=========================  ==========================================================
+``ROBUST_CODEC``           replaces ``compression.codec`` (e.g. ``none`` to bisect a run)
+``ROBUST_DISABLE=1``       ignores the whole block: the host behaves exactly as without it
+=========================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from robust_plugins.errors import ConfigError
+
+#: The top-level key of the block in a DeepSpeed JSON config.
+BLOCK_KEY = "robust_plugins"
+
+#: Codecs, in order of increasing compression. ``none`` runs the plugin's path with the host's own
+#: collective (bitwise identical to vanilla); the others use the two-phase compressed all-reduce.
+CODECS = ("none", "bf16", "int8", "int4", "sign")
+
+#: Codecs that need ``error_feedback``: 1 bit an element loses too much for SGD-style updates
+#: to converge without the residual (1-bit Adam, EF-SignSGD).
+CODECS_REQUIRING_EF = ("sign",)
+
+BLOCK_SIZE_MIN = 32
+BLOCK_SIZE_MAX = 4096
+
+ENV_OVERRIDES = {
+    "ROBUST_CODEC": "compression.codec",
+    "ROBUST_DISABLE": "(whole block)",
+}
+
+
+def _did_you_mean(key: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _check_keys(where: str, raw: Mapping[str, Any], allowed: list[str]) -> None:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}: {raw!r}.")
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(
+                f"Unknown key {where}.{key}.{_did_you_mean(str(key), allowed)} "
+                f"Allowed keys: {', '.join(allowed)}."
+            )
+
+
+def _expect_type(where: str, value: Any, types: tuple[type, ...], what: str) -> Any:
+    # bool is an int subclass: `"warmup_steps": true` is a mistake, not 1.
+    if isinstance(value, bool) and bool not in types:
+        raise ConfigError(f"{where} must be {what}, got a boolean: {value!r}.")
+    if not isinstance(value, types):
+        raise ConfigError(f"{where} must be {what}, got {type(value).__name__}: {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Compressed data-parallel gradient all-reduce (``"compression"`` sub-block)."""
+
+    codec: str = "int8"
+    """Wire format: ``none`` (host collective, bitwise identical), ``bf16``, ``int8`` (blockwise
+    absmax), ``int4`` (two values a byte, blockwise absmax) or ``sign`` (1 bit an element plus one
+    scale a block)."""
+
+    block_size: int = 256
+    """Elements sharing one fp32 scale. A power of two in [32, 4096]; 256 costs 1.6 % extra bytes."""
+
+    error_feedback: bool = True
+    """Keep each rank's quantization residual and add it to the next gradient (both on the sending
+    side and on the reducing side). Residuals are training state and go into checkpoints."""
+
+    warmup_steps: int = 0
+    """Optimizer steps sent uncompressed (through the host's own collective) before compressing."""
+
+    min_numel: int = 0
+    """Buckets with fewer elements than this go uncompressed: for tiny buckets latency, not bytes,
+    dominates and the per-block scale overhead is largest."""
+
+    def __post_init__(self) -> None:
+        where = f"{BLOCK_KEY}.compression"
+        _expect_type(f"{where}.codec", self.codec, (str,), "a string")
+        if self.codec not in CODECS:
+            hint = _did_you_mean(self.codec, list(CODECS))
+            raise ConfigError(
+                f"{where}.codec = {self.codec!r} is not a known codec.{hint} "
+                f"Allowed: {', '.join(CODECS)}."
+            )
+        _expect_type(f"{where}.block_size", self.block_size, (int,), "an integer")
+        bs = self.block_size
+        if not (BLOCK_SIZE_MIN <= bs <= BLOCK_SIZE_MAX) or bs & (bs - 1):
+            raise ConfigError(
+                f"{where}.block_size = {bs} is not allowed: it must be a power of two between "
+                f"{BLOCK_SIZE_MIN} and {BLOCK_SIZE_MAX} (e.g. 256)."
+            )
+        _expect_type(f"{where}.error_feedback", self.error_feedback, (bool,), "true or false")
+        if self.codec in CODECS_REQUIRING_EF and not self.error_feedback:
+            raise ConfigError(
+                f"{where}.codec = {self.codec!r} requires error_feedback = true: without the "
+                f"residual, 1-bit gradients do not converge. Set error_feedback to true or pick "
+                f"int8 / int4."
+            )
+        _expect_type(f"{where}.warmup_steps", self.warmup_steps, (int,), "an integer")
+        if self.warmup_steps < 0:
+            raise ConfigError(
+                f"{where}.warmup_steps = {self.warmup_steps} must be >= 0 (0 compresses from the "
+                f"first step)."
+            )
+        _expect_type(f"{where}.min_numel", self.min_numel, (int,), "an integer")
+        if self.min_numel < 0:
+            raise ConfigError(f"{where}.min_numel = {self.min_numel} must be >= 0.")
+
+    @property
+    def compresses(self) -> bool:
+        """True when the codec sends anything other than the host's own collective."""
+        return self.codec != "none"
+
+    def describe(self) -> str:
+        """One-line summary for logs and ``robust check-config``."""
+        return (
+            f"compression(codec={self.codec}, block_size={self.block_size}, "
+            f"error_feedback={self.error_feedback}, warmup_steps={self.warmup_steps}, "
+            f"min_numel={self.min_numel})"
+        )
+
+
+_SECTIONS: dict[str, type] = {"compression": CompressionConfig}
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """The whole ``robust_plugins`` block. A missing sub-block means that feature is off."""
+
+    compression: CompressionConfig | None = None
+    """Compressed gradient communication; ``None`` leaves the host's all-reduce untouched."""
+
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """The block as given (after environment overrides), for logs and W&B run configs."""
+
+    @classmethod
+    def from_dict(cls, block: Mapping[str, Any] | None) -> "PluginConfig":
+        """Validate a ``robust_plugins`` block (the value, not the whole DeepSpeed config)."""
+        if block is None:
+            return cls()
+        _check_keys(BLOCK_KEY, block, list(_SECTIONS))
+        block = _apply_env_overrides(dict(block))
+        kwargs: dict[str, Any] = {}
+        for name, section_cls in _SECTIONS.items():
+            if name not in block or block[name] is None:
+                continue
+            sub = block[name]
+            allowed = [f.name for f in dataclasses.fields(section_cls)]
+            _check_keys(f"{BLOCK_KEY}.{name}", sub, allowed)
+            kwargs[name] = section_cls(**sub)
+        return cls(raw=block, **kwargs)
+
+    @classmethod
+    def from_kwargs(cls, **sections: Any) -> "PluginConfig":
+        """Build from Python: ``PluginConfig.from_kwargs(compression={"codec": "int4"})``."""
+        return cls.from_dict(sections)
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Mapping[str, Any] | str | os.PathLike | None) -> "PluginConfig":
+        """Extract and validate the block from a whole DeepSpeed config (dict or JSON path)."""
+        if ds_config is None:
+            return cls()
+        if isinstance(ds_config, (str, os.PathLike)):
+            ds_config = load_json(ds_config)
+        if not isinstance(ds_config, Mapping):
+            raise ConfigError(f"A DeepSpeed config must be a JSON object, got {type(ds_config).__name__}.")
+        if os.environ.get("ROBUST_DISABLE", "0") not in ("", "0"):
+            return cls()
+        return cls.from_dict(ds_config.get(BLOCK_KEY))
+
+    @property
+    def active(self) -> bool:
+        """True when at least one feature is configured."""
+        return self.compression is not None
+
+    def describe(self) -> str:
+        """One line naming every active feature with its settings."""
+        parts = [s.describe() for s in (self.compression,) if s is not None]
+        return "; ".join(parts) if parts else "no features active"
+
+
+def _apply_env_overrides(block: dict[str, Any]) -> dict[str, Any]:
+    codec = os.environ.get("ROBUST_CODEC")
+    if codec:
+        block["compression"] = {**(block.get("compression") or {}), "codec": codec}
+    return block
+
+
+def load_json(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a JSON config file with errors that name the file and the position."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"Cannot read config file {p}: {exc.strerror}.") from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{p} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}.") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p} must hold a JSON object at the top level, got {type(data).__name__}.")
+    return data
