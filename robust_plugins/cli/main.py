@@ -17,22 +17,25 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser; each subcommand module adds its own arguments."""
+def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser. Only the ``selected`` command's module is imported (all if None)."""
     parser = argparse.ArgumentParser(prog="robust", description=__doc__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        mod = importlib.import_module(f"robust_plugins.cli.{module}")
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        if selected in (None, name):
+            mod = importlib.import_module(f"robust_plugins.cli.{module}")
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the subcommand; returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the CLI is an application
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    selected = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(selected).parse_args(argv)
     from robust_plugins.errors import RobustPluginsError
 
     try:

@@ -1,0 +1,390 @@
+"""DeepSpeed integration: the only code that touches DeepSpeed internals.
+
+``install()`` (run automatically by ``import robust_plugins`` once DeepSpeed is imported) wraps
+``deepspeed.initialize``. The wrapper reads the ``"robust_plugins"`` block of the config; without
+it (or with ``ROBUST_DISABLE=1``) it calls DeepSpeed unchanged. With it, it validates the block,
+refuses engines it cannot serve, builds the engine, then shadows — on that engine instance only —
+the methods that carry data-parallel gradient reductions (DeepSpeed 0.19,
+``deepspeed/runtime/engine.py`` and ``runtime/zero/stage_1_and_2.py``):
+
+==========  ============================================================================
+ZeRO 0      ``DeepSpeedEngine.allreduce_bucket`` (all dense buckets, fp32 and bf16 via
+            ``buffered_allreduce_fallback``)
+ZeRO 1, 2   ``DeepSpeedZeroOptimizer.allreduce_bucket`` (all-reduce, or reduce to one rank)
+            and ``gradient_reduction_w_predivide`` (``reduce_scatter: false``)
+==========  ============================================================================
+
+Each replacement keeps DeepSpeed's scaling (``gradient_predivide_factor``,
+``postscale_gradients``, ``gradient_average``, sequence-parallel world size) and swaps only the
+collective. ``save_checkpoint`` / ``load_checkpoint`` are shadowed to store each rank's
+error-feedback residuals beside DeepSpeed's files.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from typing import Any
+
+import torch
+
+from robust_plugins._logging import current_rank, get_logger, warn_once
+from robust_plugins.config import PluginConfig, load_json
+from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
+from robust_plugins.patches import _guard
+
+log = get_logger(__name__)
+
+SUPPORTED_MIN = (0, 19, 0)
+SUPPORTED_BELOW = (0, 20, 0)
+SUPPORTED = "deepspeed >=0.19.0,<0.20"
+
+#: File each rank writes into ``<save_dir>/<tag>/`` next to DeepSpeed's own files.
+STATE_FILE = "robust_plugins_rank{rank:05d}.pt"
+
+_ENGINE_SIGNATURE = ["self", "bucket", "dp_group", "dp_world_size"]
+_ZERO_ALLREDUCE_SIGNATURE = ["self", "bucket", "communication_data_type", "rank", "log", "divide", "process_group"]
+_ZERO_PREDIVIDE_SIGNATURE = ["self", "tensor", "communication_data_type"]
+_SAVE_SIGNATURE = ["self", "save_dir", "tag", "client_state", "save_latest", "exclude_frozen_parameters"]
+_LOAD_SIGNATURE = [
+    "self", "load_dir", "tag", "load_module_strict", "load_optimizer_states",
+    "load_lr_scheduler_states", "load_module_only", "custom_load_fn",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# install / undo
+# ---------------------------------------------------------------------------------------------
+def install() -> None:
+    """Wrap ``deepspeed.initialize`` (idempotent). Raises HostVersionError on other versions."""
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if _guard.is_patched(deepspeed.initialize):
+        return
+    _guard.check_version("deepspeed", deepspeed.__version__, SUPPORTED_MIN, SUPPORTED_BELOW)
+    _guard.check_signature("deepspeed", DeepSpeedEngine.allreduce_bucket, _ENGINE_SIGNATURE, SUPPORTED)
+    _guard.check_signature("deepspeed", DeepSpeedZeroOptimizer.allreduce_bucket, _ZERO_ALLREDUCE_SIGNATURE, SUPPORTED)
+    _guard.check_signature(
+        "deepspeed", DeepSpeedZeroOptimizer.gradient_reduction_w_predivide, _ZERO_PREDIVIDE_SIGNATURE, SUPPORTED
+    )
+    _guard.check_signature("deepspeed", DeepSpeedEngine.save_checkpoint, _SAVE_SIGNATURE, SUPPORTED)
+    _guard.check_signature("deepspeed", DeepSpeedEngine.load_checkpoint, _LOAD_SIGNATURE, SUPPORTED)
+
+    original = deepspeed.initialize
+    signature = inspect.signature(original)
+
+    def initialize(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        plugin_cfg = PluginConfig.from_ds_config(_find_ds_config(bound.arguments))
+        if not plugin_cfg.active:
+            return original(*args, **kwargs)
+        _refuse_before_init(bound.arguments)
+        result = original(*args, **kwargs)
+        attach(result[0], plugin_cfg)
+        return result
+
+    deepspeed.initialize = _guard.wrap(original, initialize)
+    log.debug("robust_plugins: replaced deepspeed.initialize (deepspeed %s)", deepspeed.__version__)
+
+
+def undo() -> None:
+    """Restore DeepSpeed's own ``initialize``. Engines already built keep their plugin."""
+    import deepspeed
+
+    if _guard.is_patched(deepspeed.initialize):
+        deepspeed.initialize = deepspeed.initialize.__wrapped__
+
+
+# ---------------------------------------------------------------------------------------------
+# config discovery and refusals
+# ---------------------------------------------------------------------------------------------
+def _find_ds_config(arguments: dict[str, Any]) -> Any:
+    """The config DeepSpeed will use: ``config``, ``config_params`` or ``args.deepspeed_config``."""
+    for name in ("config", "config_params"):
+        if arguments.get(name) is not None:
+            cfg = arguments[name]
+            return _read_config_file(cfg) if isinstance(cfg, (str, os.PathLike)) else cfg
+    args = arguments.get("args")
+    path = getattr(args, "deepspeed_config", None) if args is not None else None
+    return _read_config_file(path) if path else None
+
+
+def _read_config_file(path: str | os.PathLike) -> dict[str, Any] | None:
+    try:
+        return load_json(path)
+    except ConfigError:
+        # DeepSpeed also accepts HJSON; parse it the way DeepSpeed does before giving up.
+        try:
+            import hjson
+
+            with open(path) as f:
+                return json.loads(json.dumps(hjson.load(f)))
+        except Exception:
+            raise ConfigError(f"Cannot parse the DeepSpeed config {path} as JSON or HJSON.") from None
+
+
+def _refuse_before_init(arguments: dict[str, Any]) -> None:
+    """Cheap refusals that need no engine: fail before DeepSpeed spends time building one."""
+    cfg = _find_ds_config(arguments) or {}
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise UnsupportedError(
+            f"robust_plugins.compression supports ZeRO stages 0, 1 and 2; this config sets "
+            f"zero_optimization.stage = {stage!r}. Use stage 0-2 or remove the "
+            f"'compression' sub-block."
+        )
+    model = arguments.get("model")
+    if model is not None and type(model).__name__ == "PipelineModule":
+        raise UnsupportedError(
+            "robust_plugins.compression does not support DeepSpeed pipeline engines "
+            "(PipelineModule); remove the 'compression' sub-block or train without pipeline parallelism."
+        )
+
+
+def _refuse_engine(engine) -> None:
+    """Refusals that need the built engine (the config alone does not say)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if isinstance(engine, PipelineEngine):
+        raise UnsupportedError(
+            "robust_plugins.compression does not support DeepSpeed's PipelineEngine; remove the "
+            "'compression' sub-block or train without pipeline parallelism."
+        )
+    stage = engine.zero_optimization_stage()
+    if stage not in (0, 1, 2):
+        raise UnsupportedError(f"robust_plugins.compression supports ZeRO stages 0-2, not stage {stage}.")
+    if not engine.enable_backward_allreduce:
+        raise UnsupportedError(
+            f"The optimizer {type(engine.optimizer).__name__} communicates gradients itself "
+            f"(DeepSpeed turned the engine's all-reduce off, as 1-bit Adam / 0/1 Adam do), so "
+            f"robust_plugins.compression would never run. Remove one of the two."
+        )
+    if getattr(engine, "zenflow", False) or engine.is_deepcompile_active():
+        raise UnsupportedError(
+            "robust_plugins.compression does not support ZenFlow or DeepCompile engines, which "
+            "reduce gradients on their own paths."
+        )
+    if stage in (1, 2):
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        if not isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
+            raise UnsupportedError(
+                f"ZeRO stage {stage} built a {type(engine.optimizer).__name__}, not the "
+                f"DeepSpeedZeroOptimizer robust_plugins hooks into; remove the 'compression' sub-block."
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# attaching to one engine
+# ---------------------------------------------------------------------------------------------
+class DeepSpeedPlugin:
+    """Everything robust_plugins attached to one engine; reachable as ``engine.robust_plugins``."""
+
+    def __init__(self, engine, config: PluginConfig):
+        from robust_plugins.comm.gradient_sync import GradientSync
+
+        self.engine = engine
+        self.config = config
+        self.sync = GradientSync(config.compression, step_fn=lambda: engine.global_steps)
+
+    def state_dict(self) -> dict:
+        """Per-rank plugin state saved next to DeepSpeed's checkpoint files."""
+        return {"format": 1, "sync": self.sync.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if sd.get("format") != 1:
+            raise CheckpointError(f"Unknown robust_plugins checkpoint format {sd.get('format')!r}; expected 1.")
+        self.sync.load_state_dict(sd["sync"])
+
+
+def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
+    """Attach the configured features to a built engine; logs one line on rank 0."""
+    _refuse_engine(engine)
+    plugin = DeepSpeedPlugin(engine, config)
+    engine.robust_plugins = plugin
+    stage = engine.zero_optimization_stage()
+    if stage == 0:
+        _guard.bind_instance(engine, "allreduce_bucket", _engine_allreduce_bucket(engine, plugin))
+    else:
+        opt = engine.optimizer
+        _guard.bind_instance(opt, "allreduce_bucket", _zero_allreduce_bucket(opt, plugin))
+        _guard.bind_instance(opt, "gradient_reduction_w_predivide", _zero_predivide(opt, plugin))
+    _guard.bind_instance(engine, "save_checkpoint", _save_checkpoint(engine, plugin))
+    _guard.bind_instance(engine, "load_checkpoint", _load_checkpoint(engine, plugin))
+
+    comm_dtype = engine.communication_data_type
+    if config.compression.compresses and comm_dtype not in (torch.float32, engine.get_data_types()[0]):
+        warn_once(
+            log, "comm_dtype",
+            "robust_plugins: communication_data_type=%s is superseded by codec %s for compressed "
+            "buckets (uncompressed ones still use it).", comm_dtype, config.compression.codec,
+        )
+    if current_rank() == 0:
+        from deepspeed.utils import logger as ds_logger
+
+        # DeepSpeed users read DeepSpeed's log; the line goes where its own config print-out goes.
+        ds_logger.info(
+            "robust_plugins active: %s | DeepSpeed %s, ZeRO stage %d, dp_world_size %d, grads %s",
+            config.describe(), _ds_version(), stage, engine.dp_world_size, engine.get_data_types()[0],
+        )
+    return plugin
+
+
+def detach(engine) -> None:
+    """Remove the plugin from ``engine``: its methods fall back to DeepSpeed's."""
+    for obj, name in ((engine, "allreduce_bucket"), (engine.optimizer, "allreduce_bucket"),
+                      (engine.optimizer, "gradient_reduction_w_predivide"),
+                      (engine, "save_checkpoint"), (engine, "load_checkpoint")):
+        if obj is not None:
+            _guard.unbind_instance(obj, name)
+    engine.__dict__.pop("robust_plugins", None)
+
+
+def _ds_version() -> str:
+    import deepspeed
+
+    return deepspeed.__version__
+
+
+# ---------------------------------------------------------------------------------------------
+# the replacements (each keeps DeepSpeed's scaling and swaps only the collective)
+# ---------------------------------------------------------------------------------------------
+def _scaling(average: bool, postscale: bool, predivide: float, world: float, full_world: int):
+    """(pre, post) factors around the sum, exactly as DeepSpeed applies them for one bucket."""
+    if not average:
+        return 1.0, 1.0
+    if postscale:
+        return 1.0 / predivide, (predivide / world if predivide != full_world else 1.0)
+    return 1.0 / world, 1.0
+
+
+def _engine_allreduce_bucket(engine, plugin: DeepSpeedPlugin):
+    original = engine.allreduce_bucket
+    from deepspeed import comm as dist
+
+    def allreduce_bucket(bucket, dp_group, dp_world_size=None):
+        numel = sum(t.numel() for t in bucket)
+        key = plugin.sync.route("ds.engine", numel)
+        if key is None:
+            return original(bucket, dp_group, dp_world_size)
+        tensor = engine.flatten(bucket)
+        world = dp_world_size if dp_world_size is not None else dist.get_world_size(group=dp_group)
+        pre, post = _scaling(engine.gradient_average, engine.postscale_gradients(),
+                             engine.gradient_predivide_factor(), world, world)
+        if pre != 1.0:
+            tensor.mul_(pre)
+        plugin.sync.all_reduce_sum(tensor, dp_group, key)
+        if post != 1.0:
+            tensor.mul_(post)
+        return tensor
+
+    return allreduce_bucket
+
+
+def _zero_allreduce_bucket(opt, plugin: DeepSpeedPlugin):
+    original = opt.allreduce_bucket
+    from deepspeed import comm as dist
+
+    def allreduce_bucket(bucket, communication_data_type, rank=None, log=None, divide=True, process_group=None):
+        numel = sum(t.numel() for t in bucket)
+        key = plugin.sync.route("ds.zero", numel)
+        if key is None:
+            return original(bucket, communication_data_type, rank=rank, log=log, divide=divide,
+                            process_group=process_group)
+        group = opt.dp_process_group if process_group is None else process_group
+        tensor = opt.flatten(bucket)
+        if divide and opt.gradient_average:
+            tensor.div_(dist.get_world_size(group=group) / float(opt.sequence_parallel_size))
+        if rank is None:
+            plugin.sync.all_reduce_sum(tensor, group, key)
+        else:
+            plugin.sync.reduce_sum(tensor, rank, group, key)
+        return tensor
+
+    return allreduce_bucket
+
+
+def _zero_predivide(opt, plugin: DeepSpeedPlugin):
+    original = opt.gradient_reduction_w_predivide
+    from deepspeed import comm as dist
+
+    def gradient_reduction_w_predivide(tensor, communication_data_type):
+        key = plugin.sync.route("ds.zero_predivide", tensor.numel()) if tensor.numel() else None
+        if key is None:
+            return original(tensor, communication_data_type)
+        group = opt.dp_process_group
+        full_world = dist.get_world_size(group=group)
+        pre, post = _scaling(opt.gradient_average, opt.postscale_gradients, opt.gradient_predivide_factor,
+                             full_world / float(opt.sequence_parallel_size), full_world)
+        if pre != 1.0:
+            tensor.mul_(pre)
+        plugin.sync.all_reduce_sum(tensor, group, key)
+        if post != 1.0:
+            tensor.mul_(post)
+        return tensor
+
+    return gradient_reduction_w_predivide
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints: residuals are training state
+# ---------------------------------------------------------------------------------------------
+def _state_path(ckpt_dir: str, tag: str) -> str:
+    return os.path.join(ckpt_dir, str(tag), STATE_FILE.format(rank=current_rank()))
+
+
+def _save_checkpoint(engine, plugin: DeepSpeedPlugin):
+    original = engine.save_checkpoint
+
+    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+        if tag is None:
+            tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default tag
+        path = _state_path(save_dir, tag)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # Written before DeepSpeed's files so that DeepSpeed's `latest` (written last) never
+        # points at a checkpoint whose residuals are missing; tmp + rename keeps it atomic.
+        tmp = f"{path}.tmp"
+        torch.save(plugin.state_dict(), tmp)
+        os.replace(tmp, path)
+        return original(save_dir, tag, client_state=client_state, save_latest=save_latest,
+                        exclude_frozen_parameters=exclude_frozen_parameters)
+
+    return save_checkpoint
+
+
+def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
+    original = engine.load_checkpoint
+
+    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
+        load_path, client_state = original(load_dir, tag, *args, **kwargs)
+        if load_path is None:
+            return load_path, client_state
+        if tag is None:
+            latest = "latest_universal" if engine.load_universal_checkpoint() else "latest"
+            with open(os.path.join(load_dir, latest)) as f:
+                tag = f.read().strip()
+        path = _state_path(load_dir, tag)
+        if not os.path.isfile(path):
+            warn_once(
+                log, f"missing:{path}",
+                "robust_plugins: checkpoint %s/%s has no plugin state for rank %d (%s missing: "
+                "saved without the plugin or at another world size). Error-feedback residuals "
+                "start from zero; the run continues, but not bitwise as an uninterrupted one.",
+                load_dir, tag, current_rank(), os.path.basename(path),
+            )
+            return load_path, client_state
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(
+                f"robust_plugins state {path} cannot be read ({exc}); it is corrupt or truncated. "
+                f"Load an older checkpoint tag or delete the file to restart residuals from zero."
+            ) from exc
+        plugin.load_state_dict(sd)
+        return load_path, client_state
+
+    return load_checkpoint

@@ -1,0 +1,58 @@
+"""``robust check-config ds.json``: validate the block and say what it would turn on.
+
+Runs without DeepSpeed imported (fast, and usable on a login node). Besides the block's own
+validation it points out host settings that interact with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from robust_plugins.config import BLOCK_KEY, PluginConfig, load_json
+
+# ZeRO 1/2 on CPU with DeepSpeed's default 5e8-element buckets spent ~2 s a step allocating
+# buffers for a 5.5k-parameter model; 5e6 made it 70x faster (../shared/HOSTS.md).
+_CPU_BUCKET_LIMIT = 5e7
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``CONFIG`` path(s)."""
+    parser.add_argument("configs", nargs="+", metavar="CONFIG", help="DeepSpeed JSON config file(s)")
+
+
+def check(path: str) -> list[str]:
+    """Validate one DeepSpeed config file; return the report lines (raises ConfigError)."""
+    ds = load_json(path)
+    cfg = PluginConfig.from_ds_config(ds)
+    lines = []
+    if BLOCK_KEY not in ds:
+        lines.append(f"{path}: no '{BLOCK_KEY}' block: DeepSpeed runs unchanged.")
+        return lines
+    lines.append(f"{path}: OK. With `import robust_plugins` before deepspeed.initialize this turns on:")
+    lines.append(f"  {cfg.describe()}")
+    zero = ds.get("zero_optimization") or {}
+    stage = zero.get("stage", 0)
+    if cfg.compression is not None:
+        if stage not in (0, 1, 2):
+            lines.append(f"  ERROR: zero_optimization.stage = {stage}: compression supports ZeRO 0, 1, 2 only; "
+                         f"deepspeed.initialize will refuse this config.")
+        else:
+            lines.append(f"  on ZeRO stage {stage}'s data-parallel gradient reduction.")
+        if ds.get("communication_data_type") and cfg.compression.compresses:
+            lines.append(f"  note: communication_data_type={ds['communication_data_type']!r} applies only to "
+                         f"buckets the codec leaves uncompressed.")
+    if stage in (1, 2):
+        for key in ("reduce_bucket_size", "allgather_bucket_size"):
+            if float(zero.get(key, 5e8)) > _CPU_BUCKET_LIMIT:
+                lines.append(f"  warning: zero_optimization.{key} = {zero.get(key, '5e8 (default)')}: on CPU "
+                             f"runs set it to 5e6 or less (buffer allocation costs seconds a step).")
+    lines.append("  Reminder: DeepSpeed ignores unknown top-level keys, so without `import robust_plugins` "
+                 "this block does nothing.")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report for each config; exit 2 on the first invalid one."""
+    for path in args.configs:
+        print("\n".join(check(path)))
+    return 0

@@ -1,0 +1,29 @@
+"""The wheel installs robust_plugins and triton_ops only: no generic top-level `patches`/`recipes`."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.timeout(300)
+def test_wheel_top_level_names(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    wheel = next(tmp_path.glob("robust_plugins-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"robust_plugins", "triton_ops"}, tops
+    assert "robust_plugins/patches/deepspeed.py" in names
+    assert any(n.startswith("robust_plugins/recipes/deepspeed_gpt/") and n.endswith(".json") for n in names) or \
+        "robust_plugins/recipes/__init__.py" in names
+    meta = next(n for n in names if n.endswith("METADATA"))
+    requires = [l for l in zipfile.ZipFile(wheel).read(meta).decode().splitlines() if l.startswith("Requires-Dist: torch")]
+    assert requires and "==" not in requires[0], requires  # never pin torch in the package
