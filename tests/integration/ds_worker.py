@@ -1,0 +1,152 @@
+"""One torchrun launch = every DeepSpeed scenario for one ZeRO stage (start-up costs ~10 s a launch).
+
+Run as ``torchrun --nproc-per-node 2 ds_worker.py --stage S --out DIR``. Rank 0 writes
+``DIR/results.json`` with, per scenario: per-step losses, a sha256 of all parameters on every rank,
+and what went through the plugin. ``test_deepspeed_compression.py`` asserts on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+
+import robust_plugins  # noqa: F401  (must precede deepspeed.initialize: installs the patch)
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from robust_plugins.patches import deepspeed as ds_patch
+from robust_plugins.workloads.gpt import build_gpt
+from robust_plugins.workloads.text import get_batch, load_corpus
+
+SEED = 1234
+MICRO_BATCH = 4
+SEQ_LEN = 64
+INT8_BLOCK = {"compression": {"codec": "int8", "block_size": 256, "error_feedback": True,
+                              "warmup_steps": 0, "min_numel": 0}}
+
+
+def ds_config(stage: int, block: dict | None, bf16: bool = False) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        # CPU: DeepSpeed's 5e8-element default buckets cost seconds a step (HOSTS.md).
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6},
+    }
+    if bf16:
+        cfg["bf16"] = {"enabled": True}
+    if block is not None:
+        cfg["robust_plugins"] = block
+    return cfg
+
+
+def param_digest(engine) -> str:
+    h = hashlib.sha256()
+    for p in engine.module.parameters():
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def all_digests(engine) -> list[str]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, param_digest(engine))
+    return out
+
+
+def make_engine(stage, block, bf16=False, vanilla=False, seed=SEED):
+    model = build_gpt("tiny", seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if vanilla:
+        # Plain DeepSpeed: the patch removed for this engine only, re-installed right after.
+        ds_patch.undo()
+        try:
+            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, block, bf16))
+        finally:
+            ds_patch.install()
+        assert not hasattr(engine, "robust_plugins")
+    else:
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, block, bf16))
+    return engine
+
+
+def train(engine, until_step: int, corpus, save_at: int | None = None, save_dir: str | None = None):
+    losses = []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t0 = time.perf_counter()
+    while engine.global_steps < until_step:
+        x, y = get_batch(corpus, "train", seed=SEED, step=engine.global_steps, rank=rank, world_size=world,
+                         micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if save_at is not None and engine.global_steps == save_at:
+            engine.save_checkpoint(save_dir)
+    return losses, time.perf_counter() - t0
+
+
+def plugin_stats(engine) -> dict:
+    plugin = getattr(engine, "robust_plugins", None)
+    if plugin is None:
+        return {}
+    s = plugin.sync.stats
+    return {"compressed_elements": s.compressed_elements, "passthrough_elements": s.passthrough_elements,
+            "compressed_calls": s.compressed_calls, "passthrough_calls": s.passthrough_calls,
+            "by_reason": dict(s.by_reason)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", type=int, required=True)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.use_deterministic_algorithms(True)
+    corpus = load_corpus()
+    stage, steps, half = args.stage, args.steps, args.steps // 2
+    results = {}
+
+    def record(name, engine, losses, secs, **extra):
+        n_params = sum(p.numel() for p in engine.module.parameters())
+        results[name] = {"losses": losses, "digests": all_digests(engine), "n_params": n_params,
+                         "steps": engine.global_steps, "seconds": secs, "stats": plugin_stats(engine), **extra}
+
+    for name, block, vanilla in (("vanilla", None, True), ("no_block", None, False),
+                                 ("codec_none", {"compression": {"codec": "none"}}, False),
+                                 ("int8", INT8_BLOCK, False)):
+        engine = make_engine(stage, block, vanilla=vanilla)
+        losses, secs = train(engine, steps, corpus)
+        record(name, engine, losses, secs)
+
+    # Save at the midpoint, then resume into a fresh engine built from a different seed, so only
+    # the checkpoint (weights, optimizer, residuals, step) can make it match the straight run.
+    ckpt = os.path.join(args.out, "ckpt")
+    engine = make_engine(stage, INT8_BLOCK)
+    first, _ = train(engine, half, corpus, save_at=half, save_dir=ckpt)
+    del engine
+    engine = make_engine(stage, INT8_BLOCK, seed=SEED + 1)
+    load_path, _ = engine.load_checkpoint(ckpt)
+    resumed_at = engine.global_steps
+    second, secs = train(engine, steps, corpus)
+    record("int8_resumed", engine, first + second, secs, resumed_at=resumed_at, load_path=str(load_path))
+
+    engine = make_engine(stage, INT8_BLOCK, bf16=True)
+    losses, secs = train(engine, 5, corpus)
+    record("bf16_int8", engine, losses, secs, grad_dtype=str(engine.get_data_types()[0]))
+
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

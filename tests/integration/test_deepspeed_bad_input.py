@@ -1,0 +1,93 @@
+"""Bad input is refused at deepspeed.initialize, before DeepSpeed builds anything.
+
+Every case here raises from the robust_plugins wrapper before the original ``deepspeed.initialize``
+runs, so no process group is needed except for building a real PipelineModule.
+"""
+
+import os
+
+import pytest
+import torch
+
+import robust_plugins  # noqa: F401
+from robust_plugins.errors import ConfigError, HostVersionError, UnsupportedError
+
+deepspeed = pytest.importorskip("deepspeed")
+
+pytestmark = pytest.mark.timeout(120)
+
+BASE = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1}}
+
+
+def _init(block, **extra):
+    cfg = {**BASE, **extra, "robust_plugins": block}
+    model = torch.nn.Linear(4, 4)
+    return deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=cfg)
+
+
+@pytest.mark.parametrize(
+    "block, error, needles",
+    [
+        ({"compression": {"codec": "int8", "bucket": 1}}, ConfigError, ["compression.bucket", "Allowed keys"]),
+        ({"compresion": {"codec": "int8"}}, ConfigError, ["Did you mean 'compression'"]),
+        ({"compression": {"codec": "int8", "block_size": 256.0}}, ConfigError, ["block_size must be an integer"]),
+        ({"compression": {"codec": "fp8"}}, ConfigError, ["'fp8'", "Allowed: none, bf16, int8, int4, sign"]),
+        ({"compression": {"codec": "int8", "block_size": 100}}, ConfigError, ["power of two"]),
+        ({"compression": {"codec": "int8", "block_size": 8192}}, ConfigError, ["between 32 and 4096"]),
+        ({"compression": {"codec": "sign", "error_feedback": False}}, ConfigError, ["requires error_feedback"]),
+        ({"compression": {"codec": "int8", "warmup_steps": -3}}, ConfigError, ["warmup_steps = -3"]),
+    ],
+)
+def test_bad_block_refused_at_initialize(block, error, needles):
+    with pytest.raises(error) as info:
+        _init(block)
+    for n in needles:
+        assert n in str(info.value)
+
+
+def test_zero3_refused_naming_the_stage():
+    with pytest.raises(UnsupportedError, match=r"ZeRO stages 0, 1 and 2.*stage = 3"):
+        _init({"compression": {"codec": "int8"}}, zero_optimization={"stage": 3})
+
+
+def test_config_file_path_and_args_are_read(tmp_path):
+    import argparse
+    import json
+
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({**BASE, "robust_plugins": {"compression": {"codec": "int9"}}}))
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="int9"):
+        deepspeed.initialize(model=model, config=str(p))
+    with pytest.raises(ConfigError, match="int9"):
+        deepspeed.initialize(args=argparse.Namespace(deepspeed_config=str(p)), model=model)
+
+
+def test_pipeline_module_refused():
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    from robust_plugins.launch import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+    deepspeed.init_distributed(dist_backend="gloo")
+    try:
+        pipe = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=1)
+        with pytest.raises(UnsupportedError, match="pipeline"):
+            deepspeed.initialize(model=pipe, config={**BASE, "robust_plugins": {"compression": {"codec": "int8"}}})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unsupported_deepspeed_version_named(monkeypatch):
+    from robust_plugins.patches import deepspeed as ds_patch
+
+    ds_patch.undo()
+    monkeypatch.setattr(deepspeed, "__version__", "0.21.0")
+    try:
+        with pytest.raises(HostVersionError, match=r"deepspeed >=0.19.0,<0.20.0; found deepspeed 0.21.0"):
+            ds_patch.install()
+    finally:
+        monkeypatch.undo()
+        ds_patch.install()
