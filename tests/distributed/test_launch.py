@@ -1,0 +1,61 @@
+"""run_torchrun: success, failure with the rank's traceback, and a timeout that kills every rank."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from robust_plugins.launch import LaunchError, LaunchTimeout, run_torchrun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
+
+SCRIPT = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
+print(f"rank {rank} threads={os.environ['OMP_NUM_THREADS']} accel={os.environ['DS_ACCELERATOR']}", flush=True)
+if sys.argv[2] == "fail" and rank == 1:
+    raise RuntimeError("rank one broke on purpose")
+if sys.argv[2] == "hang":
+    time.sleep(600)
+"""
+
+
+@pytest.fixture()
+def script(tmp_path):
+    path = tmp_path / "job.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is dead for our purpose.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_success_sets_cpu_environment(script, tmp_path):
+    r = run_torchrun(str(script), [str(tmp_path), "ok"], nproc=2, timeout_s=60)
+    assert r.returncode == 0 and not r.timed_out
+    assert "rank 1 threads=1 accel=cpu" in r.stdout
+
+
+def test_failure_quotes_the_rank_traceback(script, tmp_path):
+    with pytest.raises(LaunchError, match="rank one broke on purpose") as info:
+        run_torchrun(str(script), [str(tmp_path), "fail"], nproc=2, timeout_s=60)
+    assert "first traceback" in str(info.value)
+
+
+def test_timeout_kills_the_whole_group(script, tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(LaunchTimeout):
+        run_torchrun(str(script), [str(tmp_path), "hang"], nproc=2, timeout_s=8)
+    assert time.monotonic() - t0 < 30
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    assert not any(_alive(p) for p in pids)
