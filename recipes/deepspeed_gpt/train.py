@@ -99,19 +99,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_specs(args: argparse.Namespace) -> list[RunSpec]:
     """Turn --config / --configs / --plan into run specs; paths in a plan are relative to it."""
     if args.config:
-        return [RunSpec(Path(args.config).stem, args.config, args.steps, args.save_dir, args.save_at,
-                        args.load_dir, args.out, args.codec_error)]
-    if any(v is not None for v in (args.save_dir, args.save_at, args.load_dir, args.out)):
+        specs = [RunSpec(Path(args.config).stem, args.config, args.steps, args.save_dir, args.save_at,
+                         args.load_dir, args.out, args.codec_error)]
+    elif any(v is not None for v in (args.save_dir, args.save_at, args.load_dir, args.out)):
         raise ConfigError("--save-dir/--save-at/--load-dir/--out apply to one --config; "
                           "with --configs or --plan put them in the plan's run entries.")
-    if args.configs:
+    elif args.configs:
         specs, seen = [], set()
         for i, path in enumerate(args.configs):
             name = Path(path).stem if Path(path).stem not in seen else f"{Path(path).stem}-{i}"
             seen.add(name)
             specs.append(RunSpec(name, path, args.steps, codec_error=args.codec_error))
-        return specs
-    plan_path = Path(args.plan)
+    else:
+        specs = _plan_specs(Path(args.plan), args)
+    for s in specs:
+        if s.save_at is not None and (s.save_dir is None or not 0 < s.save_at <= s.steps):
+            raise ConfigError(f"run {s.name!r}: save_at={s.save_at} needs a save_dir and 0 < save_at <= steps={s.steps}.")
+    return specs
+
+
+def _plan_specs(plan_path: Path, args: argparse.Namespace) -> list[RunSpec]:
     plan = load_json(plan_path)
     runs = plan.get("runs")
     if not isinstance(runs, list) or not runs or set(plan) - {"runs"}:
@@ -129,9 +136,6 @@ def build_specs(args: argparse.Namespace) -> list[RunSpec]:
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"{plan_path}: run names must be unique, got {names}.")
-    for s in specs:
-        if s.save_at is not None and (s.save_dir is None or not 0 < s.save_at <= s.steps):
-            raise ConfigError(f"run {s.name!r}: save_at={s.save_at} needs a save_dir and 0 < save_at <= steps={s.steps}.")
     return specs
 
 
@@ -167,7 +171,7 @@ class _NoCounter:
 def param_sha256(module: torch.nn.Module) -> str:
     """sha256 over every parameter (name order, raw bytes): equal hashes mean bitwise-equal weights."""
     h = hashlib.sha256()
-    for name, p in sorted(module.named_parameters()):
+    for name, p in sorted(module.named_parameters(), key=lambda item: item[0]):
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -226,13 +230,14 @@ def train_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 
     def batch(split: str, index: int):
-        return get_batch(corpus, split, seed=args.seed, step=index, rank=rank, world_size=world,
+        x, y = get_batch(corpus, split, seed=args.seed, step=index, rank=rank, world_size=world,
                          micro_batch=micro, seq_len=seq_len)
+        return x.to(engine.device), y.to(engine.device)
 
     codec_error = None
     codec = (block or {}).get("compression", {}).get("codec") if isinstance(block, dict) else None
     if probe is not None and codec is not None:
-        codec_error = codec_relative_error(probe, *batch("train", 0), codec,
+        codec_error = codec_relative_error(probe.to(engine.device), *batch("train", 0), codec,
                                            block["compression"].get("block_size"))
     del probe
 
@@ -337,6 +342,7 @@ def train_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
         "saved": saved,
         "loaded": loaded,
         "data_sha256": corpus.sha256,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "deepspeed": deepspeed.__version__, "robust_plugins": robust_plugins.__version__},
     }

@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--write", metavar="MARKDOWN", help="replace this benchmark's section in e.g. BENCHMARKS.md")
     p.add_argument("--strict", action="store_true", help="exit 1 when a codec misses its target")
     p.add_argument("--timeout", type=float, default=1800, help="hard limit for the launch, seconds")
+    p.add_argument("--from-results", metavar="DIR",
+                   help="do not train: rebuild the table from a previous run's results directory")
     p.set_defaults(_bench=run_compression)
 
 
@@ -71,19 +73,16 @@ def run(args: argparse.Namespace) -> int:
 
 def run_compression(args: argparse.Namespace) -> int:
     """Run vanilla + every codec in one launch; print (and maybe write) the table."""
-    out_dir = Path(args.out_dir) if args.out_dir else timestamped_dir("runs/bench/compression")
-    cfg_dir = out_dir / "configs"
-    cfg_dir.mkdir(parents=True, exist_ok=True)
-    baseline = load_json(recipe_config("baseline.json"))
-    block = load_json(recipe_config("plugin.json")).get(BLOCK_KEY)
-    if not block or "compression" not in block:
-        raise ConfigError(f"{recipe_config('plugin.json')} has no {BLOCK_KEY}.compression block to vary.")
-    runs = [{"name": "vanilla", "config": _write_config(cfg_dir / "vanilla.json", baseline)}]
-    for codec in args.codecs:
-        cfg = {**baseline, BLOCK_KEY: {**block, "compression": {**block["compression"], "codec": codec}}}
-        runs.append({"name": codec, "config": _write_config(cfg_dir / f"{codec}.json", cfg), "codec_error": True})
-    results = run_plan(runs, out_dir, nproc=args.nproc, preset=args.preset, steps=args.steps,
-                       timeout_s=args.timeout)
+    if args.from_results:
+        out_dir = Path(args.from_results)
+        missing = [n for n in ["vanilla", *args.codecs] if not (out_dir / f"{n}.json").is_file()]
+        if missing:
+            raise ConfigError(f"--from-results {out_dir}: no result files for {missing}; "
+                              f"pass the directory a previous `robust bench compression` wrote, or --codecs.")
+        results = {name: json.loads((out_dir / f"{name}.json").read_text()) for name in ["vanilla", *args.codecs]}
+    else:
+        out_dir = Path(args.out_dir) if args.out_dir else timestamped_dir("runs/bench/compression")
+        results = run_compression_runs(args, out_dir)
     rows, misses = compression_rows(results, args.codecs)
     header = describe_setup(results["vanilla"])
     print()
@@ -95,13 +94,14 @@ def run_compression(args: argparse.Namespace) -> int:
         print(f"WARNING: the plugin was not active in runs {inactive}: they ran vanilla DeepSpeed and "
               f"their numbers say nothing about compression.")
     if args.write:
-        command = f"robust bench compression --steps {args.steps} --nproc {args.nproc} --preset {args.preset}"
+        van = results["vanilla"]
+        command = f"robust bench compression --steps {van['steps']} --nproc {van['world_size']} --preset {van['preset']}"
         if list(args.codecs) != list(CODECS):
             command += " --codecs " + " ".join(args.codecs)
         command += f" --write {args.write}"
         text = "\n".join([
             f"Command: `{command}`  ",
-            f"Date: {datetime.date.today().isoformat()}  ",
+            f"Date: {van.get('date', datetime.date.today().isoformat())[:10]}  ",
             f"Setup: {header}  ",
             f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}, "
             f"torch {results['vanilla']['versions']['torch']}, deepspeed {results['vanilla']['versions']['deepspeed']}",
@@ -121,11 +121,13 @@ COLUMNS = ["codec", "grad bytes/step", "bytes vs vanilla", "one-bucket rel. erro
            "loss vs vanilla", "step time vs vanilla", "target", "verdict"]
 
 NOTES = (
-    "Bytes are what rank 0 put on the wire during `engine.backward` + `engine.step` (median over steps), "
-    "counted by `robust_plugins.comm.WireCounter`; vanilla is DeepSpeed's fp32 all-reduce. "
+    "Bytes are what rank 0 put on the wire during `engine.backward`, where ZeRO-1 reduces gradients "
+    "(median over steps), counted by `robust_plugins.comm.WireCounter`; vanilla is DeepSpeed's fp32 "
+    "all-reduce. ZeRO-1's parameter all-gather in `engine.step` is the same for every codec and not "
+    "counted. "
     "One-bucket error: ||compressed - exact|| / ||exact|| for one all-reduce (average) of the first "
     "step's flattened gradient, without error feedback. Final loss: mean training loss of the last "
-    "10 steps, averaged over ranks. Step times on an oversubscribed CPU machine measure encoding "
+    "10 steps, averaged over ranks; a target's loss bound applies to |loss / vanilla - 1|. Step times on an oversubscribed CPU machine measure encoding "
     "cost, not network savings: see ../shared/HOSTS.md for a bandwidth-limited link."
 )
 
@@ -142,7 +144,7 @@ def compression_rows(results: dict[str, dict[str, Any]], codecs: list[str]) -> t
     """Table rows (vanilla first) and a list of missed targets, from the runs' result dicts."""
     van = results["vanilla"]
     van_bytes, van_loss, van_time = wire_bytes(van), van["final_loss_last10"], van["median_step_time_s"]
-    rows = [["vanilla (fp32)", human_bytes(van_bytes), "1.000x", "0", f"{van_loss:.4f}", "0.00 %", "1.00x", "", ""]]
+    rows = [["vanilla (fp32)", human_bytes(van_bytes), "1.000x", "-", f"{van_loss:.4f}", "0.00 %", "1.00x", "", ""]]
     misses = []
     for codec in codecs:
         r = results[codec]
@@ -173,6 +175,22 @@ def compression_rows(results: dict[str, dict[str, Any]], codecs: list[str]) -> t
             f"{delta * 100:+.2f} %", f"{r['median_step_time_s'] / van_time:.2f}x", target, verdict,
         ])
     return rows, misses
+
+
+def run_compression_runs(args: argparse.Namespace, out_dir: Path) -> dict[str, dict[str, Any]]:
+    """Write one config a codec (the recipe's plugin block with the codec swapped) and run them all."""
+    cfg_dir = out_dir / "configs"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    baseline = load_json(recipe_config("baseline.json"))
+    block = load_json(recipe_config("plugin.json")).get(BLOCK_KEY)
+    if not block or "compression" not in block:
+        raise ConfigError(f"{recipe_config('plugin.json')} has no {BLOCK_KEY}.compression block to vary.")
+    runs = [{"name": "vanilla", "config": _write_config(cfg_dir / "vanilla.json", baseline)}]
+    for codec in args.codecs:
+        cfg = {**baseline, BLOCK_KEY: {**block, "compression": {**block["compression"], "codec": codec}}}
+        runs.append({"name": codec, "config": _write_config(cfg_dir / f"{codec}.json", cfg), "codec_error": True})
+    return run_plan(runs, out_dir, nproc=args.nproc, preset=args.preset, steps=args.steps,
+                    timeout_s=args.timeout)
 
 
 def _write_config(path: Path, cfg: dict[str, Any]) -> str:
