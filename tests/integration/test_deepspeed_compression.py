@@ -5,7 +5,8 @@ with no block, codec ``none``, int8 for 200 steps, int8 saved at step 100 and re
 engine, and a short bf16 run. The assertions:
 
 * no block and codec ``none`` are bitwise identical to vanilla (losses and every rank's weights);
-* int8's final loss is within 1 % of vanilla's;
+* int8's final (validation) loss is within 1 % of vanilla's, and one step's averaged gradient
+  has vanilla's scale with int8 / int4 error of about 1 % / 15 %;
 * every gradient element of every step went through the compressed path (nothing silently
   bypassed it), in fp32 and in bf16;
 * the resumed run ends bitwise identical to the uninterrupted one (residuals are checkpointed).
@@ -58,9 +59,23 @@ def test_int8_every_gradient_compressed_and_loss_within_1pct(stage_results):
     assert q["stats"]["passthrough_elements"] == 0
     assert len(set(q["digests"])) == 1, "replicas diverged under compression"
     assert q["digests"] != van["digests"], "int8 gave vanilla's exact weights: compression did not run"
-    rel = abs(_tail_mean(q["losses"]) - _tail_mean(van["losses"])) / _tail_mean(van["losses"])
-    assert rel < 0.01, f"int8 final loss {_tail_mean(q['losses']):.4f} vs vanilla {_tail_mean(van['losses']):.4f}"
+    # Final loss = held-out validation loss (16 fixed batches), averaged over 4 seeds: a single
+    # 200-step trajectory of this tiny model moves by ~1 % whatever the codec (bf16 included).
+    seeds = r["seed_val_loss"]
+    van_mean = (van["val_loss"] + sum(seeds["vanilla"])) / 4
+    q_mean = (q["val_loss"] + sum(seeds["int8"])) / 4
+    rel = abs(q_mean - van_mean) / van_mean
+    assert rel < 0.01, f"int8 validation loss {q_mean:.4f} vs vanilla {van_mean:.4f} (mean of 4 seeds)"
     assert _tail_mean(q["losses"]) < 0.8 * q["losses"][0], "did not learn"
+
+
+def test_reduced_gradient_has_the_right_scale(stage_results):
+    # One SGD(lr=1) step: the weight change is the averaged gradient itself.
+    _, _, r = stage_results
+    for codec, max_err in (("int8", 0.03), ("int4", 0.3)):
+        g = r[f"grad_{codec}"]
+        assert abs(g["norm_ratio"] - 1) < 0.02, (codec, g)
+        assert 0 < g["rel_error"] < max_err, (codec, g)
 
 
 def test_resume_at_100_is_bitwise_equal_to_uninterrupted(stage_results):
