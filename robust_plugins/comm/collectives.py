@@ -1,0 +1,215 @@
+"""Compressed all-reduce and reduce over ``torch.distributed``.
+
+NCCL and gloo cannot add quantized payloads, so a compressed all-reduce is two collectives
+(as in 1-bit Adam and ZeRO++): every rank quantizes its gradient and sends chunk ``r`` to rank
+``r`` (one ``all_to_all_single``); rank ``r`` decodes the ``W`` copies of its chunk, sums them in
+fp32, requantizes, and one ``all_gather_into_tensor`` hands every rank every reduced chunk. Each
+rank sends ``2 (W-1)/W`` times the compressed size, the same bus traffic as a ring all-reduce of the
+compressed tensor. All ranks decode the same gathered bytes, so their results are bitwise equal.
+
+Collectives are looked up as ``torch.distributed.<name>`` at call time so that
+:class:`~robust_plugins.comm.wire.WireCounter` (and any host patch) sees them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import torch
+import torch.distributed as dist
+
+from robust_plugins.comm import _twophase
+from robust_plugins.comm.state import CompressionState
+from robust_plugins.config import CompressionConfig
+from robust_plugins.errors import ConfigError, RobustPluginsError
+
+OPS = ("avg", "sum")
+
+_DEFAULT_CODEC = "int8"
+_DEFAULT_BLOCK_SIZE = 256
+
+
+def _resolve(
+    codec: str | None, block_size: int | None, state: CompressionState | None
+) -> tuple[str, int]:
+    if state is None:
+        codec = _DEFAULT_CODEC if codec is None else codec
+        block_size = _DEFAULT_BLOCK_SIZE if block_size is None else block_size
+        # Validated by the one config schema; error_feedback=True only so that `sign` passes
+        # (a stateless call has no residuals: that is the caller's choice, not a config).
+        CompressionConfig(codec=codec, block_size=block_size, error_feedback=True)
+        return codec, block_size
+    for name, given, held in (("codec", codec, state.codec), ("block_size", block_size, state.block_size)):
+        if given is not None and given != held:
+            raise ConfigError(
+                f"{name}={given!r} conflicts with the state's {name}={held!r}: with a "
+                f"CompressionState the state decides; drop the {name} argument."
+            )
+    return state.codec, state.block_size
+
+
+def _check_call(tensor: torch.Tensor, op: str) -> None:
+    if op not in OPS:
+        raise ConfigError(f"op = {op!r} is not supported; allowed: {', '.join(OPS)}.")
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        what = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise RobustPluginsError(f"Compressed collectives need a floating-point tensor, got {what}.")
+    if not tensor.is_contiguous():
+        raise RobustPluginsError(
+            f"Compressed collectives work in place on contiguous tensors; got shape "
+            f"{tuple(tensor.shape)} with strides {tensor.stride()}. Pass tensor.contiguous() "
+            f"and copy the result back."
+        )
+
+
+def _world(group: Any) -> tuple[int, int]:
+    """(rank in group, group size); a process without torch.distributed is a world of one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise RobustPluginsError(
+                f"group={group!r} was given but torch.distributed is not initialized."
+            )
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _residuals(
+    state: CompressionState | None, key: Hashable | None, numel: int, layout: _twophase.Layout, device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if state is None or not state.error_feedback:
+        return None, None
+    key = ("default", numel) if key is None else key
+    return (
+        state.sender_residual(key, numel, device),
+        state.server_residual(key, layout.chunk, device),
+    )
+
+
+def compressed_all_reduce(
+    tensor: torch.Tensor,
+    *,
+    codec: str | None = None,
+    group: Any = None,
+    op: str = "avg",
+    state: CompressionState | None = None,
+    key: Hashable | None = None,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Average (``op="avg"``) or sum (``op="sum"``) ``tensor`` over ``group``, in place, compressed.
+
+    Args:
+        tensor: contiguous float tensor (fp32, bf16 or fp16), any shape. Overwritten with the
+            result, cast back to its dtype; every rank ends with the same bits.
+        codec: ``none``, ``bf16``, ``int8`` (default), ``int4`` or ``sign``. ``none`` is
+            ``torch.distributed.all_reduce`` (then a division by the group size for ``avg``),
+            bitwise what the host would do.
+        group: process group (``None``: the default group).
+        op: ``avg`` or ``sum``.
+        state: a :class:`CompressionState`; it then decides codec, block size and
+            ``min_numel`` (buckets below it go the ``none`` way), and its error-feedback
+            residuals are used under ``key``. Without a state there is no error feedback.
+        key: names the gradient slice this tensor holds, for error feedback; defaults to
+            ``("default", tensor.numel())``. The same key must always carry the same slice.
+        block_size: elements per fp32 scale (default 256).
+
+    A block (``block_size`` elements) holding a NaN or Inf arrives as all-NaN on every rank.
+    Without an initialized process group (or with one rank) nothing is sent, but the codec and
+    error feedback still apply, so one rank behaves like many.
+
+    Returns:
+        ``tensor``.
+    """
+    codec, block_size = _resolve(codec, block_size, state)
+    _check_call(tensor, op)
+    rank, world = _world(group)
+    numel = tensor.numel()
+    if numel == 0:
+        return tensor
+    if codec == "none" or (state is not None and numel < state.min_numel):
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        if op == "avg" and world > 1:
+            tensor.div_(world)
+        return tensor
+
+    layout = _twophase.plan(numel, world, codec, block_size)
+    flat = tensor.view(-1)
+    sender_res, server_res = _residuals(state, key, numel, layout, tensor.device)
+    send = _twophase.encode(flat, layout, sender_res)
+    if world > 1:
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+    else:
+        received = send
+    row = _twophase.reduce_chunk(received, layout, rank, server_res, 1.0 / world if op == "avg" else 1.0)
+    if world > 1:
+        gathered = torch.empty(world * layout.row_bytes, dtype=torch.uint8, device=tensor.device)
+        dist.all_gather_into_tensor(gathered, row, group=group)
+        gathered = gathered.view(world, layout.row_bytes)
+    else:
+        gathered = row.view(1, -1)
+    flat.copy_(_twophase.decode(gathered, layout))
+    return tensor
+
+
+def compressed_reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    *,
+    codec: str | None = None,
+    group: Any = None,
+    op: str = "sum",
+    state: CompressionState | None = None,
+    key: Hashable | None = None,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Sum (or average) ``tensor`` onto group-local rank ``dst``, compressed; like ``dist.reduce``.
+
+    Every rank quantizes its tensor (with the sender residual under ``key`` when ``state`` has
+    error feedback) and one ``all_to_all_single`` with uneven splits delivers all of them to
+    ``dst`` only, which decodes and sums them in fp32 in rank order and writes the result into
+    its ``tensor``. Other ranks' tensors are left unchanged. ``codec="none"`` (or a bucket below
+    the state's ``min_numel``) is ``torch.distributed.reduce`` itself, which on gloo may overwrite
+    non-destination tensors with partial sums. Arguments as for
+    :func:`compressed_all_reduce`; ``op`` defaults to ``sum`` as in ``dist.reduce``.
+
+    Returns:
+        ``tensor``.
+    """
+    codec, block_size = _resolve(codec, block_size, state)
+    _check_call(tensor, op)
+    rank, world = _world(group)
+    if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < world:
+        raise ConfigError(f"dst = {dst!r} must be a group-local rank in [0, {world}).")
+    numel = tensor.numel()
+    if numel == 0:
+        return tensor
+    if codec == "none" or (state is not None and numel < state.min_numel):
+        if dist.is_available() and dist.is_initialized():
+            global_dst = dst if group is None else dist.get_global_rank(group, dst)
+            dist.reduce(tensor, dst=global_dst, op=dist.ReduceOp.SUM, group=group)
+        if op == "avg" and rank == dst and world > 1:
+            tensor.div_(world)
+        return tensor
+
+    # The whole vector is one "chunk": the layout of a world of one.
+    layout = _twophase.plan(numel, 1, codec, block_size)
+    sender_res = None
+    if state is not None and state.error_feedback:
+        sender_res = state.sender_residual(("default", numel) if key is None else key, numel, tensor.device)
+    send = _twophase.encode(tensor.view(-1), layout, sender_res)
+    if world > 1:
+        row = layout.row_bytes
+        in_splits = [row if r == dst else 0 for r in range(world)]
+        out_splits = [row if rank == dst else 0] * world
+        received = torch.empty(sum(out_splits), dtype=torch.uint8, device=tensor.device)
+        dist.all_to_all_single(
+            received, send.view(-1), output_split_sizes=out_splits, input_split_sizes=in_splits, group=group
+        )
+        received = received.view(-1, row)
+    else:
+        received = send
+    if rank == dst:
+        scale = 1.0 / world if op == "avg" else 1.0
+        tensor.view(-1).copy_(_twophase.decode_sum(received, layout, scale))
+    return tensor

@@ -1,0 +1,250 @@
+"""Count the bytes this rank puts on the wire, by intercepting ``torch.distributed`` calls."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+#: The functions a :class:`WireCounter` intercepts (those this torch has). torch 2.13 deprecates
+#: ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour of the ``*_single`` names, which
+#: the old names call: a call is counted once, under the name the caller used.
+INTERCEPTED = (
+    "all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "_all_gather_base",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "reduce_scatter",
+    "all_to_all_single",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "send",
+    "isend",
+    "recv",
+    "irecv",
+)
+
+# DeepSpeed's TorchBackend (deepspeed/comm/torch.py, 0.19.8) binds these two torch functions to
+# instance attributes when the backend is built; patching the torch module misses them.
+_DEEPSPEED_BOUND = {"all_gather_function": "all_gather_into_tensor", "reduce_scatter_function": "reduce_scatter_tensor"}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _list_nbytes(ts) -> int:
+    return sum(_nbytes(t) for t in ts or ())
+
+
+def _all_to_all_single_bytes(a: dict, rank: int, world: int) -> int:
+    inp = a["input"]
+    rows = inp.shape[0] if inp.dim() else 1
+    if rows == 0:
+        return 0
+    row_bytes = _nbytes(inp) // rows
+    splits = a.get("input_split_sizes")
+    if splits:
+        return (sum(splits) - splits[rank]) * row_bytes
+    return _nbytes(inp) - (rows // world) * row_bytes
+
+
+def _is_root(a: dict, rank: int, global_key: str, group_key: str) -> bool:
+    if a.get(group_key) is not None:
+        return rank == a[group_key]
+    return dist.get_rank() == (a.get(global_key) or 0)
+
+
+def _scatter_bytes(a: dict, rank: int, world: int) -> int:
+    if not _is_root(a, rank, "src", "group_src"):
+        return 0
+    others = [t for i, t in enumerate(a.get("scatter_list") or ()) if i != rank]
+    return _list_nbytes(others)
+
+
+# Bytes this rank sends, from the bound arguments, its rank in the group and the group size.
+_BYTES: dict[str, Callable[[dict, int, int], int]] = {
+    "all_reduce": lambda a, r, w: 2 * (w - 1) * _nbytes(a["tensor"]) // w,
+    "all_reduce_coalesced": lambda a, r, w: 2 * (w - 1) * _list_nbytes(a["tensors"]) // w,
+    "reduce": lambda a, r, w: _nbytes(a["tensor"]),
+    "broadcast": lambda a, r, w: _nbytes(a["tensor"]),
+    "all_gather": lambda a, r, w: (w - 1) * _nbytes(a["tensor"]),
+    "all_gather_into_tensor": lambda a, r, w: (w - 1) * _nbytes(a["output_tensor"]) // w,
+    "all_gather_single": lambda a, r, w: (w - 1) * _nbytes(a["output_tensor"]) // w,
+    "_all_gather_base": lambda a, r, w: (w - 1) * _nbytes(a["output_tensor"]) // w,
+    "reduce_scatter_tensor": lambda a, r, w: (w - 1) * _nbytes(a["input"]) // w,
+    "reduce_scatter_single": lambda a, r, w: (w - 1) * _nbytes(a["input"]) // w,
+    "_reduce_scatter_base": lambda a, r, w: (w - 1) * _nbytes(a["input"]) // w,
+    "reduce_scatter": lambda a, r, w: (w - 1) * _list_nbytes(a["input_list"]) // w,
+    "all_to_all_single": _all_to_all_single_bytes,
+    "all_to_all": lambda a, r, w: _list_nbytes(t for i, t in enumerate(a["input_tensor_list"]) if i != r),
+    "gather": lambda a, r, w: 0 if _is_root(a, r, "dst", "group_dst") else _nbytes(a["tensor"]),
+    "scatter": _scatter_bytes,
+    "send": lambda a, r, w: _nbytes(a["tensor"]),
+    "isend": lambda a, r, w: _nbytes(a["tensor"]),
+    "recv": lambda a, r, w: 0,
+    "irecv": lambda a, r, w: 0,
+}
+
+_lock = threading.RLock()
+_active: list["WireCounter"] = []
+_restore: list[tuple[Any, str, Any, bool]] = []  # (owner, attribute, original, was in __dict__)
+_tls = threading.local()
+
+
+def _make_wrapper(name: str, original: Callable) -> Callable:
+    sig = inspect.signature(original)
+    measure = _BYTES[name]
+
+    @functools.wraps(original)
+    def counted(*args, **kwargs):
+        # Calls made inside a counted call (torch's own helpers, a wrapped alias) are part of it.
+        if getattr(_tls, "depth", 0) or not _active:
+            return original(*args, **kwargs)
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError:
+            return original(*args, **kwargs)  # let torch report the bad call itself
+        a = bound.arguments
+        group = a.get("group")
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        nbytes = measure(a, rank, world) if world > 1 and rank >= 0 else 0
+        _tls.depth = 1
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            _tls.depth = 0
+        with _lock:
+            counters = list(_active)
+        for counter in counters:
+            counter._add(name, nbytes, group)
+        return result
+
+    counted._robust_wire_counter = True
+    return counted
+
+
+def _patch(owner: Any, attr: str, wrapper: Callable) -> None:
+    was_own = attr in getattr(owner, "__dict__", {})
+    _restore.append((owner, attr, getattr(owner, attr), was_own))
+    setattr(owner, attr, wrapper)
+
+
+def _install() -> None:
+    wrappers: dict[int, Callable] = {}
+    for module in (dist, c10d):
+        for name in INTERCEPTED:
+            original = getattr(module, name, None)
+            if original is None or getattr(original, "_robust_wire_counter", False):
+                continue
+            # torch.distributed re-exports distributed_c10d: one wrapper per function object.
+            wrapper = wrappers.setdefault(id(original), _make_wrapper(name, original))
+            _patch(module, name, wrapper)
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    cdb = getattr(ds_comm, "cdb", None)
+    for attr, name in _DEEPSPEED_BOUND.items():
+        bound = getattr(cdb, attr, None)
+        if bound is not None and not getattr(bound, "_robust_wire_counter", False):
+            wrapper = wrappers.get(id(bound)) or _make_wrapper(name, bound)
+            _patch(cdb, attr, wrapper)
+
+
+def _uninstall() -> None:
+    while _restore:
+        owner, attr, original, was_own = _restore.pop()
+        if was_own:
+            setattr(owner, attr, original)
+        else:
+            delattr(owner, attr)
+
+
+class WireCounter:
+    """Context manager counting the bytes this rank sends through ``torch.distributed``.
+
+    While any counter is open, the functions in :data:`INTERCEPTED` are wrapped in both
+    ``torch.distributed`` and ``torch.distributed.distributed_c10d`` (and, if DeepSpeed's comm
+    backend exists, the two functions it binds at start-up: ``cdb.all_gather_function`` and
+    ``cdb.reduce_scatter_function``); the originals come back when the last counter closes, also
+    on an exception. Code that looks collectives up at call time (``dist.all_reduce(...)``,
+    ``deepspeed.comm``) is seen; a function object bound before the counter opened
+    (``from torch.distributed import all_reduce`` at import) and collectives issued from C++
+    (DDP's built-in reducer without a comm hook) are not.
+
+    Bytes sent by this rank, bus model for a group of ``W`` ranks (0 when ``W == 1``):
+
+    ==========================================  =============================================
+    ``all_reduce[_coalesced]``                  ``2 (W-1) / W * nbytes`` (ring)
+    ``reduce_scatter[_tensor|_single]``         ``(W-1) / W * input bytes``
+    ``all_gather[_into_tensor|_single]``        ``(W-1) / W * output bytes``
+    ``all_to_all_single``                       input rows sent to other ranks (honours
+                                                ``input_split_sizes``)
+    ``all_to_all``                              input tensors for other ranks
+    ``broadcast``, ``reduce``                   ``nbytes`` (every rank: a pipelined tree)
+    ``gather``                                  ``nbytes`` on non-root ranks, 0 on the root
+    ``scatter``                                 the other ranks' tensors on the root, else 0
+    ``send``, ``isend``                         ``nbytes``; ``recv`` / ``irecv``: 0
+    ==========================================  =============================================
+
+    Nested counters (and counters in several threads) all count every call. Calls made while a
+    counted call runs (torch's own helpers) are not counted twice.
+
+    Args:
+        filter_group: count only calls on this process group (``None``, the default, counts all;
+            a call with ``group=None`` is on ``torch.distributed.group.WORLD``).
+
+    Attributes:
+        bytes_sent: total bytes (int).
+        calls: ``collections.Counter`` of calls by function name.
+        by_op: ``collections.Counter`` of bytes by function name.
+    """
+
+    def __init__(self, filter_group: Any = None):
+        self.filter_group = filter_group
+        self.bytes_sent = 0
+        self.calls: collections.Counter = collections.Counter()
+        self.by_op: collections.Counter = collections.Counter()
+        self._mutex = threading.Lock()
+
+    def __enter__(self) -> "WireCounter":
+        with _lock:
+            if not _active:
+                _install()
+            _active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _lock:
+            _active.remove(self)
+            if not _active:
+                _uninstall()
+
+    def _matches(self, group: Any) -> bool:
+        if self.filter_group is None:
+            return True
+        return (group if group is not None else dist.group.WORLD) is self.filter_group
+
+    def _add(self, name: str, nbytes: int, group: Any) -> None:
+        if not self._matches(group):
+            return
+        with self._mutex:
+            self.bytes_sent += nbytes
+            self.calls[name] += 1
+            self.by_op[name] += nbytes
+
+    def __repr__(self) -> str:
+        return f"WireCounter(bytes_sent={self.bytes_sent}, calls={dict(self.calls)})"

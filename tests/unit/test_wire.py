@@ -1,0 +1,40 @@
+"""WireCounter patching and restoring, without a process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from robust_plugins.comm import WireCounter
+from robust_plugins.comm.wire import INTERCEPTED
+
+
+def originals():
+    return {(m.__name__, n): getattr(m, n, None) for m in (dist, c10d) for n in INTERCEPTED}
+
+
+def test_functions_are_wrapped_inside_and_restored_after():
+    before = originals()
+    with WireCounter():
+        assert dist.all_reduce is not before[("torch.distributed", "all_reduce")]
+        assert dist.all_reduce.__wrapped__ is before[("torch.distributed", "all_reduce")]
+        # torch.distributed re-exports distributed_c10d: both names see the same wrapper.
+        assert c10d.all_to_all_single is dist.all_to_all_single
+    assert originals() == before
+
+
+def test_restored_on_exception_and_after_nesting():
+    before = originals()
+    with pytest.raises(KeyError):
+        with WireCounter():
+            with WireCounter():
+                pass
+            assert dist.broadcast is not before[("torch.distributed", "broadcast")]  # outer still on
+            raise KeyError("boom")
+    assert originals() == before
+
+
+def test_counters_start_empty():
+    wc = WireCounter()
+    assert wc.bytes_sent == 0 and not wc.calls and not wc.by_op
