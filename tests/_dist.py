@@ -1,0 +1,119 @@
+"""Run a function on W gloo ranks in fresh processes, with a hard timeout and full clean-up.
+
+``run_ranks(fn, world_size, timeout_s, *args)`` spawns one process per rank, initializes a gloo
+process group on 127.0.0.1 with a free port, calls ``fn(rank, world_size, *args)`` and returns
+the per-rank return values in rank order. ``fn`` must be importable by name (a module-level
+function) and return picklable values; tensors come back by value. If a rank raises, the error
+text of every failed rank is raised in the parent; if the run exceeds ``timeout_s``, every
+process is killed and ``TimeoutError`` names the ranks that had not answered.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, timeout_s, fn, args, results, env, init):
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    # 2-core CI machines run up to 8 ranks: intra-op threads would only fight each other.
+    torch.set_num_threads(1)
+    try:
+        if init:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # report everything, including KeyboardInterrupt, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn, world_size: int, timeout_s: float, *args, env: dict | None = None, init: bool = True
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the values by rank.
+
+    ``env`` adds environment variables in the children, which also get ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``. With ``init=False`` the process
+    group is left to ``fn`` (e.g. ``deepspeed.init_distributed``). Raises ``RuntimeError`` with the
+    tracebacks of failed ranks, ``TimeoutError`` after ``timeout_s`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    child_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(rank, world_size, port, timeout_s, fn, args, results, child_env, init),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout_s
+    values: dict[int, object] = {}
+    errors: dict[int, str] = {}
+    try:
+        for p in procs:
+            p.start()
+        while len(values) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(values) - set(errors))
+                raise TimeoutError(
+                    f"ranks {missing} of {world_size} did not finish within {timeout_s} s"
+                    + (f"; failures: {errors}" if errors else "")
+                )
+            try:
+                rank, ok, payload = results.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                dead = [r for r in dead if r not in values and r not in errors]
+                for r in dead:
+                    errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
+                continue
+            if ok:
+                values[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+                # Peers of a failed rank usually block in a collective: stop waiting for them soon.
+                deadline = min(deadline, time.monotonic() + 10.0)
+        if errors:
+            raise RuntimeError(
+                "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            )
+        return [values[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        results.close()
+        results.cancel_join_thread()
