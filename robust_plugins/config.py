@@ -140,7 +140,78 @@ class CompressionConfig:
         )
 
 
-_SECTIONS: dict[str, type] = {"compression": CompressionConfig}
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """Fault detection under ``robust run`` (``"watchdog"`` sub-block).
+
+    Hang timeouts are learned: before ``hang_warmup_steps`` steps every rank has
+    ``hang_initial_timeout_s`` to make progress (imports, JIT builds and the first step are slow);
+    after it, the timeout is ``hang_factor`` x the p99 step time seen so far, clamped to
+    ``[hang_min_timeout_s, hang_max_timeout_s]``.
+    """
+
+    hang_warmup_steps: int = 10
+    """Steps a rank completes before its step times are trusted to learn the hang timeout."""
+
+    hang_factor: float = 10.0
+    """The learned hang timeout is this many times the p99 step time (at least 1)."""
+
+    hang_min_timeout_s: float = 30.0
+    """Floor of the learned hang timeout: a job with 10 ms steps must not be declared hung after
+    a 100 ms hiccup (garbage collection, a checkpoint save)."""
+
+    hang_max_timeout_s: float = 600.0
+    """Ceiling of the learned timeout, and the longest any rank may go without progress."""
+
+    hang_initial_timeout_s: float = 600.0
+    """Timeout before warm-up, counted from the start of an incarnation (or the last step)."""
+
+    stack_dump_timeout_s: float = 15.0
+    """Bound on collecting every rank's Python stack after a hang (py-spy, then faulthandler)."""
+
+    nan_check: bool = True
+    """Treat a NaN or Inf loss or gradient norm reported by a rank as a fault (rollback by
+    restart from the newest checkpoint)."""
+
+    def __post_init__(self) -> None:
+        where = f"{BLOCK_KEY}.watchdog"
+        _expect_type(f"{where}.hang_warmup_steps", self.hang_warmup_steps, (int,), "an integer")
+        if self.hang_warmup_steps < 1:
+            raise ConfigError(f"{where}.hang_warmup_steps = {self.hang_warmup_steps} must be >= 1.")
+        for name in ("hang_factor", "hang_min_timeout_s", "hang_max_timeout_s",
+                     "hang_initial_timeout_s", "stack_dump_timeout_s"):
+            value = _expect_type(f"{where}.{name}", getattr(self, name), (int, float), "a number")
+            if not value > 0 or value != value or value == float("inf"):
+                raise ConfigError(f"{where}.{name} = {value!r} must be a finite number > 0.")
+        if self.hang_factor < 1:
+            raise ConfigError(
+                f"{where}.hang_factor = {self.hang_factor} must be >= 1: a timeout shorter than the "
+                f"p99 step time would declare healthy steps hung."
+            )
+        if self.hang_min_timeout_s > self.hang_max_timeout_s:
+            raise ConfigError(
+                f"{where}.hang_min_timeout_s ({self.hang_min_timeout_s}) must be <= "
+                f"hang_max_timeout_s ({self.hang_max_timeout_s})."
+            )
+        if not self.hang_min_timeout_s <= self.hang_initial_timeout_s <= self.hang_max_timeout_s:
+            raise ConfigError(
+                f"{where}.hang_initial_timeout_s ({self.hang_initial_timeout_s}) must lie between "
+                f"hang_min_timeout_s ({self.hang_min_timeout_s}) and hang_max_timeout_s "
+                f"({self.hang_max_timeout_s})."
+            )
+        _expect_type(f"{where}.nan_check", self.nan_check, (bool,), "true or false")
+
+    def describe(self) -> str:
+        """One-line summary for logs and ``robust check-config``."""
+        return (
+            f"watchdog(hang_timeout={self.hang_factor:g} x p99 step in "
+            f"[{self.hang_min_timeout_s:g}, {self.hang_max_timeout_s:g}] s after "
+            f"{self.hang_warmup_steps} steps, {self.hang_initial_timeout_s:g} s before; "
+            f"nan_check={self.nan_check})"
+        )
+
+
+_SECTIONS: dict[str, type] = {"compression": CompressionConfig, "watchdog": WatchdogConfig}
 
 
 @dataclass(frozen=True)
@@ -149,6 +220,9 @@ class PluginConfig:
 
     compression: CompressionConfig | None = None
     """Compressed gradient communication; ``None`` leaves the host's all-reduce untouched."""
+
+    watchdog: WatchdogConfig | None = None
+    """Fault detection settings read by ``robust run``; ``None`` means the defaults there."""
 
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The block as given (after environment overrides), for logs and W&B run configs."""
@@ -190,12 +264,13 @@ class PluginConfig:
 
     @property
     def active(self) -> bool:
-        """True when at least one feature is configured."""
+        """True when a feature that hooks the host engine is configured (the watchdog sub-block
+        alone is read by ``robust run`` and hooks nothing)."""
         return self.compression is not None
 
     def describe(self) -> str:
         """One line naming every active feature with its settings."""
-        parts = [s.describe() for s in (self.compression,) if s is not None]
+        parts = [s.describe() for s in (self.compression, self.watchdog) if s is not None]
         return "; ".join(parts) if parts else "no features active"
 
 

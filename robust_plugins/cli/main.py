@@ -13,6 +13,7 @@ COMMANDS = {
     "check-config": ("check_config", "validate a DeepSpeed JSON config's robust_plugins block"),
     "demo": ("demo", "train a small GPT on 4 CPU ranks without and with the plugin; print a table"),
     "bench": ("bench", "run a benchmark and optionally write its rows into BENCHMARKS.md"),
+    "run": ("run", "torchrun with a fault watchdog, working restarts on gloo and fault injection"),
     "prebuild": ("prebuild", "build DeepSpeed's CPU comm extension once (used by make install)"),
 }
 

@@ -1,0 +1,152 @@
+"""``robust run``: torchrun with a fault watchdog, restarts that work on gloo, and fault injection.
+
+Every torchrun option works unchanged (the parser *is* torchrun's), for example::
+
+    robust run --standalone --nproc-per-node 4 --max-restarts 3 train.py --steps 200
+    robust run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint host0:29400 ...
+
+plus:
+
+``--run-dir DIR``        where ``faults.jsonl``, ``monitor.log``, ``workers.jsonl`` and stack
+                         dumps go (default ``runs/run-YYYYmmdd-HHMMSS``)
+``--inject SPEC``        inject a fault, e.g. ``kill:rank=1,step=30``, ``hang:rank=0,step=20``,
+                         ``nan:rank=1,step=40`` (see :mod:`robust_plugins.watchdog.inject`)
+``--watchdog K=V``       one watchdog setting (``--watchdog hang_min_timeout_s=5``)
+``--watchdog-config F``  a JSON file: a DeepSpeed config (its ``robust_plugins.watchdog`` block is
+                         read) or a bare ``{"watchdog": {...}}`` block
+
+Training scripts report steps with ``robust_plugins.watchdog.step_end(step, loss=..., grad_norm=...)``
+and resume from their newest checkpoint on start (the resume contract in ``watchdog/FORMAT.md``).
+Exit status: 0 when training completed (after any number of recovered faults), 1 when the job
+failed for good (restart budget exhausted), 2 for a usage error, 128+N when stopped by signal N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from robust_plugins.config import BLOCK_KEY, PluginConfig, WatchdogConfig, load_json
+from robust_plugins.errors import ConfigError
+
+#: torchrun's default --master-port (used by its static rendezvous only).
+_TORCHRUN_MASTER_PORT = 29500
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """torchrun's own options, then ours (all before the training script)."""
+    from torch.distributed.run import get_args_parser
+
+    ours = parser.add_argument_group("robust run")
+    ours.add_argument("--run-dir", default=None,
+                      help="run directory for faults.jsonl, monitor.log and stack dumps "
+                           "(default runs/run-<date>-<time>)")
+    ours.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                      help="inject a fault: kill:rank=R,step=S | hang:rank=R,step=S | "
+                           "nan:rank=R,step=S (repeatable, or ';'-separated)")
+    ours.add_argument("--watchdog", action="append", default=[], metavar="KEY=VALUE",
+                      help="one watchdog setting, e.g. hang_min_timeout_s=5 (repeatable)")
+    ours.add_argument("--watchdog-config", metavar="JSON",
+                      help="DeepSpeed config or {\"watchdog\": {...}} file with watchdog settings")
+    # Reuse torchrun's parser actions as they are: same names, defaults, PET_* environment
+    # fallbacks and help, so a torchrun command line works after `robust run`.
+    for action in get_args_parser()._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        parser._add_action(action)
+
+
+def watchdog_config(path: str | None, overrides: list[str]) -> WatchdogConfig:
+    """The watchdog settings from ``--watchdog-config`` and ``--watchdog K=V`` (validated)."""
+    settings: dict = {}
+    if path:
+        data = load_json(path)
+        block = data.get(BLOCK_KEY, data)
+        if not isinstance(block, dict):
+            raise ConfigError(f"{path}: {BLOCK_KEY} must be a JSON object.")
+        settings = dict(block.get("watchdog") or {})
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--watchdog {item!r} must be KEY=VALUE, e.g. hang_min_timeout_s=5.")
+        try:
+            settings[key.strip()] = json.loads(value)
+        except ValueError:
+            settings[key.strip()] = value
+    cfg = PluginConfig.from_dict({"watchdog": settings}).watchdog
+    return cfg if cfg is not None else WatchdogConfig()
+
+
+def _resolve_rendezvous(args: argparse.Namespace) -> None:
+    # What torchrun's own entry point decides before building its config: --standalone, and a
+    # single node without an endpoint, get a private c10d rendezvous on a free port.
+    from torch.distributed.run import parse_min_max_nnodes
+
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        if parse_min_max_nnodes(args.nnodes)[1] == 1:
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = _TORCHRUN_MASTER_PORT
+
+
+def run(args: argparse.Namespace) -> int:
+    """Launch the job under the watchdog; see the module docstring for the exit status."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import config_from_args
+
+    from robust_plugins.watchdog import inject as _inject
+    from robust_plugins.watchdog.agent import launch
+    from robust_plugins.watchdog.monitor import Monitor
+
+    injections = _inject.parse(args.inject)
+    cfg = watchdog_config(args.watchdog_config, args.watchdog)
+    _resolve_rendezvous(args)
+    config, cmd, cmd_args = config_from_args(args)
+    _inject.check_world(injections, config.nproc_per_node * config.max_nodes)
+
+    run_dir = Path(args.run_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "monitor.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    watched = [logging.getLogger("robust_plugins"), logging.getLogger("torch.distributed.elastic")]
+    for lg in watched:
+        lg.addHandler(handler)
+    logging.getLogger("robust_plugins").setLevel(logging.INFO)
+    (run_dir / "run.json").write_text(json.dumps({
+        "argv": sys.argv, "watchdog": dataclasses.asdict(cfg),
+        "inject": [i.spec() for i in injections], "max_restarts": config.max_restarts,
+    }, indent=1) + "\n")
+    print(f"robust run: run directory {run_dir} ({cfg.describe()})", flush=True)
+
+    monitor = Monitor(cfg, run_dir, injections)
+    try:
+        result = launch(config, cmd, cmd_args, monitor)
+    except SignalException as exc:
+        print(f"robust run: stopped by signal {exc.sigval}; ranks were shut down.", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    finally:
+        monitor.close()
+        for lg in watched:
+            lg.removeHandler(handler)
+        handler.close()
+    faults = monitor.all_faults
+    if result.is_failed():
+        last = faults[-1] if faults else None
+        what = (f"last fault: {last.kind} at step {last.step}, suspect ranks {last.suspect_ranks}"
+                if last else "a rank failed")
+        failed = {r: getattr(f, "exitcode", None) for r, f in (result.failures or {}).items()}
+        print(f"robust run: job FAILED: {what}{f' (exit codes {failed})' if failed else ''}; "
+              f"restart budget exhausted (--max-restarts {config.max_restarts}). "
+              f"Faults: {run_dir / 'faults.jsonl'}", file=sys.stderr, flush=True)
+        return 1
+    print(f"robust run: training completed; {len(faults)} fault(s) recovered. "
+          f"Faults: {run_dir / 'faults.jsonl'}", flush=True)
+    return 0

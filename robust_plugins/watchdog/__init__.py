@@ -1,0 +1,21 @@
+"""Fault watchdog: step signals from ranks, the node monitor and detectors behind ``robust run``.
+
+The one call a training loop makes (a no-op outside ``robust run``)::
+
+    from robust_plugins import watchdog
+
+    for step in range(start, total + 1):
+        loss = train_step(step)
+        watchdog.step_end(step, loss=loss, grad_norm=grad_norm)
+
+Layout: :mod:`.client` (rank side), :mod:`.inject` (``--inject`` specs), :mod:`.detect` (pure
+detection logic), :mod:`.stacks` (py-spy / faulthandler), :mod:`.monitor` (node monitor),
+:mod:`.faults` (``faults.jsonl``), :mod:`.agent` (the elastic agent). ``FORMAT.md`` documents
+``faults.jsonl`` and the resume contract.
+"""
+
+from __future__ import annotations
+
+from robust_plugins.watchdog.client import step_end
+
+__all__ = ["step_end"]

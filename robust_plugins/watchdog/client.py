@@ -1,0 +1,150 @@
+"""The rank side of the watchdog: step signals to the node monitor, fault injection, stack dumps.
+
+Signals are single datagrams on a Unix socket the monitor binds (``ROBUST_WATCHDOG_SOCKET``), sent
+with ``MSG_DONTWAIT``: a step costs one small ``sendto`` (a few microseconds) and never waits for
+the monitor. If the monitor is gone the datagram is dropped and training goes on (a warning is
+logged once). Outside ``robust run`` the variable is unset and every call returns at once.
+
+On first use a rank also
+- registers :mod:`faulthandler` on SIGUSR1, writing to ``<run_dir>/stacks/``, the fallback the
+  monitor uses when py-spy cannot read the rank's stack;
+- asks the kernel to SIGKILL it if the launcher dies (``PR_SET_PDEATHSIG``), so no rank outlives
+  ``robust run`` even when the launcher itself is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import faulthandler
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from robust_plugins._logging import get_logger, warn_once
+from robust_plugins.watchdog import inject as _inject
+
+log = get_logger(__name__)
+
+ENV_SOCKET = "ROBUST_WATCHDOG_SOCKET"
+ENV_RUN_DIR = "ROBUST_RUN_DIR"
+ENV_INJECT = "ROBUST_INJECT"
+ENV_INCARNATION = "ROBUST_INCARNATION"
+
+#: Upper bound of an injected Python hang; the monitor kills the rank long before.
+HANG_INJECT_MAX_S = 3600.0
+
+_PR_SET_PDEATHSIG = 1
+
+
+class _Client:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.incarnation = int(os.environ.get(ENV_INCARNATION, "0"))
+        self.injections = {(i.rank, i.step): i for i in _inject.parse(os.environ.get(ENV_INJECT) or None)
+                           if i.rank == self.rank}
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.fh_path = self._register_faulthandler()
+        _die_with_parent()
+        self.send({"k": "hello", "pid": os.getpid(), "fh": self.fh_path})
+        atexit.register(self.send, {"k": "exit"})
+
+    def _register_faulthandler(self) -> str | None:
+        run_dir = os.environ.get(ENV_RUN_DIR)
+        if not run_dir or not hasattr(signal, "SIGUSR1"):
+            return None
+        path = Path(run_dir) / "stacks" / f"faulthandler-rank{self.rank}-pid{os.getpid()}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Kept open for the life of the process: faulthandler writes from a signal handler.
+        self._fh_file = open(path, "a")
+        faulthandler.register(signal.SIGUSR1, file=self._fh_file, all_threads=True, chain=False)
+        return str(path)
+
+    def send(self, msg: dict[str, Any]) -> None:
+        msg["r"] = self.rank
+        msg["i"] = self.incarnation
+        msg["t"] = time.time()
+        try:
+            self.sock.sendto(json.dumps(msg).encode(), socket.MSG_DONTWAIT, self.address)
+        except OSError as exc:
+            warn_once(log, "watchdog-send", "robust watchdog: cannot reach the node monitor at %s "
+                      "(%s); training goes on without fault detection.", self.address, exc)
+
+    def step_end(self, step: int, loss: float | None, grad_norm: float | None) -> None:
+        fault = self.injections.pop((self.rank, step), None)
+        if fault is not None:
+            if fault.kind == "nan":
+                if fault.option == "loss":
+                    loss = math.nan
+                else:
+                    grad_norm = math.nan
+            self.send({"k": "inject", "s": step, "spec": fault.spec()})
+            if fault.kind == "kill":
+                sys.stdout.flush()
+                os.kill(os.getpid(), fault.signum)
+                time.sleep(5.0)  # a caught or ignored signal: say so instead of training on
+                raise RuntimeError(f"injected {fault.spec()} did not end rank {self.rank}")
+            if fault.kind == "hang":
+                _hang_in_python(HANG_INJECT_MAX_S)
+        self.send({"k": "end", "s": step, "l": loss, "g": grad_norm})
+
+
+def _hang_in_python(max_s: float) -> None:
+    deadline = time.monotonic() + max_s
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        warn_once(log, "watchdog-pdeathsig", "robust watchdog: prctl(PR_SET_PDEATHSIG) unavailable; "
+                  "ranks may outlive a killed launcher.")
+
+
+_client: _Client | None = None
+_checked = False
+
+
+def get_client() -> _Client | None:
+    """The process's client, created on first use; ``None`` outside ``robust run``."""
+    global _client, _checked
+    if not _checked:
+        _checked = True
+        address = os.environ.get(ENV_SOCKET)
+        if address:
+            _client = _Client(address)
+    return _client
+
+
+def _as_float(value: Any) -> float | None:
+    if value is None:
+        return None
+    if hasattr(value, "item"):
+        value = value.item()
+    return float(value)
+
+
+def step_end(step: int, loss: Any = None, grad_norm: Any = None) -> None:
+    """Tell the node monitor that this rank finished optimizer step ``step``.
+
+    ``loss`` and ``grad_norm`` (floats or 0-d tensors, optional) feed the NaN/Inf detector; a
+    tensor is read with ``.item()``, which waits for the device. Call it once a step, after the
+    optimizer step, with a step number that a resumed run continues (the checkpointed step + 1,
+    ...). Outside ``robust run`` it does nothing.
+    """
+    client = get_client()
+    if client is None:
+        return
+    client.step_end(int(step), _as_float(loss), _as_float(grad_norm))

@@ -1,0 +1,200 @@
+"""Pure detection logic: learned hang timeouts, stack parsing and grouping, hang localization.
+
+Nothing here touches processes or sockets, so unit tests feed it made-up step times and stack
+dumps at any scale.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from robust_plugins.config import WatchdogConfig
+
+#: Step times a rank keeps for the p99 (the newest ones; old ones describe an older regime).
+STEP_WINDOW = 512
+
+
+def p99(values: Sequence[float]) -> float:
+    """The 99th percentile (nearest rank) of a non-empty sequence."""
+    if not values:
+        raise ValueError("p99 of an empty sequence")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+@dataclass
+class RankProgress:
+    """What the monitor knows about one rank's steps in the current incarnation."""
+
+    last_step: int | None = None
+    last_progress: float = 0.0
+    """Monotonic time of the last step end (or of the incarnation's start before any step)."""
+    steps_seen: int = 0
+    step_times: list[float] = field(default_factory=list)
+
+    def on_step(self, step: int, now: float) -> None:
+        """Record a step end at monotonic time ``now``."""
+        if self.last_step is not None:
+            self.step_times.append(now - self.last_progress)
+            del self.step_times[:-STEP_WINDOW]
+        self.last_step = step
+        self.last_progress = now
+        self.steps_seen += 1
+
+
+def hang_timeout(cfg: WatchdogConfig, step_times: Iterable[float], steps_seen: int) -> float:
+    """The current no-progress timeout: ``initial`` before warm-up, then k x p99 clamped."""
+    times = list(step_times)
+    if steps_seen < cfg.hang_warmup_steps or not times:
+        return cfg.hang_initial_timeout_s
+    learned = cfg.hang_factor * p99(times)
+    return min(cfg.hang_max_timeout_s, max(cfg.hang_min_timeout_s, learned))
+
+
+def stalled_ranks(cfg: WatchdogConfig, ranks: Mapping[int, RankProgress], now: float,
+                  finished: Iterable[int] = ()) -> tuple[list[int], float]:
+    """Ranks without progress for longer than the timeout, and the timeout applied.
+
+    One timeout for the job, learned from the pooled step times of every rank: ranks in a
+    data-parallel job step in lockstep, and the slowest healthy rank sets the pace.
+    """
+    done = set(finished)
+    pooled = [t for p in ranks.values() for t in p.step_times]
+    seen = min((p.steps_seen for p in ranks.values()), default=0)
+    timeout = hang_timeout(cfg, pooled, seen)
+    stalled = sorted(r for r, p in ranks.items() if r not in done and now - p.last_progress > timeout)
+    return stalled, timeout
+
+
+def is_bad_number(value: float | None) -> bool:
+    """True for NaN and +-Inf; ``None`` (not reported) is fine."""
+    return value is not None and not math.isfinite(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# stacks
+# ---------------------------------------------------------------------------------------------
+Frame = tuple[str, str, int]
+"""(function, file, line)."""
+
+_PYSPY_THREAD = re.compile(r'^Thread (\S+) \(([^)]*)\)(?:: "(.*)")?\s*$')
+_PYSPY_FRAME = re.compile(r"^\s+(.+?) \((.+):(\d+)\)\s*$")
+_FH_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FH_FRAME = re.compile(r'^\s+File "(.+)", line (\d+) in (.+?)\s*$')
+
+
+def parse_pyspy(text: str) -> list[Frame]:
+    """The main thread's frames (innermost first) from ``py-spy dump`` output; [] if none."""
+    threads: list[tuple[str, list[Frame]]] = []
+    for line in text.splitlines():
+        m = _PYSPY_THREAD.match(line)
+        if m:
+            threads.append((m.group(3) or "", []))
+            continue
+        m = _PYSPY_FRAME.match(line)
+        if m and threads:
+            threads[-1][1].append((m.group(1), m.group(2), int(m.group(3))))
+    for name, frames in threads:
+        if name == "MainThread":
+            return frames
+    return threads[0][1] if threads else []
+
+
+def parse_faulthandler(text: str) -> list[Frame]:
+    """The signalled thread's frames (innermost first) from the last faulthandler dump in ``text``.
+
+    faulthandler writes ``Current thread`` for the thread that handled the signal, which for a
+    process-directed SIGUSR1 is the main thread.
+    """
+    blocks: list[tuple[bool, list[Frame]]] = []
+    for line in text.splitlines():
+        m = _FH_THREAD.match(line)
+        if m:
+            blocks.append((m.group(1) == "Current thread", []))
+            continue
+        m = _FH_FRAME.match(line)
+        if m and blocks:
+            blocks[-1][1].append((m.group(3), m.group(1), int(m.group(2))))
+    # Several dumps may be appended to one file; the last "Current thread" block is the newest.
+    current = [frames for is_current, frames in blocks if is_current]
+    if current:
+        return current[-1]
+    return blocks[-1][1] if blocks else []
+
+
+#: Frames that mean "waiting for peers": a rank inside one of these has entered a collective.
+_COLLECTIVE_FILES = ("torch/distributed/", "deepspeed/comm/", "megatron/core/parallel_state")
+_COLLECTIVE_FUNCS = frozenset({
+    "all_reduce", "allreduce", "barrier", "broadcast", "all_gather", "all_gather_into_tensor",
+    "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce",
+    "gather", "scatter", "send", "recv", "monitored_barrier",
+})
+
+
+def in_collective(frames: Sequence[Frame]) -> bool:
+    """True when any frame is a torch.distributed / DeepSpeed comm call."""
+    for func, path, _ in frames:
+        p = path.replace("\\", "/")
+        if any(part in p for part in _COLLECTIVE_FILES) or func in _COLLECTIVE_FUNCS:
+            return True
+    return False
+
+
+def signature(frames: Sequence[Frame]) -> tuple[Frame, ...]:
+    """What makes two stacks "identical": every frame's function, file and line."""
+    return tuple(frames)
+
+
+@dataclass
+class Localization:
+    """Where a hang is: the suspects, the stack groups and the reasoning."""
+
+    suspects: list[int]
+    groups: list[list[int]]
+    """Ranks with identical stacks, largest group first."""
+    reason: str
+
+
+def localize(stacks: Mapping[int, Sequence[Frame] | None],
+             last_steps: Mapping[int, int | None] | None = None) -> Localization:
+    """Name the ranks that cause a hang from every rank's main-thread stack.
+
+    1. Ranks inside a collective are waiting for someone; if some ranks are in a collective and
+       others are not, the others never entered it: they are the suspects.
+    2. Otherwise identical stacks are grouped and the ranks outside a unique largest group are
+       suspects.
+    3. With no unique largest group, ranks whose last reported step lags the others' are.
+    4. Failing all that, every rank is a suspect (the reason says so).
+    Ranks whose stack could not be read (``None`` or empty) are never cleared.
+    """
+    known = {r: list(f) for r, f in stacks.items() if f}
+    unknown = sorted(r for r in stacks if not stacks[r])
+    by_sig: dict[tuple[Frame, ...], list[int]] = {}
+    for r in sorted(known):
+        by_sig.setdefault(signature(known[r]), []).append(r)
+    groups = sorted(by_sig.values(), key=lambda g: (-len(g), g[0]))
+    if not known:
+        return Localization(sorted(stacks), groups, "no stack could be read")
+    waiting = sorted(r for r, f in known.items() if in_collective(f))
+    outside = sorted(set(known) - set(waiting))
+    if waiting and outside:
+        return Localization(sorted(outside + unknown), groups,
+                            f"ranks {waiting} wait in a collective that ranks {outside} never entered")
+    if len(groups) > 1 and len(groups[0]) > len(groups[1]):
+        suspects = sorted(r for g in groups[1:] for r in g)
+        return Localization(sorted(suspects + unknown), groups,
+                            f"stacks differ from the dominant group {groups[0]}")
+    if last_steps:
+        steps = {r: s for r, s in last_steps.items() if s is not None and r in stacks}
+        if steps and len(set(steps.values())) > 1:
+            lo = min(steps.values())
+            lagging = sorted(r for r, s in steps.items() if s == lo)
+            return Localization(sorted(set(lagging) | set(unknown)), groups,
+                                f"no dominant stack group; ranks {lagging} lag at step {lo}")
+    if unknown:
+        return Localization(unknown, groups, "the other ranks' stacks agree; these could not be read")
+    where = "a collective" if waiting else "the same place"
+    return Localization(sorted(stacks), groups, f"every rank is stuck in {where}; no outlier")

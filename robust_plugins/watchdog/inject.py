@@ -1,0 +1,143 @@
+"""Fault injection specs for ``robust run --inject`` (parsing only; ranks fire them in ``client``).
+
+Syntax: ``KIND:rank=R,step=S[,key=value...]``; several faults are separated by ``;`` or given as
+several ``--inject`` flags. A fault fires once per job: when rank ``R`` reports the end of step
+``S`` (``robust_plugins.watchdog.step_end(S)``) for the first time; a restarted job that replays
+step ``S`` does not fire it again.
+
+=========================  ==================================================================
+``kill:rank=1,step=30``    rank 1 kills itself with SIGKILL (``signal=TERM`` etc. to choose)
+``hang:rank=0,step=20``    rank 0 sleeps forever in a Python loop (``time.sleep``), so its
+                           peers block in their next collective
+``nan:rank=1,step=40``     rank 1 reports a NaN loss for step 40 (``what=grad_norm`` for the
+                           gradient norm); the model itself is not touched
+=========================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+from dataclasses import dataclass
+
+from robust_plugins.errors import ConfigError
+
+#: kind -> optional keys with their allowed values (``None``: any value checked elsewhere).
+KINDS: dict[str, dict[str, tuple[str, ...] | None]] = {
+    "kill": {"signal": None},
+    "hang": {"mode": ("python",)},
+    "nan": {"what": ("loss", "grad_norm")},
+}
+
+FORMS = (
+    "kill:rank=R,step=S[,signal=KILL|TERM|SEGV|ABRT...]",
+    "hang:rank=R,step=S[,mode=python]",
+    "nan:rank=R,step=S[,what=loss|grad_norm]",
+)
+
+
+@dataclass(frozen=True)
+class Injection:
+    """One fault to inject."""
+
+    kind: str
+    """``kill``, ``hang`` or ``nan``."""
+
+    rank: int
+    """Global rank that misbehaves."""
+
+    step: int
+    """Step (as the script reports it to ``step_end``) at whose end the fault fires."""
+
+    option: str = ""
+    """The kind's option: signal name for ``kill``, ``python`` for ``hang``, ``loss`` or
+    ``grad_norm`` for ``nan``."""
+
+    def spec(self) -> str:
+        """The canonical text form; ``parse(x.spec()) == [x]``."""
+        key = {"kill": "signal", "hang": "mode", "nan": "what"}[self.kind]
+        return f"{self.kind}:rank={self.rank},step={self.step},{key}={self.option}"
+
+    @property
+    def signum(self) -> int:
+        """The signal number of a ``kill`` fault."""
+        return int(getattr(_signal, "SIG" + self.option))
+
+
+def _error(part: str, why: str) -> ConfigError:
+    forms = "; ".join(FORMS)
+    return ConfigError(f"--inject {part!r}: {why}. Allowed forms: {forms} (several separated by ';').")
+
+
+def parse_one(text: str) -> Injection:
+    """Parse one ``KIND:key=value,...`` spec; errors name the bad part and the allowed forms."""
+    part = text.strip()
+    kind, sep, rest = part.partition(":")
+    kind = kind.strip().lower()
+    if kind not in KINDS:
+        raise _error(part, f"unknown fault kind {kind!r} (known: {', '.join(KINDS)})")
+    if not sep or not rest.strip():
+        raise _error(part, "missing ':rank=R,step=S'")
+    values: dict[str, str] = {}
+    for item in rest.split(","):
+        key, eq, value = item.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        if not eq or not key or not value:
+            raise _error(part, f"{item.strip()!r} is not key=value")
+        if key in values:
+            raise _error(part, f"{key!r} is given twice")
+        values[key] = value
+    allowed = ("rank", "step", *KINDS[kind])
+    for key in values:
+        if key not in allowed:
+            raise _error(part, f"unknown key {key!r} for {kind} (allowed: {', '.join(allowed)})")
+    for key in ("rank", "step"):
+        if key not in values:
+            raise _error(part, f"{key}= is required")
+        if not values[key].isdigit():
+            raise _error(part, f"{key}={values[key]!r} must be a non-negative integer")
+    option = _option(part, kind, values)
+    return Injection(kind, int(values["rank"]), int(values["step"]), option)
+
+
+def _option(part: str, kind: str, values: dict[str, str]) -> str:
+    (key,) = KINDS[kind]
+    allowed = KINDS[kind][key]
+    if kind == "kill":
+        name = values.get(key, "KILL").upper().removeprefix("SIG")
+        if not isinstance(getattr(_signal, "SIG" + name, None), _signal.Signals):
+            raise _error(part, f"signal={values[key]!r} is not a signal name (e.g. KILL, TERM, SEGV)")
+        return name
+    value = values.get(key, allowed[0]).lower()
+    if value not in allowed:
+        raise _error(part, f"{key}={values[key]!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def parse(specs: str | list[str] | tuple[str, ...] | None) -> list[Injection]:
+    """Parse ``--inject`` values (each may hold several specs separated by ``;``)."""
+    if specs is None:
+        return []
+    if isinstance(specs, str):
+        specs = [specs]
+    out: list[Injection] = []
+    for text in specs:
+        for part in text.split(";"):
+            if part.strip():
+                out.append(parse_one(part))
+    keys = [(i.rank, i.step) for i in out]
+    for key in set(keys):
+        if keys.count(key) > 1:
+            raise _error(";".join(specs), f"two faults for rank {key[0]} at step {key[1]}; one fires")
+    return out
+
+
+def check_world(injections: list[Injection], world_size: int) -> None:
+    """Refuse faults aimed at ranks the job does not have."""
+    for inj in injections:
+        if inj.rank >= world_size:
+            raise _error(inj.spec(), f"rank {inj.rank} does not exist in a job of {world_size} ranks")
+
+
+def to_env(injections: list[Injection]) -> str:
+    """The ``ROBUST_INJECT`` value the ranks parse back."""
+    return ";".join(i.spec() for i in injections)

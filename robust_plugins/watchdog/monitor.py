@@ -1,0 +1,282 @@
+"""The node monitor: receives step signals from local ranks, detects faults, writes ``faults.jsonl``.
+
+It lives in the ``robust run`` launcher process (the elastic agent), which calls
+:meth:`Monitor.check` every monitor interval and :meth:`Monitor.on_crash` when a rank exits
+badly. A receiver thread reads datagrams; the agent thread decides. Only the agent thread starts
+or stops ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from robust_plugins._logging import get_logger
+from robust_plugins.config import WatchdogConfig
+from robust_plugins.watchdog import inject as _inject
+from robust_plugins.watchdog import stacks as _stacks
+from robust_plugins.watchdog.detect import RankProgress, is_bad_number, localize, stalled_ranks
+from robust_plugins.watchdog.faults import Fault, FaultLog
+
+log = get_logger(__name__)
+
+#: Receiver thread's poll period: also the bound on how long stop() waits for it.
+_RECV_POLL_S = 0.2
+
+
+@dataclass
+class _RankState:
+    pid: int | None = None
+    fh_path: str | None = None
+    progress: RankProgress = field(default_factory=RankProgress)
+    last_msg_wall: float | None = None
+    injected: dict[str, Any] | None = None
+    finished: bool = False
+    """The rank's interpreter is exiting (it sent ``exit``): no more steps are expected."""
+    bad_number: tuple[int, str, float | None, float] | None = None
+    """(step, what, value, wall time) of the first NaN/Inf reported in this incarnation."""
+
+
+class Monitor:
+    """Fault detection for the ranks of one node."""
+
+    def __init__(self, cfg: WatchdogConfig, run_dir: str | os.PathLike,
+                 injections: list[_inject.Injection] | None = None, host: str | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.faults = FaultLog(self.run_dir / "faults.jsonl")
+        self.host = host or socket.gethostname()
+        self.pending_injections = list(injections or [])
+        self.incarnation = -1
+        self.ranks: dict[int, _RankState] = {}
+        self.all_faults: list[Fault] = []
+        self._pending_resume: Fault | None = None
+        self._max_step_before_fault: int | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sock_dir = tempfile.mkdtemp(prefix="robust-wd-")  # short: AF_UNIX paths max 107 bytes
+        self.address = os.path.join(self._sock_dir, "monitor.sock")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.address)
+        self._sock.settimeout(_RECV_POLL_S)
+        self._thread = threading.Thread(target=self._receive, name="robust-watchdog-recv", daemon=True)
+        self._thread.start()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def worker_env(self) -> dict[str, str]:
+        """Variables the next incarnation's ranks need (set by the agent before starting them)."""
+        from robust_plugins.watchdog import client
+
+        return {
+            client.ENV_SOCKET: self.address,
+            client.ENV_RUN_DIR: str(self.run_dir),
+            client.ENV_INJECT: _inject.to_env(self.pending_injections),
+            client.ENV_INCARNATION: str(self.incarnation + 1),
+        }
+
+    def begin_incarnation(self, pids: dict[int, int]) -> None:
+        """New ranks ``{global_rank: pid}`` started; forget the previous incarnation's state."""
+        now = time.monotonic()
+        with self._lock:
+            self.incarnation += 1
+            self.ranks = {r: _RankState(pid=p) for r, p in pids.items()}
+            for st in self.ranks.values():
+                st.progress.last_progress = now
+        with open(self.run_dir / "workers.jsonl", "a") as f:
+            f.write(json.dumps({"incarnation": self.incarnation, "host": self.host,
+                                "pids": {str(r): p for r, p in sorted(pids.items())}}) + "\n")
+        log.info("robust watchdog: incarnation %d started, ranks %s", self.incarnation,
+                 {r: p for r, p in sorted(pids.items())})
+
+    def close(self) -> None:
+        """Stop the receiver, write a fault still waiting for its resume step, remove the socket."""
+        self._stop.set()
+        self._thread.join(timeout=2 * _RECV_POLL_S + 1.0)
+        self._sock.close()
+        self._flush_pending()
+        try:
+            os.unlink(self.address)
+            os.rmdir(self._sock_dir)
+        except OSError:
+            pass
+
+    # -- receiving -----------------------------------------------------------------------------
+    def _receive(self) -> None:
+        while not self._stop.is_set():
+            try:
+                data = self._sock.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            try:
+                msg = json.loads(data)
+            except ValueError:
+                log.warning("robust watchdog: dropped a malformed signal (%d bytes).", len(data))
+                continue
+            self._handle(msg, time.monotonic())
+
+    def _handle(self, msg: dict[str, Any], now: float) -> None:
+        with self._lock:
+            if msg.get("i") != self.incarnation:
+                return  # a dying rank of an earlier incarnation
+            st = self.ranks.get(msg.get("r"))
+            if st is None:
+                return
+            st.last_msg_wall = msg.get("t")
+            kind = msg.get("k")
+            if kind == "hello":
+                st.pid = msg.get("pid", st.pid)
+                st.fh_path = msg.get("fh")
+            elif kind == "inject":
+                st.injected = msg
+                spec = msg.get("spec")
+                self.pending_injections = [i for i in self.pending_injections
+                                           if not (i.spec() == spec and i.rank == msg["r"])]
+            elif kind == "exit":
+                st.finished = True
+            elif kind == "end":
+                step = int(msg["s"])
+                self._note_resume(step)
+                st.progress.on_step(step, now)
+                if self.cfg.nan_check and st.bad_number is None:
+                    for what, key in (("loss", "l"), ("grad_norm", "g")):
+                        if is_bad_number(msg.get(key)):
+                            st.bad_number = (step, what, msg.get(key), msg["t"])
+                            break
+
+    def _note_resume(self, step: int) -> None:
+        fault = self._pending_resume
+        if fault is None:
+            return
+        fault.resumed_at_step = step
+        if self._max_step_before_fault is not None:
+            fault.lost_steps = max(0, self._max_step_before_fault - (step - 1))
+        self._pending_resume = None
+        self.faults.write(fault)
+
+    def _flush_pending(self) -> None:
+        with self._lock:
+            fault, self._pending_resume = self._pending_resume, None
+        if fault is not None:
+            self.faults.write(fault)
+
+    # -- detection (called from the agent thread) -------------------------------------------------
+    def _max_step(self) -> int | None:
+        steps = [st.progress.last_step for st in self.ranks.values() if st.progress.last_step is not None]
+        return max(steps) if steps else None
+
+    def _record(self, fault: Fault) -> Fault:
+        self._flush_pending()
+        with self._lock:
+            self._max_step_before_fault = self._max_step()
+            fault.incarnation = self.incarnation
+            self.all_faults.append(fault)
+            if fault.action in ("restart", "rollback"):
+                self._pending_resume = fault  # written when the restarted job reports a step
+            else:
+                self.faults.write(fault)
+        log.warning("robust watchdog: %s fault at step %s, suspect ranks %s (%s); action: %s",
+                    fault.kind, fault.step, fault.suspect_ranks, fault.detail.get("reason", ""),
+                    fault.action)
+        return fault
+
+    def on_crash(self, failures: dict[int, Any], will_restart: bool) -> Fault:
+        """Ranks exited badly: ``{global_rank: ProcessFailure}`` from the elastic agent."""
+        now_wall = time.time()
+        with self._lock:
+            states = {r: self.ranks.get(r, _RankState()) for r in failures}
+        # When one rank fails, the elastic agent stops its peers with SIGTERM, and they appear in
+        # `failures` too: rank the causes as announced injection < any other failure < SIGTERM.
+        def cause_order(r: int) -> tuple[int, float]:
+            st, code = states[r], getattr(failures[r], "exitcode", None)
+            klass = 0 if st.injected else 2 if code == -int(signal.SIGTERM) else 1
+            return klass, getattr(failures[r], "timestamp", 0) or 0
+
+        ranks = sorted(failures, key=cause_order)
+        first = ranks[0]
+        st, failure = states[first], failures[first]
+        exitcode = getattr(failure, "exitcode", None)
+        sig = None
+        if exitcode is not None and exitcode < 0:
+            try:
+                sig = signal.Signals(-exitcode).name
+            except ValueError:
+                sig = str(-exitcode)
+        onset = st.injected["t"] if st.injected else st.last_msg_wall
+        last = st.progress.last_step
+        step = st.injected["s"] if st.injected else (last + 1 if last is not None else None)
+        suspects = sorted(r for r in ranks if cause_order(r)[0] == cause_order(first)[0])
+        fault = Fault(
+            kind="crash", step=step, suspect_ranks=suspects, suspect_hosts=[self.host],
+            detected_after_s=None if onset is None else round(max(0.0, now_wall - onset), 3),
+            action="restart" if will_restart else "report",
+            detail={"exitcodes": {str(r): getattr(failures[r], "exitcode", None) for r in ranks},
+                    "signal": sig, "onset": "injected" if st.injected else "last signal",
+                    "reason": f"rank {first} exited with {sig or exitcode}"},
+        )
+        return self._record(fault)
+
+    def check(self, will_restart: bool) -> Fault | None:
+        """Look for a NaN/Inf report or a hang; returns the fault if the ranks must be stopped."""
+        now, now_wall = time.monotonic(), time.time()
+        with self._lock:
+            bad = {r: st.bad_number for r, st in self.ranks.items() if st.bad_number}
+            progress = {r: st.progress for r, st in self.ranks.items()}
+            finished = [r for r, st in self.ranks.items() if st.finished]
+        if bad:
+            step = min(b[0] for b in bad.values())
+            suspects = sorted(r for r, b in bad.items() if b[0] == step)
+            first = bad[suspects[0]]
+            return self._record(Fault(
+                kind="nan", step=step, suspect_ranks=suspects, suspect_hosts=[self.host],
+                detected_after_s=round(max(0.0, now_wall - first[3]), 3),
+                action="rollback" if will_restart else "report",
+                detail={"what": first[1], "value": str(first[2]),
+                        "reason": f"{first[1]} = {first[2]} at step {step}"},
+            ))
+        stalled, timeout = stalled_ranks(self.cfg, progress, now, finished)
+        if not stalled:
+            return None
+        return self._hang(stalled, timeout, will_restart, now)
+
+    def _hang(self, stalled: list[int], timeout: float, will_restart: bool, now: float) -> Fault:
+        with self._lock:
+            targets = {r: (st.pid, st.fh_path) for r, st in self.ranks.items() if st.pid}
+            last_steps = {r: st.progress.last_step for r, st in self.ranks.items()}
+            injected = {r: st.injected for r, st in self.ranks.items() if st.injected}
+            oldest = min(self.ranks[r].progress.last_progress for r in stalled)
+        t0 = time.monotonic()
+        tag = f"hang-inc{self.incarnation}"
+        dumps = _stacks.collect(targets, self.run_dir / "stacks", tag, self.cfg.stack_dump_timeout_s)
+        dump_s = time.monotonic() - t0
+        where = localize({r: dumps[r].frames if r in dumps else None for r in targets}, last_steps)
+        suspects = where.suspects
+        # The fault began when the first suspect stopped making progress.
+        started = [self.ranks[r].progress.last_progress for r in suspects if r in self.ranks] or [oldest]
+        detected_after = (now - min(started)) + dump_s
+        sus_steps = [last_steps[r] for r in suspects if last_steps.get(r) is not None]
+        step = min(sus_steps) + 1 if sus_steps else None
+        if len(injected) == 1:
+            (inj,) = injected.values()
+            detected_after = time.time() - inj["t"]
+        fault = Fault(
+            kind="hang", step=step, suspect_ranks=suspects, suspect_hosts=[self.host],
+            detected_after_s=round(detected_after, 3),
+            action="restart" if will_restart else "report",
+            evidence=sorted(d.path for d in dumps.values() if d.path),
+            detail={"timeout_s": round(timeout, 3), "stalled_ranks": stalled, "reason": where.reason,
+                    "groups": where.groups, "stack_tools": {str(r): d.tool for r, d in dumps.items()},
+                    "stack_dump_s": round(dump_s, 3)},
+        )
+        return self._record(fault)
+
