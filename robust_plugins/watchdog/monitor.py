@@ -61,6 +61,7 @@ class Monitor:
         self.all_faults: list[Fault] = []
         self._pending_resume: Fault | None = None
         self._max_step_before_fault: int | None = None
+        self._detected_at: float | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sock_dir = tempfile.mkdtemp(prefix="robust-wd-")  # short: AF_UNIX paths max 107 bytes
@@ -159,6 +160,8 @@ class Monitor:
         if fault is None:
             return
         fault.resumed_at_step = step
+        if self._detected_at is not None:
+            fault.detail["recovered_after_s"] = round(time.monotonic() - self._detected_at, 3)
         if self._max_step_before_fault is not None:
             fault.lost_steps = max(0, self._max_step_before_fault - (step - 1))
         self._pending_resume = None
@@ -179,6 +182,7 @@ class Monitor:
         self._flush_pending()
         with self._lock:
             self._max_step_before_fault = self._max_step()
+            self._detected_at = time.monotonic()
             fault.incarnation = self.incarnation
             self.all_faults.append(fault)
             if fault.action in ("restart", "rollback"):
