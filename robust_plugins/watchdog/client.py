@@ -54,7 +54,7 @@ class _Client:
         self.fh_path = self._register_faulthandler()
         _die_with_parent()
         self.send({"k": "hello", "pid": os.getpid(), "fh": self.fh_path})
-        atexit.register(self.send, {"k": "exit"})
+        atexit.register(self._bye)
 
     def _register_faulthandler(self) -> str | None:
         run_dir = os.environ.get(ENV_RUN_DIR)
@@ -76,6 +76,15 @@ class _Client:
         except OSError as exc:
             warn_once(log, "watchdog-send", "robust watchdog: cannot reach the node monitor at %s "
                       "(%s); training goes on without fault detection.", self.address, exc)
+
+    def _bye(self) -> None:
+        # At interpreter exit: the monitor stops expecting steps from this rank. Silent when the
+        # monitor is gone (the job is over).
+        try:
+            self.sock.sendto(json.dumps({"k": "exit", "r": self.rank, "i": self.incarnation,
+                                         "t": time.time()}).encode(), socket.MSG_DONTWAIT, self.address)
+        except OSError:
+            pass
 
     def step_end(self, step: int, loss: float | None, grad_norm: float | None) -> None:
         fault = self.injections.pop((self.rank, step), None)

@@ -1,0 +1,227 @@
+"""Watchdog logic without processes: --inject parsing, config, learned timeouts, stack parsing,
+hang localization, faults.jsonl records, and the client being a no-op outside ``robust run``."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+
+import pytest
+
+from robust_plugins.config import PluginConfig, WatchdogConfig
+from robust_plugins.errors import ConfigError
+from robust_plugins.watchdog import client, detect, inject
+from robust_plugins.watchdog.faults import Fault, FaultLog, read_faults
+
+
+# -- --inject ------------------------------------------------------------------------------------
+def test_inject_parses_every_kind_and_round_trips():
+    got = inject.parse(["kill:rank=1,step=30", "hang:rank=0,step=20; nan:rank=1,step=40,what=grad_norm"])
+    assert [(i.kind, i.rank, i.step, i.option) for i in got] == [
+        ("kill", 1, 30, "KILL"), ("hang", 0, 20, "python"), ("nan", 1, 40, "grad_norm")]
+    assert inject.parse(inject.to_env(got)) == got
+    assert inject.parse_one("kill:rank=0,step=3,signal=term").signum == 15
+
+
+@pytest.mark.parametrize("spec, bad", [
+    ("explode:rank=1,step=3", "unknown fault kind 'explode'"),
+    ("kill", "missing ':rank=R,step=S'"),
+    ("kill:rank=1", "step= is required"),
+    ("kill:rank=one,step=3", "rank='one' must be a non-negative integer"),
+    ("kill:rank=1,step=-3", "step='-3' must be a non-negative integer"),
+    ("kill:rank=1,step=3,signal=NOPE", "signal='NOPE' is not a signal name"),
+    ("hang:rank=1,step=3,mode=syscall", "mode='syscall' is not one of python"),
+    ("nan:rank=1,step=3,where=loss", "unknown key 'where' for nan"),
+    ("kill:rank=1,step", "'step' is not key=value"),
+    ("kill:rank=1,rank=2,step=3", "'rank' is given twice"),
+])
+def test_malformed_inject_names_the_bad_part_and_the_forms(spec, bad):
+    with pytest.raises(ConfigError) as err:
+        inject.parse(spec)
+    msg = str(err.value)
+    assert bad in msg and "Allowed forms: kill:rank=R,step=S" in msg
+
+
+def test_inject_refuses_two_faults_at_one_place_and_missing_ranks():
+    with pytest.raises(ConfigError, match="two faults for rank 1 at step 3"):
+        inject.parse("kill:rank=1,step=3;hang:rank=1,step=3")
+    with pytest.raises(ConfigError, match="rank 4 does not exist in a job of 4 ranks"):
+        inject.check_world(inject.parse("kill:rank=4,step=3"), 4)
+
+
+# -- config ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block, bad", [
+    ({"hang_factor": 0.5}, "hang_factor = 0.5 must be >= 1"),
+    ({"hang_min_timeout_s": 100, "hang_max_timeout_s": 50, "hang_initial_timeout_s": 60},
+     "hang_min_timeout_s (100) must be <= hang_max_timeout_s (50)"),
+    ({"hang_initial_timeout_s": 5}, "hang_initial_timeout_s (5) must lie between"),
+    ({"hang_warmup_steps": 0}, "hang_warmup_steps = 0 must be >= 1"),
+    ({"hang_warmup_steps": True}, "must be an integer, got a boolean"),
+    ({"stack_dump_timeout_s": "10"}, "must be a number, got str"),
+    ({"hang_min_timeout_s": float("nan")}, "must be a finite number > 0"),
+    ({"hang_facter": 5}, "Did you mean 'hang_factor'"),
+])
+def test_bad_watchdog_settings_are_refused(block, bad):
+    with pytest.raises(ConfigError) as err:
+        PluginConfig.from_dict({"watchdog": block})
+    assert bad in str(err.value)
+
+
+def test_watchdog_block_alone_does_not_activate_engine_hooks():
+    cfg = PluginConfig.from_dict({"watchdog": {"hang_factor": 4}})
+    assert cfg.watchdog == WatchdogConfig(hang_factor=4)
+    assert not cfg.active and "watchdog(hang_timeout=4 x p99" in cfg.describe()
+
+
+# -- learned timeout ---------------------------------------------------------------------------------
+def test_hang_timeout_is_initial_before_warmup_then_k_p99_clamped():
+    cfg = WatchdogConfig(hang_warmup_steps=5, hang_factor=10, hang_min_timeout_s=2,
+                         hang_max_timeout_s=60, hang_initial_timeout_s=30)
+    assert detect.hang_timeout(cfg, [0.1] * 4, steps_seen=4) == 30
+    assert detect.hang_timeout(cfg, [0.5] * 99 + [1.0], steps_seen=100) == pytest.approx(5.0)
+    assert detect.hang_timeout(cfg, [0.5] * 98 + [1.0] * 2, steps_seen=100) == pytest.approx(10.0)
+    assert detect.hang_timeout(cfg, [0.01] * 50, steps_seen=50) == 2  # floor
+    assert detect.hang_timeout(cfg, [9.0] * 50, steps_seen=50) == 60  # ceiling
+
+
+def test_stalled_ranks_names_only_ranks_past_the_timeout_and_skips_finished_ones():
+    cfg = WatchdogConfig(hang_warmup_steps=2, hang_min_timeout_s=1, hang_initial_timeout_s=10)
+    ranks = {r: detect.RankProgress() for r in range(4)}
+    for r, p in ranks.items():
+        for i in range(5):
+            p.on_step(i, now=float(i))
+    ranks[2].last_progress = 1.0  # rank 2 stopped at t=1
+    ranks[3].last_progress = 1.0
+    stalled, timeout = detect.stalled_ranks(cfg, ranks, now=4.5, finished=[3])
+    assert timeout == 10.0 and stalled == []  # 10 x p99(1 s) = 10 s
+    stalled, _ = detect.stalled_ranks(cfg, ranks, now=11.5, finished=[3])
+    assert stalled == [2]
+
+
+# -- stacks and localization -------------------------------------------------------------------------
+PYSPY = """Process 42: python -u train.py
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 43 (idle): "pt_elastic"
+    wait (threading.py:320)
+Thread 42 (active): "MainThread"
+    all_reduce (torch/distributed/distributed_c10d.py:3252)
+    wrapper (torch/distributed/c10d_logger.py:83)
+    main (train.py:120)
+    <module> (train.py:154)
+"""
+
+FAULTHANDLER = """Thread 0x00007f1 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+
+Current thread 0x00007f0 (most recent call first):
+  File "/x/robust_plugins/watchdog/client.py", line 102 in _hang_in_python
+  File "/x/train.py", line 137 in main
+  File "/x/train.py", line 154 in <module>
+"""
+
+
+def test_parse_pyspy_takes_the_main_thread_innermost_first():
+    frames = detect.parse_pyspy(PYSPY)
+    assert frames[0] == ("all_reduce", "torch/distributed/distributed_c10d.py", 3252)
+    assert frames[-1] == ("<module>", "train.py", 154)
+    assert detect.in_collective(frames)
+
+
+def test_parse_faulthandler_takes_the_current_thread_of_the_last_dump():
+    frames = detect.parse_faulthandler("Current thread 0x1 (most recent call first):\n"
+                                       '  File "old.py", line 1 in old\n\n' + FAULTHANDLER)
+    assert frames[0] == ("_hang_in_python", "/x/robust_plugins/watchdog/client.py", 102)
+    assert len(frames) == 3 and not detect.in_collective(frames)
+
+
+def _coll(line=10):
+    return [("all_reduce", "torch/distributed/distributed_c10d.py", 3252), ("main", "train.py", line)]
+
+
+def _busy():
+    return [("sleep_loop", "train.py", 99), ("main", "train.py", 137)]
+
+
+@pytest.mark.parametrize("world, hung", [(2, [0]), (4, [3]), (64, [17]), (64, [5, 40])])
+def test_localize_names_ranks_that_never_entered_the_collective(world, hung):
+    stacks = {r: (_busy() if r in hung else _coll()) for r in range(world)}
+    where = detect.localize(stacks)
+    assert where.suspects == hung
+    assert "never entered" in where.reason
+
+
+def test_localize_uses_the_dominant_group_when_nobody_is_in_a_collective():
+    stacks = {r: [("compute", "train.py", 50)] for r in range(8)}
+    stacks[6] = [("compute", "train.py", 51)]
+    assert detect.localize(stacks).suspects == [6]
+
+
+def test_localize_outlier_inside_a_different_collective():
+    stacks = {r: _coll(10) for r in range(8)}
+    stacks[2] = _coll(99)  # stuck in another collective call site
+    where = detect.localize(stacks)
+    assert where.suspects == [2] and where.groups[0] == [0, 1, 3, 4, 5, 6, 7]
+
+
+def test_localize_tie_falls_back_to_lagging_steps_then_to_everyone():
+    stacks = {0: [("a", "x.py", 1)], 1: [("b", "x.py", 2)]}
+    assert detect.localize(stacks, {0: 19, 1: 20}).suspects == [0]
+    assert detect.localize(stacks, {0: 20, 1: 20}).suspects == [0, 1]
+
+
+def test_localize_never_clears_a_rank_whose_stack_is_unreadable():
+    stacks = {0: _coll(), 1: _coll(), 2: None}
+    where = detect.localize(stacks)
+    assert where.suspects == [2]
+
+
+# -- faults.jsonl ------------------------------------------------------------------------------------
+def test_fault_log_writes_one_json_object_a_line_with_the_documented_keys(tmp_path):
+    fl = FaultLog(tmp_path / "faults.jsonl")
+    fl.write(Fault(kind="nan", step=40, suspect_ranks=[1], suspect_hosts=["h"], detected_after_s=0.01,
+                   action="rollback", detail={"value": math.nan}))
+    fl.write(Fault(kind="crash", step=3, suspect_ranks=[0], suspect_hosts=["h"], detected_after_s=None,
+                   action="report"))
+    lines = (tmp_path / "faults.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    first = json.loads(lines[0])  # strict JSON: NaN became null
+    for key in ("time", "kind", "step", "suspect_ranks", "suspect_hosts", "detected_after_s", "action",
+                "resumed_at_step", "lost_steps", "evidence"):
+        assert key in first
+    assert first["detail"]["value"] is None
+    assert [f["kind"] for f in read_faults(tmp_path / "faults.jsonl")] == ["nan", "crash"]
+    with pytest.raises(ValueError, match="fault kind 'oops'"):
+        Fault(kind="oops", step=1, suspect_ranks=[], suspect_hosts=[], detected_after_s=0, action="report")
+
+
+# -- client ----------------------------------------------------------------------------------------
+def test_step_end_is_a_noop_outside_robust_run(monkeypatch):
+    monkeypatch.delenv(client.ENV_SOCKET, raising=False)
+    monkeypatch.setattr(client, "_client", None)
+    monkeypatch.setattr(client, "_checked", False)
+    client.step_end(1, loss=1.0)
+    assert client.get_client() is None
+
+
+def test_step_end_sends_a_datagram_and_nan_injection_poisons_the_reported_loss(tmp_path, monkeypatch):
+    path = str(tmp_path / "m.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(path)
+    srv.settimeout(5)
+    monkeypatch.setenv(client.ENV_SOCKET, path)
+    monkeypatch.setenv(client.ENV_INJECT, "nan:rank=0,step=2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv(client.ENV_RUN_DIR, raising=False)
+    monkeypatch.setattr(client, "_client", None)
+    monkeypatch.setattr(client, "_checked", False)
+    monkeypatch.setattr(client, "_die_with_parent", lambda: None)
+    client.step_end(1, loss=2.5, grad_norm=0.5)
+    client.step_end(2, loss=2.4)
+    msgs = [json.loads(srv.recv(65536)) for _ in range(4)]
+    srv.close()
+    assert [m["k"] for m in msgs] == ["hello", "end", "inject", "end"]
+    assert msgs[1]["s"] == 1 and msgs[1]["l"] == 2.5 and msgs[1]["g"] == 0.5
+    assert msgs[2]["spec"] == "nan:rank=0,step=2,what=loss"
+    assert math.isnan(msgs[3]["l"])
