@@ -1,0 +1,137 @@
+"""The fault tier: ``robust run`` jobs with injected faults (gloo, CPU ranks, plain PyTorch recipe).
+
+Every job runs in its own session under a hard timeout; after it, the test checks that no
+process of the launcher's session and no rank of any incarnation is still alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+RECIPE = "robust_plugins.recipes.plain_gpt.train"
+
+#: Small and fast: 40 tiny-GPT steps take ~2 s on 2 ranks; start-up (imports, rendezvous) dominates.
+RECIPE_ARGS = ["--steps", "40", "--save-every", "10", "--corpus-bytes", "200000"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fault: robust run jobs with injected faults (tests/fault)")
+
+
+@dataclass
+class Job:
+    """A finished ``robust run`` job."""
+
+    returncode: int
+    output: str
+    run_dir: Path
+    wall_s: float
+
+    @property
+    def faults(self) -> list[dict]:
+        path = self.run_dir / "faults.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    @property
+    def result(self) -> dict:
+        return json.loads((self.run_dir / "result.json").read_text())
+
+    def worker_pids(self) -> list[int]:
+        path = self.run_dir / "workers.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [p for x in lines for p in json.loads(x)["pids"].values()]
+
+
+def _session_members(sid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[3]) == sid:  # fields after "(comm)": state ppid pgrp session ...
+            out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def robust_run(run_dir: Path, nproc: int, *args: str, timeout_s: float = 120.0,
+               env: dict | None = None, recipe_args: list[str] | None = None) -> Job:
+    """Run ``robust run`` on the plain GPT recipe; kill everything after ``timeout_s``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(run_dir),
+           "--standalone", "--nproc-per-node", str(nproc), "--monitor-interval", "0.1", *args,
+           "-m", RECIPE, *(RECIPE_ARGS if recipe_args is None else recipe_args),
+           "--ckpt-dir", str(run_dir / "ckpt"), "--out", str(run_dir / "result.json")]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    t0 = time.monotonic()
+    log = run_dir / "launcher.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=full_env, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            timed_out = proc.poll() is None
+            leftovers = _kill_everything(proc.pid, run_dir)
+            if timed_out:
+                proc.wait(timeout=10)
+    job = Job(proc.returncode, log.read_text(errors="replace"), run_dir, time.monotonic() - t0)
+    assert not timed_out, f"robust run did not finish within {timeout_s} s:\n{job.output[-4000:]}"
+    assert not leftovers, f"processes left running after robust run exited: {leftovers}\n{job.output[-3000:]}"
+    return job
+
+
+def _kill_everything(sid: int, run_dir: Path) -> list[int]:
+    """Kill what is left of the job; return what was left *after the launcher exited on its own*."""
+    workers_file = run_dir / "workers.jsonl"
+
+    def survivors() -> list[int]:
+        pids = set(_session_members(sid))
+        if workers_file.exists():
+            for line in workers_file.read_text().splitlines():
+                pids.update(int(p) for p in json.loads(line)["pids"].values())
+        return sorted(p for p in pids if _alive(p))
+
+    # Ranks get SIGKILL from the kernel when the launcher exits (PDEATHSIG); allow a moment.
+    deadline = time.monotonic() + 5.0
+    left = survivors()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = survivors()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+@pytest.fixture(scope="session")
+def baseline_2(tmp_path_factory) -> dict:
+    """A fault-free 2-rank run of the recipe through ``robust run`` (the reference result)."""
+    job = robust_run(tmp_path_factory.mktemp("baseline2"), 2, "--max-restarts", "0")
+    assert job.returncode == 0, job.output[-3000:]
+    assert job.faults == [], f"false positive on a fault-free run: {job.faults}"
+    return job.result

@@ -1,0 +1,80 @@
+"""``robust run`` end to end: injected kill, hang and NaN on gloo CPU ranks are detected, named,
+recovered from, and training ends exactly where a fault-free run ends."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import robust_run
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
+
+
+def test_kill_is_recorded_restarted_and_ends_with_the_fault_free_loss(tmp_path, baseline_2):
+    job = robust_run(tmp_path, 2, "--max-restarts", "1", "--inject", "kill:rank=1,step=25")
+    assert job.returncode == 0, job.output[-3000:]
+    (fault,) = job.faults
+    assert fault["kind"] == "crash" and fault["suspect_ranks"] == [1]
+    assert fault["step"] == 25 and fault["detail"]["signal"] == "SIGKILL"
+    assert fault["action"] == "restart" and fault["resumed_at_step"] == 21  # newest checkpoint: 20
+    assert fault["lost_steps"] in (4, 5)  # rank 0 may or may not have finished step 25
+    assert 0 <= fault["detected_after_s"] < 2.0
+    assert job.result["started_at"] == 21
+    # Bitwise: same loss and parameters as the run that never failed.
+    assert job.result["final_loss"] == baseline_2["final_loss"]
+    assert job.result["params_hash"] == baseline_2["params_hash"]
+    assert len(job.worker_pids()) == 4  # two incarnations of two ranks
+
+
+def test_four_ranks_recover_from_a_kill_then_a_nan(tmp_path):
+    """The gloo restart bug of HOSTS.md: a 4-rank job must form its process group again."""
+    job = robust_run(tmp_path, 4, "--max-restarts", "2",
+                     "--inject", "kill:rank=2,step=12", "--inject", "nan:rank=1,step=25",
+                     recipe_args=["--steps", "30", "--save-every", "10", "--corpus-bytes", "200000"],
+                     timeout_s=180)
+    assert job.returncode == 0, job.output[-3000:]
+    crash, nan = job.faults
+    assert (crash["kind"], crash["suspect_ranks"], crash["resumed_at_step"]) == ("crash", [2], 11)
+    assert (nan["kind"], nan["suspect_ranks"], nan["step"]) == ("nan", [1], 25)
+    assert nan["action"] == "rollback" and nan["resumed_at_step"] == 21
+    assert "Gloo connectFullMesh failed" not in job.output
+    assert job.result["world_size"] == 4 and job.result["started_at"] == 21
+    assert len(job.worker_pids()) == 12  # three incarnations of four ranks
+
+
+def test_hang_is_detected_localized_and_restarted(tmp_path, baseline_2):
+    job = robust_run(tmp_path, 2, "--max-restarts", "1", "--inject", "hang:rank=0,step=25",
+                     "--watchdog", "hang_min_timeout_s=3", "--watchdog", "hang_initial_timeout_s=60")
+    assert job.returncode == 0, job.output[-3000:]
+    (fault,) = job.faults
+    assert fault["kind"] == "hang" and fault["suspect_ranks"] == [0] and fault["step"] == 25
+    assert fault["detail"]["stack_tools"] == {"0": "py-spy", "1": "py-spy"}
+    assert "never entered" in fault["detail"]["reason"]
+    assert 3.0 <= fault["detected_after_s"] < 3.0 + 5.0
+    dumps = {Path(p).name.split("-rank")[1][0]: Path(p).read_text() for p in fault["evidence"]}
+    assert "_hang_in_python" in dumps["0"] and "all_reduce" in dumps["1"]
+    assert fault["resumed_at_step"] == 21
+    assert job.result["final_loss"] == baseline_2["final_loss"]
+    assert job.result["params_hash"] == baseline_2["params_hash"]
+
+
+def test_exhausted_restart_budget_exits_non_zero_with_a_clear_message(tmp_path):
+    job = robust_run(tmp_path, 2, "--max-restarts", "1",
+                     "--inject", "kill:rank=1,step=5", "--inject", "kill:rank=0,step=15")
+    assert job.returncode == 1, job.output[-3000:]
+    assert "robust run: job FAILED: last fault: crash at step 15, suspect ranks [0]" in job.output
+    assert "restart budget exhausted (--max-restarts 1)" in job.output
+    first, second = job.faults
+    assert (first["suspect_ranks"], first["action"], first["resumed_at_step"]) == ([1], "restart", 1)
+    assert (second["suspect_ranks"], second["action"], second["resumed_at_step"]) == ([0], "report", None)
+    assert not (tmp_path / "result.json").exists()
+    assert len(job.worker_pids()) == 4  # robust_run() checked that none of them is alive
+
+
+def test_malformed_inject_is_rejected_before_anything_starts(tmp_path):
+    job = robust_run(tmp_path, 2, "--inject", "kill:rank=1,stp=3", timeout_s=60)
+    assert job.returncode == 2
+    assert "--inject 'kill:rank=1,stp=3': unknown key 'stp' for kill" in job.output
+    assert "Allowed forms: kill:rank=R,step=S" in job.output
+    assert job.worker_pids() == []
