@@ -78,3 +78,43 @@ def test_malformed_inject_is_rejected_before_anything_starts(tmp_path):
     assert "--inject 'kill:rank=1,stp=3': unknown key 'stp' for kill" in job.output
     assert "Allowed forms: kill:rank=R,step=S" in job.output
     assert job.worker_pids() == []
+
+
+def test_sigkilled_launcher_leaves_no_rank_behind(tmp_path):
+    """Even SIGKILL (no clean-up code runs) takes the ranks down: they die with their parent."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import RECIPE, _alive
+
+    cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(tmp_path),
+           "--standalone", "--nproc-per-node", "2", "--inject", "hang:rank=0,step=3",
+           "-m", RECIPE, "--steps", "40", "--corpus-bytes", "200000", "--ckpt-dir", str(tmp_path / "ckpt")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    pids: list[int] = []
+    try:
+        # Wait until both ranks have registered with the monitor (their faulthandler files exist).
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and len(list((tmp_path / "stacks").glob("faulthandler-*"))) < 2:
+            time.sleep(0.2)
+        pids = [int(p) for p in json.loads((tmp_path / "workers.jsonl").read_text().splitlines()[0])["pids"].values()]
+        assert all(_alive(p) for p in pids)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        left = [p for p in pids if _alive(p)]
+        assert not left, f"ranks {left} outlived the SIGKILLed launcher"
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
