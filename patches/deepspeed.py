@@ -291,7 +291,7 @@ def _zero_allreduce_bucket(opt, plugin: DeepSpeedPlugin):
 
     def allreduce_bucket(bucket, communication_data_type, rank=None, log=None, divide=True, process_group=None):
         numel = sum(t.numel() for t in bucket)
-        key = plugin.sync.route("ds.zero", numel)
+        key = plugin.sync.route("ds.zero" if rank is None else "ds.zero.reduce", numel)
         if key is None:
             return original(bucket, communication_data_type, rank=rank, log=log, divide=divide,
                             process_group=process_group)

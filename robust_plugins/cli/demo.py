@@ -41,8 +41,10 @@ def run(args: argparse.Namespace) -> int:
     print(render(base, plug))
     print(f"\nresults: {out_dir}/baseline.json, {out_dir}/plugin.json (log: {out_dir}/launch.log)")
     if not plug["plugin_active"]:
-        print("\nWARNING: the plugin run did not attach robust_plugins to its engine, so it ran vanilla "
+        # The table above would compare vanilla with vanilla: say so and fail, never pass quietly.
+        print("\nERROR: the plugin run did not attach robust_plugins to its engine, so it ran vanilla "
               "DeepSpeed. Check that `import robust_plugins` works and that patches/deepspeed.py is installed.")
+        return 1
     return 0
 
 

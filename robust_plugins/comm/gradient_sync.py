@@ -35,6 +35,9 @@ class SyncStats:
     compressed_calls: int = 0
     passthrough_calls: int = 0
     by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Uncompressed elements by reason (``codec none``, ``warmup``, ``below min_numel``)."""
+    by_site: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Elements by reduction site (which host code path handed them over)."""
     step_elements: int = 0
     """Elements (compressed or not) handed to the plugin since the current step began."""
 
@@ -89,6 +92,7 @@ class GradientSync:
         """
         key = self.next_key(site)
         self.stats.step_elements += numel
+        self.stats.by_site[site] += numel
         reason = self.decide(numel)
         if reason is not None:
             self.stats.passthrough_elements += numel

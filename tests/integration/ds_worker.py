@@ -30,14 +30,15 @@ INT8_BLOCK = {"compression": {"codec": "int8", "block_size": 256, "error_feedbac
                               "warmup_steps": 0, "min_numel": 0}}
 
 
-def ds_config(stage: int, block: dict | None, bf16: bool = False) -> dict:
+def ds_config(stage: int, block: dict | None, bf16: bool = False, zero_extra: dict | None = None) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
         # CPU: DeepSpeed's 5e8-element default buckets cost seconds a step (HOSTS.md).
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6,
+                              **(zero_extra or {})},
     }
     if bf16:
         cfg["bf16"] = {"enabled": True}
@@ -59,19 +60,19 @@ def all_digests(engine) -> list[str]:
     return out
 
 
-def make_engine(stage, block, bf16=False, vanilla=False, seed=SEED, sgd=False):
+def make_engine(stage, block, bf16=False, vanilla=False, seed=SEED, sgd=False, zero_extra=None):
     model = build_gpt("tiny", seed=seed)
     opt = torch.optim.SGD(model.parameters(), lr=1.0) if sgd else torch.optim.AdamW(model.parameters(), lr=3e-3)
     if vanilla:
         # Plain DeepSpeed: the patch removed for this engine only, re-installed right after.
         ds_patch.undo()
         try:
-            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, block, bf16))
+            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, block, bf16, zero_extra))
         finally:
             ds_patch.install()
         assert not hasattr(engine, "robust_plugins")
     else:
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, block, bf16))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, block, bf16, zero_extra))
     return engine
 
 
@@ -104,16 +105,18 @@ def val_loss(engine, corpus, batches: int = 16) -> float:
     return total.item() / (batches * world)
 
 
-def reduced_gradient(stage, block, corpus) -> torch.Tensor:
+def reduced_gradient(stage, block, corpus, zero_extra=None, stats=None) -> torch.Tensor:
     """The averaged gradient of one step, read as the update of SGD(lr=1).
 
     Adam is nearly invariant to a gradient's scale, so a wrong averaging factor would barely move
     the loss; a plain SGD step exposes it.
     """
-    engine = make_engine(stage, block, vanilla=block is None, sgd=True)
+    engine = make_engine(stage, block, vanilla=block is None, sgd=True, zero_extra=zero_extra)
     before = torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
     train(engine, 1, corpus)
     after = torch.cat([p.detach().flatten() for p in engine.module.parameters()])
+    if stats is not None:
+        stats.update(plugin_stats(engine))
     return before - after
 
 
@@ -124,7 +127,7 @@ def plugin_stats(engine) -> dict:
     s = plugin.sync.stats
     return {"compressed_elements": s.compressed_elements, "passthrough_elements": s.passthrough_elements,
             "compressed_calls": s.compressed_calls, "passthrough_calls": s.passthrough_calls,
-            "by_reason": dict(s.by_reason)}
+            "by_reason": dict(s.by_reason), "by_site": dict(s.by_site)}
 
 
 def main() -> None:
@@ -177,6 +180,20 @@ def main() -> None:
         got = reduced_gradient(stage, {"compression": {"codec": codec}}, corpus)
         results[f"grad_{codec}"] = {"norm_ratio": (got.norm() / exact.norm()).item(),
                                     "rel_error": ((got - exact).norm() / exact.norm()).item()}
+
+    # ZeRO's other two reduction paths: reduce each slice to its owner only (phase one alone),
+    # and a full all-reduce through gradient_reduction_w_predivide (reduce_scatter off).
+    if stage in (1, 2):
+        for path, extra in (("reduce_to_owner", {"use_multi_rank_bucket_allreduce": False}),
+                            ("no_reduce_scatter", {"reduce_scatter": False})):
+            exact = reduced_gradient(stage, None, corpus, extra)
+            none_stats, int8_stats = {}, {}
+            none = reduced_gradient(stage, {"compression": {"codec": "none"}}, corpus, extra, none_stats)
+            got = reduced_gradient(stage, INT8_BLOCK, corpus, extra, int8_stats)
+            results[f"path_{path}"] = {"none_bitwise": torch.equal(none, exact),
+                                       "norm_ratio": (got.norm() / exact.norm()).item(),
+                                       "rel_error": ((got - exact).norm() / exact.norm()).item(),
+                                       "stats": int8_stats}
 
     engine = make_engine(stage, INT8_BLOCK, bf16=True)
     losses, secs = train(engine, 5, corpus)

@@ -95,3 +95,17 @@ def test_bf16_gradients_go_through_the_plugin(stage_results):
     assert b["grad_dtype"] == "torch.bfloat16"
     assert b["stats"]["compressed_elements"] == 5 * b["n_params"]
     assert all(l == l and l < 10 for l in b["losses"])  # finite
+
+
+def test_zero_alternative_reduction_paths(stage_results):
+    stage, _, r = stage_results
+    if stage == 0:
+        assert "path_reduce_to_owner" not in r  # ZeRO 0 has a single path, covered above
+        return
+    owner, full = r["path_reduce_to_owner"], r["path_no_reduce_scatter"]
+    assert set(owner["stats"]["by_site"]) == {"ds.zero.reduce"}, owner["stats"]
+    assert set(full["stats"]["by_site"]) == {"ds.zero_predivide"}, full["stats"]
+    for res in (owner, full):
+        assert res["none_bitwise"]
+        assert res["stats"]["compressed_elements"] == r["vanilla"]["n_params"]  # one step, every element once
+        assert abs(res["norm_ratio"] - 1) < 0.02 and 0 < res["rel_error"] < 0.03, res
