@@ -8,14 +8,16 @@ Run under torchrun (or through :func:`robust_plugins.launch.run_torchrun`)::
     # several configs, one process group (DeepSpeed's import + init costs ~10 s on 2 cores):
     ... train --configs baseline.json plugin.json --steps 100 --out-dir runs/cmp
 
-    # or a plan: {"runs": [{"name": "a", "config": "baseline.json", "steps": 40,
+    # or a plan: {"runs": [{"name": "a", "config": "baseline.json", "steps": 40, "seed": 1,
     #                       "save_dir": "ckpt", "save_at": 20}, ...]}
     ... train --plan plan.json --out-dir runs/plan
 
-Each run builds a fresh model, optimizer and engine from the same seed. Data are indexed by
+Each run builds a fresh model, optimizer and engine from its seed (``--seed``, or the plan entry's
+``seed``), which also orders the training batches. Data are indexed by
 ``engine.global_steps``, so a run started with ``--load-dir`` continues with exactly the batches
 the uninterrupted run would have seen, and ``--steps`` is the *total* step count to reach. Rank 0
-writes one JSON result per run (losses, timings, gradient bytes on the wire, parameter hash).
+writes one JSON result per run (losses, timings, gradient bytes on the wire, parameter hash, and
+the loss on a fixed held-out validation set that does not depend on the run's seed).
 """
 
 # robust_plugins first: its import hook patches deepspeed.initialize as DeepSpeed is imported, so
@@ -49,10 +51,16 @@ from robust_plugins.workloads import PRESETS, build_gpt, get_batch, load_corpus
 log = logging.getLogger("robust_plugins.recipes.deepspeed_gpt")
 
 #: Keys a plan's run entry may have.
-RUN_KEYS = ("name", "config", "steps", "save_dir", "save_at", "load_dir", "out", "codec_error")
+RUN_KEYS = ("name", "config", "steps", "seed", "save_dir", "save_at", "load_dir", "out", "codec_error")
 
-#: Validation batches a rank evaluates after training (4 x micro_batch windows: ~0.1 s for `small`).
-VAL_BATCHES = 4
+#: Validation batches evaluated after training; each is world_size x micro_batch windows, so
+#: 32 x 4 x 8 = 1024 windows of the val split for the benchmark (~2 s for `small` on 2 cores).
+#: A fixed, larger set keeps the evaluation's own sampling error out of run-to-run comparisons.
+VAL_BATCHES = 32
+
+#: Seed of the validation windows. Fixed, not the run's seed: every run of a launch with the same
+#: world size and micro-batch is scored on the same windows, so runs with different seeds compare.
+VAL_SEED = 0
 
 #: Training losses averaged into ``final_loss_last10``; one step's loss is too noisy to compare runs.
 LAST_K = 10
@@ -65,6 +73,7 @@ class RunSpec:
     name: str
     config: str
     steps: int
+    seed: int = 0
     save_dir: str | None = None
     save_at: int | None = None
     load_dir: str | None = None
@@ -78,10 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="DeepSpeed JSON config (one run)")
     src.add_argument("--configs", nargs="+", help="several DeepSpeed JSON configs, run one after another")
-    src.add_argument("--plan", help="JSON plan: {\"runs\": [{name, config, steps, save_dir, save_at, load_dir}]}")
+    src.add_argument("--plan",
+                     help="JSON plan: {\"runs\": [{name, config, steps, seed, save_dir, save_at, load_dir}]}")
     p.add_argument("--steps", type=int, default=100, help="total optimizer steps to reach (default 100)")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="GPT size (default tiny)")
-    p.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="model init and training-data seed (default 0; a plan entry's \"seed\" overrides it)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--save-dir", help="engine.save_checkpoint directory (single run)")
     p.add_argument("--save-at", type=int, help="save a checkpoint once global_steps reaches this")
@@ -99,8 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_specs(args: argparse.Namespace) -> list[RunSpec]:
     """Turn --config / --configs / --plan into run specs; paths in a plan are relative to it."""
     if args.config:
-        specs = [RunSpec(Path(args.config).stem, args.config, args.steps, args.save_dir, args.save_at,
-                         args.load_dir, args.out, args.codec_error)]
+        specs = [RunSpec(Path(args.config).stem, args.config, args.steps, args.seed, args.save_dir,
+                         args.save_at, args.load_dir, args.out, args.codec_error)]
     elif any(v is not None for v in (args.save_dir, args.save_at, args.load_dir, args.out)):
         raise ConfigError("--save-dir/--save-at/--load-dir/--out apply to one --config; "
                           "with --configs or --plan put them in the plan's run entries.")
@@ -109,7 +120,7 @@ def build_specs(args: argparse.Namespace) -> list[RunSpec]:
         for i, path in enumerate(args.configs):
             name = Path(path).stem if Path(path).stem not in seen else f"{Path(path).stem}-{i}"
             seen.add(name)
-            specs.append(RunSpec(name, path, args.steps, codec_error=args.codec_error))
+            specs.append(RunSpec(name, path, args.steps, args.seed, codec_error=args.codec_error))
     else:
         specs = _plan_specs(Path(args.plan), args)
     for s in specs:
@@ -131,8 +142,9 @@ def _plan_specs(plan_path: Path, args: argparse.Namespace) -> list[RunSpec]:
                               f"allowed keys: {', '.join(RUN_KEYS)}.")
         rel = {k: str(plan_path.parent / entry[k]) for k in ("config", "save_dir", "load_dir", "out")
                if entry.get(k) is not None}
-        specs.append(RunSpec(**{"name": Path(entry["config"]).stem, "steps": args.steps,
-                                "codec_error": args.codec_error, **entry, **rel}))
+        defaults = {"name": Path(entry["config"]).stem, "steps": args.steps, "seed": args.seed,
+                    "codec_error": args.codec_error}
+        specs.append(RunSpec(**{**defaults, **entry, **rel}))
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ConfigError(f"{plan_path}: run names must be unique, got {names}.")
@@ -219,7 +231,7 @@ def train_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     ds_config = load_json(spec.config)
     block = ds_config.get(BLOCK_KEY)
     corpus = load_corpus()
-    model = build_gpt(args.preset, args.seed)
+    model = build_gpt(args.preset, spec.seed)
     seq_len = model.cfg.seq_len
     # A pristine copy for the one-shot codec measurement: DeepSpeed takes over `model`'s params.
     probe = copy.deepcopy(model) if spec.codec_error else None
@@ -230,7 +242,8 @@ def train_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 
     def batch(split: str, index: int):
-        x, y = get_batch(corpus, split, seed=args.seed, step=index, rank=rank, world_size=world,
+        seed = spec.seed if split == "train" else VAL_SEED
+        x, y = get_batch(corpus, split, seed=seed, step=index, rank=rank, world_size=world,
                          micro_batch=micro, seq_len=seq_len)
         return x.to(engine.device), y.to(engine.device)
 
@@ -310,7 +323,7 @@ def train_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
         "model": dataclasses.asdict(model.cfg) if hasattr(model, "cfg") else None,
         "n_params": sum(p.numel() for p in engine.module.parameters()),
         "world_size": world,
-        "seed": args.seed,
+        "seed": spec.seed,
         "lr": args.lr,
         "micro_batch": micro,
         "gradient_accumulation_steps": gas,
@@ -323,6 +336,7 @@ def train_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
         "final_loss": mean_losses[-1] if mean_losses else None,
         "final_loss_last10": statistics.fmean(mean_losses[-LAST_K:]) if mean_losses else None,
         "val_loss": val_t.item() / world,
+        "val_windows": {"seed": VAL_SEED, "batches": VAL_BATCHES, "windows": VAL_BATCHES * world * micro},
         "step_time_s": step_times,
         "median_step_time_s": statistics.median(step_times) if step_times else None,
         "init_s": init_s,
