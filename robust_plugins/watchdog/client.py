@@ -20,6 +20,7 @@ import faulthandler
 import json
 import math
 import os
+import select
 import signal
 import socket
 import sys
@@ -51,6 +52,7 @@ class _Client:
         self.injections = {(i.rank, i.step): i for i in _inject.parse(os.environ.get(ENV_INJECT) or None)
                            if i.rank == self.rank}
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.dropped = 0
         self.fh_path = self._register_faulthandler()
         _die_with_parent()
         self.send({"k": "hello", "pid": os.getpid(), "fh": self.fh_path})
@@ -67,12 +69,27 @@ class _Client:
         faulthandler.register(signal.SIGUSR1, file=self._fh_file, all_threads=True, chain=False)
         return str(path)
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: dict[str, Any], wait: bool = False) -> None:
+        """Send one signal. ``wait=False`` never blocks: if the monitor's buffer is full the
+        datagram is dropped (the next step's signal supersedes it). ``wait=True`` (fault
+        announcements) waits up to 1 s for buffer space."""
         msg["r"] = self.rank
         msg["i"] = self.incarnation
         msg["t"] = time.time()
+        data = json.dumps(msg).encode()
         try:
-            self.sock.sendto(json.dumps(msg).encode(), socket.MSG_DONTWAIT, self.address)
+            if wait:
+                self.sock.settimeout(1.0)
+                try:
+                    self.sock.sendto(data, self.address)
+                finally:
+                    self.sock.setblocking(True)
+            else:
+                self.sock.sendto(data, socket.MSG_DONTWAIT, self.address)
+        except BlockingIOError:
+            self.dropped += 1
+            warn_once(log, "watchdog-behind", "robust watchdog: the node monitor is behind; step "
+                      "signals are being dropped (harmless unless it persists).")
         except OSError as exc:
             warn_once(log, "watchdog-send", "robust watchdog: cannot reach the node monitor at %s "
                       "(%s); training goes on without fault detection.", self.address, exc)
@@ -94,14 +111,14 @@ class _Client:
                     loss = math.nan
                 else:
                     grad_norm = math.nan
-            self.send({"k": "inject", "s": step, "spec": fault.spec()})
+            self.send({"k": "inject", "s": step, "spec": fault.spec()}, wait=True)
             if fault.kind == "kill":
                 sys.stdout.flush()
                 os.kill(os.getpid(), fault.signum)
                 time.sleep(5.0)  # a caught or ignored signal: say so instead of training on
                 raise RuntimeError(f"injected {fault.spec()} did not end rank {self.rank}")
             if fault.kind == "hang":
-                _hang_in_python(HANG_INJECT_MAX_S)
+                (_hang_in_syscall if fault.option == "syscall" else _hang_in_python)(HANG_INJECT_MAX_S)
         self.send({"k": "end", "s": step, "l": loss, "g": grad_norm})
 
 
@@ -109,6 +126,17 @@ def _hang_in_python(max_s: float) -> None:
     deadline = time.monotonic() + max_s
     while time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _hang_in_syscall(max_s: float) -> None:
+    # One blocking system call: select() on a pipe nobody writes to. Signals interrupt it
+    # (faulthandler still dumps) and Python resumes it with the remaining timeout (PEP 475).
+    r, w = os.pipe()
+    try:
+        select.select([r], [], [], max_s)
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def _die_with_parent() -> None:

@@ -55,18 +55,25 @@ def hang_timeout(cfg: WatchdogConfig, step_times: Iterable[float], steps_seen: i
 
 
 def stalled_ranks(cfg: WatchdogConfig, ranks: Mapping[int, RankProgress], now: float,
-                  finished: Iterable[int] = ()) -> tuple[list[int], float]:
-    """Ranks without progress for longer than the timeout, and the timeout applied.
+                  finished: Iterable[int] = (), history: Sequence[float] = ()) -> tuple[list[int], float]:
+    """Ranks without progress for longer than their timeout, and the learned timeout.
 
-    One timeout for the job, learned from the pooled step times of every rank: ranks in a
-    data-parallel job step in lockstep, and the slowest healthy rank sets the pace.
+    A rank that has not completed a step in this incarnation gets ``hang_initial_timeout_s``
+    (start-up: imports, rendezvous, loading a checkpoint). After its first step the job's learned
+    timeout applies: one timeout for the job, from step times pooled over every rank (ranks of a
+    data-parallel job step in lockstep; the slowest healthy one sets the pace) and over earlier
+    incarnations (``history``), so a restarted job needs no second warm-up.
     """
     done = set(finished)
-    pooled = [t for p in ranks.values() for t in p.step_times]
-    seen = min((p.steps_seen for p in ranks.values()), default=0)
-    timeout = hang_timeout(cfg, pooled, seen)
-    stalled = sorted(r for r, p in ranks.items() if r not in done and now - p.last_progress > timeout)
-    return stalled, timeout
+    pooled = list(history) + [t for p in ranks.values() for t in p.step_times]
+    steps_per_rank = len(pooled) // max(1, len(ranks))
+    learned = hang_timeout(cfg, pooled, steps_per_rank)
+    stalled = []
+    for r, p in sorted(ranks.items()):
+        timeout = cfg.hang_initial_timeout_s if p.last_step is None else learned
+        if r not in done and now - p.last_progress > timeout:
+            stalled.append(r)
+    return stalled, learned
 
 
 def is_bad_number(value: float | None) -> bool:

@@ -7,8 +7,9 @@ step ``S`` does not fire it again.
 
 =========================  ==================================================================
 ``kill:rank=1,step=30``    rank 1 kills itself with SIGKILL (``signal=TERM`` etc. to choose)
-``hang:rank=0,step=20``    rank 0 sleeps forever in a Python loop (``time.sleep``), so its
-                           peers block in their next collective
+``hang:rank=0,step=20``    rank 0 sleeps in a Python loop (``time.sleep``), so its peers
+                           block in their next collective; ``mode=syscall`` blocks in one
+                           system call instead (``select`` on a pipe nobody writes)
 ``nan:rank=1,step=40``     rank 1 reports a NaN loss for step 40 (``what=grad_norm`` for the
                            gradient norm); the model itself is not touched
 =========================  ==================================================================
@@ -24,13 +25,13 @@ from robust_plugins.errors import ConfigError
 #: kind -> optional keys with their allowed values (``None``: any value checked elsewhere).
 KINDS: dict[str, dict[str, tuple[str, ...] | None]] = {
     "kill": {"signal": None},
-    "hang": {"mode": ("python",)},
+    "hang": {"mode": ("python", "syscall")},
     "nan": {"what": ("loss", "grad_norm")},
 }
 
 FORMS = (
     "kill:rank=R,step=S[,signal=KILL|TERM|SEGV|ABRT...]",
-    "hang:rank=R,step=S[,mode=python]",
+    "hang:rank=R,step=S[,mode=python|syscall]",
     "nan:rank=R,step=S[,what=loss|grad_norm]",
 )
 
@@ -49,7 +50,7 @@ class Injection:
     """Step (as the script reports it to ``step_end``) at whose end the fault fires."""
 
     option: str = ""
-    """The kind's option: signal name for ``kill``, ``python`` for ``hang``, ``loss`` or
+    """The kind's option: signal name for ``kill``, ``python`` or ``syscall`` for ``hang``, ``loss`` or
     ``grad_norm`` for ``nan``."""
 
     def spec(self) -> str:

@@ -23,7 +23,13 @@ from robust_plugins._logging import get_logger
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.watchdog import inject as _inject
 from robust_plugins.watchdog import stacks as _stacks
-from robust_plugins.watchdog.detect import RankProgress, is_bad_number, localize, stalled_ranks
+from robust_plugins.watchdog.detect import (
+    STEP_WINDOW,
+    RankProgress,
+    is_bad_number,
+    localize,
+    stalled_ranks,
+)
 from robust_plugins.watchdog.faults import Fault, FaultLog
 
 log = get_logger(__name__)
@@ -39,6 +45,8 @@ class _RankState:
     progress: RankProgress = field(default_factory=RankProgress)
     last_msg_wall: float | None = None
     injected: dict[str, Any] | None = None
+    registered: bool = False
+    """The rank reported through ``step_end`` at least once (only such ranks are watched for hangs)."""
     finished: bool = False
     """The rank's interpreter is exiting (it sent ``exit``): no more steps are expected."""
     bad_number: tuple[int, str, float | None, float] | None = None
@@ -62,6 +70,11 @@ class Monitor:
         self._pending_resume: Fault | None = None
         self._max_step_before_fault: int | None = None
         self._detected_at: float | None = None
+        self._history: list[float] = []
+        """Step times of earlier incarnations (the learned hang timeout survives restarts)."""
+        self._incarnation_started = 0.0
+        self._warned_unregistered = False
+        self._uses_api = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sock_dir = tempfile.mkdtemp(prefix="robust-wd-")  # short: AF_UNIX paths max 107 bytes
@@ -88,8 +101,14 @@ class Monitor:
         """New ranks ``{global_rank: pid}`` started; forget the previous incarnation's state."""
         now = time.monotonic()
         with self._lock:
+            for st in self.ranks.values():
+                self._history.extend(st.progress.step_times)
+            del self._history[:-STEP_WINDOW * max(1, len(pids))]
             self.incarnation += 1
-            self.ranks = {r: _RankState(pid=p) for r, p in pids.items()}
+            self._incarnation_started = now
+            # A script that reported steps before will again: watch the new ranks from their start
+            # (a restarted rank can hang before its first step, e.g. in init_process_group).
+            self.ranks = {r: _RankState(pid=p, registered=self._uses_api) for r, p in pids.items()}
             for st in self.ranks.values():
                 st.progress.last_progress = now
         with open(self.run_dir / "workers.jsonl", "a") as f:
@@ -136,6 +155,7 @@ class Monitor:
             st.last_msg_wall = msg.get("t")
             kind = msg.get("k")
             if kind == "hello":
+                st.registered = self._uses_api = True
                 st.pid = msg.get("pid", st.pid)
                 st.fh_path = msg.get("fh")
             elif kind == "inject":
@@ -235,8 +255,16 @@ class Monitor:
         now, now_wall = time.monotonic(), time.time()
         with self._lock:
             bad = {r: st.bad_number for r, st in self.ranks.items() if st.bad_number}
-            progress = {r: st.progress for r, st in self.ranks.items()}
+            progress = {r: st.progress for r, st in self.ranks.items() if st.registered}
             finished = [r for r, st in self.ranks.items() if st.finished]
+            silent = sorted(r for r, st in self.ranks.items() if not st.registered)
+            history = list(self._history)
+        if (silent and not self._warned_unregistered
+                and now - self._incarnation_started > self.cfg.hang_initial_timeout_s):
+            self._warned_unregistered = True
+            log.warning("robust watchdog: ranks %s sent no step signal within %.0f s, so they are "
+                        "not watched for hangs. Call robust_plugins.watchdog.step_end(step, ...) "
+                        "after each optimizer step.", silent, self.cfg.hang_initial_timeout_s)
         if bad:
             step = min(b[0] for b in bad.values())
             suspects = sorted(r for r, b in bad.items() if b[0] == step)
@@ -248,7 +276,7 @@ class Monitor:
                 detail={"what": first[1], "value": str(first[2]),
                         "reason": f"{first[1]} = {first[2]} at step {step}"},
             ))
-        stalled, timeout = stalled_ranks(self.cfg, progress, now, finished)
+        stalled, timeout = stalled_ranks(self.cfg, progress, now, finished, history)
         if not stalled:
             return None
         return self._hang(stalled, timeout, will_restart, now)

@@ -102,7 +102,8 @@ def test_sigkilled_launcher_leaves_no_rank_behind(tmp_path):
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and len(list((tmp_path / "stacks").glob("faulthandler-*"))) < 2:
             time.sleep(0.2)
-        pids = [int(p) for p in json.loads((tmp_path / "workers.jsonl").read_text().splitlines()[0])["pids"].values()]
+        first = json.loads((tmp_path / "workers.jsonl").read_text().splitlines()[0])
+        pids = [int(p) for p in first["pids"].values()]
         assert all(_alive(p) for p in pids)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)

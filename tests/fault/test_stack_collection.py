@@ -17,27 +17,28 @@ from robust_plugins.watchdog import client, stacks
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(60)]
 
 HUNG = textwrap.dedent("""
+    import sys
     from robust_plugins.watchdog import client
     client.step_end(1)
-    client._hang_in_python(60.0)
+    getattr(client, sys.argv[1])(60.0)
 """)
 
 
-@pytest.fixture
-def hung_rank(tmp_path):
-    """A process that registered with a (fake) monitor and then hangs in a Python sleep loop."""
+@pytest.fixture(params=["_hang_in_python", "_hang_in_syscall"])
+def hung_rank(tmp_path, request):
+    """A process that registered with a (fake) monitor and then hangs (Python loop or syscall)."""
     address = str(tmp_path / "m.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     srv.bind(address)
     srv.settimeout(30)
     env = {**os.environ, client.ENV_SOCKET: address, client.ENV_RUN_DIR: str(tmp_path), "RANK": "0"}
-    proc = subprocess.Popen([sys.executable, "-c", HUNG], env=env, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", HUNG, request.param], env=env, stdin=subprocess.DEVNULL)
     try:
         hello = json.loads(srv.recv(65536))
         assert hello["k"] == "hello" and hello["pid"] == proc.pid
         assert json.loads(srv.recv(65536))["k"] == "end"
         time.sleep(0.5)  # from the step's datagram into the hang loop
-        yield proc.pid, hello["fh"], tmp_path
+        yield proc.pid, hello["fh"], tmp_path, request.param
     finally:
         proc.kill()
         proc.wait(timeout=10)
@@ -47,14 +48,14 @@ def hung_rank(tmp_path):
 
 @pytest.mark.parametrize("tool", ["py-spy", "faulthandler"])
 def test_hung_python_stack_is_collected(hung_rank, tool, monkeypatch):
-    pid, fh, tmp = hung_rank
+    pid, fh, tmp, where = hung_rank
     if tool == "py-spy" and stacks.pyspy_path() is None:
         pytest.skip("py-spy is not installed")
     if tool == "faulthandler":
         monkeypatch.setenv("ROBUST_WATCHDOG_NO_PYSPY", "1")
     got = stacks.collect({0: (pid, fh)}, tmp / "stacks", "t", timeout_s=15.0)
     assert got[0].tool == tool
-    assert got[0].frames[0][0] == "_hang_in_python", got[0].frames
+    assert got[0].frames[0][0] == where, got[0].frames
     assert os.path.exists(got[0].path)
 
 

@@ -31,7 +31,7 @@ def test_inject_parses_every_kind_and_round_trips():
     ("kill:rank=one,step=3", "rank='one' must be a non-negative integer"),
     ("kill:rank=1,step=-3", "step='-3' must be a non-negative integer"),
     ("kill:rank=1,step=3,signal=NOPE", "signal='NOPE' is not a signal name"),
-    ("hang:rank=1,step=3,mode=syscall", "mode='syscall' is not one of python"),
+    ("hang:rank=1,step=3,mode=gpu", "mode='gpu' is not one of python, syscall"),
     ("nan:rank=1,step=3,where=loss", "unknown key 'where' for nan"),
     ("kill:rank=1,step", "'step' is not key=value"),
     ("kill:rank=1,rank=2,step=3", "'rank' is given twice"),
@@ -97,6 +97,19 @@ def test_stalled_ranks_names_only_ranks_past_the_timeout_and_skips_finished_ones
     assert timeout == 10.0 and stalled == []  # 10 x p99(1 s) = 10 s
     stalled, _ = detect.stalled_ranks(cfg, ranks, now=11.5, finished=[3])
     assert stalled == [2]
+
+
+def test_ranks_without_a_step_get_the_initial_timeout_and_history_skips_a_second_warmup():
+    cfg = WatchdogConfig(hang_warmup_steps=3, hang_min_timeout_s=1, hang_factor=2,
+                         hang_initial_timeout_s=30)
+    fresh = {0: detect.RankProgress(last_progress=0.0), 1: detect.RankProgress(last_progress=0.0)}
+    fresh[1].on_step(1, now=5.0)
+    # Without history rank 1's timeout is still the initial one (warm-up not done).
+    assert detect.stalled_ranks(cfg, fresh, now=20.0) == ([], 30)
+    # With the step times of an earlier incarnation the learned timeout (2 x 1 s) applies at once
+    # to rank 1, while rank 0, still starting up, keeps the initial timeout.
+    assert detect.stalled_ranks(cfg, fresh, now=20.0, history=[1.0] * 10) == ([1], 2.0)
+    assert detect.stalled_ranks(cfg, fresh, now=31.0, history=[1.0] * 10) == ([0, 1], 2.0)
 
 
 # -- stacks and localization -------------------------------------------------------------------------
