@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -74,12 +75,27 @@ def _alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def robust_run(run_dir: Path, nproc: int, *args: str, timeout_s: float = 120.0,
-               env: dict | None = None, recipe_args: list[str] | None = None) -> Job:
-    """Run ``robust run`` on the plain GPT recipe; kill everything after ``timeout_s``."""
+               env: dict | None = None, recipe_args: list[str] | None = None,
+               rdzv: str = "standalone") -> Job:
+    """Run ``robust run`` on the plain GPT recipe; kill everything after ``timeout_s``.
+
+    ``rdzv="standalone"`` uses torchrun's ``--standalone`` (c10d rendezvous on a free port);
+    ``"static"`` the static rendezvous (``--master-addr``/``--master-port``), torchrun's default
+    for a multi-node job. Both reuse one store across restarts upstream.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
+    rdzv_args = (["--standalone"] if rdzv == "standalone" else
+                 ["--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())])
     cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(run_dir),
-           "--standalone", "--nproc-per-node", str(nproc), "--monitor-interval", "0.1", *args,
+           *rdzv_args, "--nproc-per-node", str(nproc), "--monitor-interval", "0.1", *args,
            "-m", RECIPE, *(RECIPE_ARGS if recipe_args is None else recipe_args),
            "--ckpt-dir", str(run_dir / "ckpt"), "--out", str(run_dir / "result.json")]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}

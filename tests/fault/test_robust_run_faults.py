@@ -28,11 +28,12 @@ def test_kill_is_recorded_restarted_and_ends_with_the_fault_free_loss(tmp_path, 
 
 
 def test_four_ranks_recover_from_a_kill_then_a_nan(tmp_path):
-    """The gloo restart bug of HOSTS.md: a 4-rank job must form its process group again."""
+    """The gloo restart bug of HOSTS.md: a 4-rank job must form its process group again, here with
+    the static rendezvous (the 2-rank tests use the c10d one of --standalone)."""
     job = robust_run(tmp_path, 4, "--max-restarts", "2",
                      "--inject", "kill:rank=2,step=12", "--inject", "nan:rank=1,step=25",
                      recipe_args=["--steps", "30", "--save-every", "10", "--corpus-bytes", "200000"],
-                     timeout_s=180)
+                     timeout_s=180, rdzv="static")
     assert job.returncode == 0, job.output[-3000:]
     crash, nan = job.faults
     assert (crash["kind"], crash["suspect_ranks"], crash["resumed_at_step"]) == ("crash", [2], 11)
