@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from robust_plugins.launch import launch_env
+
 RECIPE = "robust_plugins.recipes.plain_gpt.train"
 
 #: Small and fast: 40 tiny-GPT steps take ~2 s on 2 ranks; start-up (imports, rendezvous) dominates.
@@ -84,21 +86,22 @@ def free_port() -> int:
 
 def robust_run(run_dir: Path, nproc: int, *args: str, timeout_s: float = 120.0,
                env: dict | None = None, recipe_args: list[str] | None = None,
-               rdzv: str = "standalone") -> Job:
+               rdzv: str = "standalone", script: list[str] | None = None) -> Job:
     """Run ``robust run`` on the plain GPT recipe; kill everything after ``timeout_s``.
 
     ``rdzv="standalone"`` uses torchrun's ``--standalone`` (c10d rendezvous on a free port);
     ``"static"`` the static rendezvous (``--master-addr``/``--master-port``), torchrun's default
-    for a multi-node job. Both reuse one store across restarts upstream.
+    for a multi-node job. Both reuse one store across restarts upstream. ``script`` replaces the
+    recipe (``[path, args...]``); it must take ``--ckpt-dir`` and ``--out``.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     rdzv_args = (["--standalone"] if rdzv == "standalone" else
                  ["--nnodes", "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port())])
     cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(run_dir),
            *rdzv_args, "--nproc-per-node", str(nproc), "--monitor-interval", "0.1", *args,
-           "-m", RECIPE, *(RECIPE_ARGS if recipe_args is None else recipe_args),
+           *(script or ["-m", RECIPE, *(RECIPE_ARGS if recipe_args is None else recipe_args)]),
            "--ckpt-dir", str(run_dir / "ckpt"), "--out", str(run_dir / "result.json")]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env = launch_env(extra=env)  # OMP_NUM_THREADS=1, DeepSpeed's CPU accelerator and JIT cache
     t0 = time.monotonic()
     log = run_dir / "launcher.log"
     with open(log, "wb") as out:

@@ -120,3 +120,20 @@ def test_sigkilled_launcher_leaves_no_rank_behind(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+
+
+def test_deepspeed_kill_resumes_from_its_checkpoint_with_the_fault_free_loss(tmp_path):
+    pytest.importorskip("deepspeed")
+    script = str(Path(__file__).with_name("ds_train.py"))
+    args = ["--steps", "30", "--save-every", "10"]
+    clean = robust_run(tmp_path / "clean", 2, "--max-restarts", "0", timeout_s=180,
+                       script=[script, *args])
+    assert clean.returncode == 0 and clean.faults == [], clean.output[-3000:]
+    job = robust_run(tmp_path / "kill", 2, "--max-restarts", "1", "--inject", "kill:rank=0,step=15",
+                     timeout_s=180, script=[script, *args])
+    assert job.returncode == 0, job.output[-3000:]
+    (fault,) = job.faults
+    assert (fault["kind"], fault["suspect_ranks"], fault["resumed_at_step"]) == ("crash", [0], 11)
+    assert job.result["started_at"] == 11  # engine.global_steps after load_checkpoint was 10
+    assert job.result["final_loss"] == clean.result["final_loss"]
+    assert job.result["params_hash"] == clean.result["params_hash"]
