@@ -200,8 +200,8 @@ NOTES = (
     "of codec / vanilla - 1 over the seeds, each pair sharing a seed (same initialisation and batches, "
     "which cancels much of the seed-to-seed movement), to show how much that ratio moves. Step time: mean over "
     "seeds of each run's median step time, relative to vanilla's. Step times on an oversubscribed CPU "
-    "machine measure encoding cost, not network savings: see ../shared/HOSTS.md for a "
-    "bandwidth-limited link."
+    "machine measure encoding cost, not network savings; a bandwidth-limited multi-node comparison "
+    "is a separate benchmark."
 )
 
 
