@@ -173,6 +173,13 @@ class WatchdogConfig:
     """Treat a NaN or Inf loss or gradient norm reported by a rank as a fault (rollback by
     restart from the newest checkpoint)."""
 
+    restart_backoff_s: float = 0.0
+    """Seconds to wait after stopping the ranks before the first restart; the wait doubles with
+    every further restart, up to ``restart_backoff_max_s``. 0 restarts at once."""
+
+    restart_backoff_max_s: float = 60.0
+    """Ceiling of the restart wait."""
+
     def __post_init__(self) -> None:
         where = f"{BLOCK_KEY}.watchdog"
         _expect_type(f"{where}.hang_warmup_steps", self.hang_warmup_steps, (int,), "an integer")
@@ -200,6 +207,15 @@ class WatchdogConfig:
                 f"({self.hang_max_timeout_s})."
             )
         _expect_type(f"{where}.nan_check", self.nan_check, (bool,), "true or false")
+        for name in ("restart_backoff_s", "restart_backoff_max_s"):
+            value = _expect_type(f"{where}.{name}", getattr(self, name), (int, float), "a number")
+            if not 0 <= value < float("inf"):
+                raise ConfigError(f"{where}.{name} = {value!r} must be a finite number >= 0.")
+        if self.restart_backoff_s > self.restart_backoff_max_s:
+            raise ConfigError(
+                f"{where}.restart_backoff_s ({self.restart_backoff_s}) must be <= "
+                f"restart_backoff_max_s ({self.restart_backoff_max_s})."
+            )
 
     def describe(self) -> str:
         """One-line summary for logs and ``robust check-config``."""

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from robust_plugins._logging import get_logger
+from robust_plugins.watchdog.detect import restart_delay
 from robust_plugins.watchdog.monitor import Monitor
 
 log = get_logger(__name__)
@@ -42,9 +43,14 @@ def _agent_class():
             self.monitor = monitor
             self._round = 0
             self._worker_store = None
-            self.last_result: Any = None
+            self._monitor_ok = True
 
         def _rendezvous(self, worker_group) -> None:
+            # Called again for every restart, after the old ranks were stopped: the backoff goes here.
+            delay = restart_delay(self.monitor.cfg, self._round)
+            if delay > 0:
+                log.info("robust run: waiting %.1f s before restart %d (restart_backoff_s)", delay, self._round)
+                time.sleep(delay)
             super()._rendezvous(worker_group)
             self._round += 1
             key = _STORE_KEY.format(round=self._round)
@@ -73,14 +79,20 @@ def _agent_class():
 
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
+            if not self._monitor_ok:
+                return result
             will_restart = self._remaining_restarts > 0
-            if result.state == WorkerState.FAILED:
-                self.monitor.on_crash(result.failures, will_restart)
-            elif result.state == WorkerState.HEALTHY:
-                fault = self.monitor.check(will_restart)
-                if fault is not None:
-                    result = RunResult(state=WorkerState.FAILED)
-            self.last_result = result
+            try:
+                if result.state == WorkerState.FAILED:
+                    self.monitor.on_crash(result.failures, will_restart)
+                elif result.state == WorkerState.HEALTHY:
+                    if self.monitor.check(will_restart) is not None:
+                        result = RunResult(state=WorkerState.FAILED)
+            except Exception:
+                # The watchdog must never take training down with it.
+                self._monitor_ok = False
+                log.exception("robust run: the watchdog monitor failed; training goes on without "
+                              "fault detection (crashes still restart the ranks).")
             return result
 
     return RobustAgent

@@ -76,6 +76,13 @@ def stalled_ranks(cfg: WatchdogConfig, ranks: Mapping[int, RankProgress], now: f
     return stalled, learned
 
 
+def restart_delay(cfg: WatchdogConfig, restart: int) -> float:
+    """Seconds to wait before restart number ``restart`` (1 = the first): doubling, capped."""
+    if restart < 1 or cfg.restart_backoff_s == 0:
+        return 0.0
+    return min(cfg.restart_backoff_max_s, cfg.restart_backoff_s * 2 ** min(restart - 1, 30))
+
+
 def is_bad_number(value: float | None) -> bool:
     """True for NaN and +-Inf; ``None`` (not reported) is fine."""
     return value is not None and not math.isfinite(value)

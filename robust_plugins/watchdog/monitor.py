@@ -75,6 +75,7 @@ class Monitor:
         self._incarnation_started = 0.0
         self._warned_unregistered = False
         self._uses_api = False
+        self._warned_receiver = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sock_dir = tempfile.mkdtemp(prefix="robust-wd-")  # short: AF_UNIX paths max 107 bytes
@@ -139,11 +140,9 @@ class Monitor:
             except OSError:
                 return
             try:
-                msg = json.loads(data)
-            except ValueError:
-                log.warning("robust watchdog: dropped a malformed signal (%d bytes).", len(data))
-                continue
-            self._handle(msg, time.monotonic())
+                self._handle(json.loads(data), time.monotonic())
+            except Exception as exc:  # one bad datagram must not end the receiver
+                log.warning("robust watchdog: dropped a malformed signal (%d bytes): %r", len(data), exc)
 
     def _handle(self, msg: dict[str, Any], now: float) -> None:
         with self._lock:
@@ -253,6 +252,12 @@ class Monitor:
     def check(self, will_restart: bool) -> Fault | None:
         """Look for a NaN/Inf report or a hang; returns the fault if the ranks must be stopped."""
         now, now_wall = time.monotonic(), time.time()
+        if not self._thread.is_alive():
+            if not self._warned_receiver:
+                self._warned_receiver = True
+                log.warning("robust watchdog: the signal receiver stopped; hang and NaN detection "
+                            "are off for the rest of the job (crashes are still detected).")
+            return None
         with self._lock:
             bad = {r: st.bad_number for r, st in self.ranks.items() if st.bad_number}
             progress = {r: st.progress for r, st in self.ranks.items() if st.registered}

@@ -238,3 +238,59 @@ def test_step_end_sends_a_datagram_and_nan_injection_poisons_the_reported_loss(t
     assert msgs[1]["s"] == 1 and msgs[1]["l"] == 2.5 and msgs[1]["g"] == 0.5
     assert msgs[2]["spec"] == "nan:rank=0,step=2,what=loss"
     assert math.isnan(msgs[3]["l"])
+
+
+# -- restart policy and monitor robustness -------------------------------------------------------------
+def test_restart_delay_doubles_up_to_the_ceiling_and_is_validated():
+    cfg = WatchdogConfig(restart_backoff_s=2, restart_backoff_max_s=10)
+    assert [detect.restart_delay(cfg, n) for n in range(6)] == [0.0, 2, 4, 8, 10, 10]
+    assert detect.restart_delay(WatchdogConfig(), 3) == 0.0
+    with pytest.raises(ConfigError, match=r"restart_backoff_s \(20\) must be <= restart_backoff_max_s \(10\)"):
+        WatchdogConfig(restart_backoff_s=20, restart_backoff_max_s=10)
+    with pytest.raises(ConfigError, match="restart_backoff_s = -1 must be a finite number >= 0"):
+        WatchdogConfig(restart_backoff_s=-1)
+
+
+def _wait_for(cond, timeout_s=5.0):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_monitor_survives_bad_datagrams_detects_nan_and_stands_down_without_its_receiver(tmp_path, caplog):
+    from robust_plugins.watchdog.monitor import Monitor
+
+    mon = Monitor(WatchdogConfig(), tmp_path, host="h")
+    try:
+        mon.begin_incarnation({0: 100, 1: 101})
+        tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+        def send(obj):
+            tx.sendto(obj if isinstance(obj, bytes) else json.dumps(obj).encode(), mon.address)
+
+        send(b"\xff not json")
+        send({"k": "end", "r": 0, "i": 0})  # no step: malformed
+        send({"k": "end", "r": 0, "i": 7, "s": 1, "t": 0.0})  # another incarnation: ignored
+        for r in (0, 1):
+            send({"k": "hello", "r": r, "i": 0, "t": 0.0, "pid": 100 + r, "fh": None})
+            send({"k": "end", "r": r, "i": 0, "s": 1, "t": 0.0, "l": 2.0})
+        send({"k": "end", "r": 1, "i": 0, "s": 2, "t": 0.0, "l": float("nan")})
+        assert _wait_for(lambda: mon.ranks[1].progress.last_step == 2)
+        assert mon.ranks[0].progress.last_step == 1 and mon.ranks[0].registered
+        fault = mon.check(will_restart=True)
+        assert (fault.kind, fault.step, fault.suspect_ranks, fault.action) == ("nan", 2, [1], "rollback")
+        mon._stop.set()
+        mon._thread.join(timeout=5)
+        with caplog.at_level("WARNING", logger="robust_plugins"):
+            assert mon.check(will_restart=True) is None
+        assert "signal receiver stopped" in caplog.text
+        tx.close()
+    finally:
+        mon.close()
+    (line,) = read_faults(tmp_path / "faults.jsonl")  # the pending rollback is written on close
+    assert line["kind"] == "nan" and line["resumed_at_step"] is None
