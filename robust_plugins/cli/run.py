@@ -97,6 +97,16 @@ def _resolve_rendezvous(args: argparse.Namespace) -> None:
         args.master_port = _TORCHRUN_MASTER_PORT
 
 
+def _new_run_dir(base: Path) -> Path:
+    # Two launches in the same second must not share (and append to) one faults.jsonl.
+    stem = base / time.strftime("run-%Y%m%d-%H%M%S")
+    candidate, n = stem, 0
+    while candidate.exists():
+        n += 1
+        candidate = stem.with_name(f"{stem.name}-{n}")
+    return candidate
+
+
 def run(args: argparse.Namespace) -> int:
     """Launch the job under the watchdog; see the module docstring for the exit status."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -112,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     config, cmd, cmd_args = config_from_args(args)
     _inject.check_world(injections, config.nproc_per_node * config.max_nodes)
 
-    run_dir = Path(args.run_dir or Path("runs") / time.strftime("run-%Y%m%d-%H%M%S"))
+    run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(Path("runs"))
     run_dir.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(run_dir / "monitor.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -53,14 +53,18 @@ def _agent_class():
                 time.sleep(delay)
             super()._rendezvous(worker_group)
             self._round += 1
-            key = _STORE_KEY.format(round=self._round)
+            # The c10d (and etcd) rendezvous hand out a store with a fresh prefix every round, so
+            # a fixed key is unique per round, also for a node that joins late (its own round
+            # count would differ). The static rendezvous reuses one store, but its membership is
+            # fixed and every agent re-rendezvouses on every restart: a local count agrees.
+            static = worker_group.spec.rdzv_handler.get_backend() == "static"
+            key = _STORE_KEY.format(round=self._round if static else "current")
             store = worker_group.store
             if worker_group.group_rank == 0:
                 # Dropping the previous incarnation's store stops its server; its ranks are gone.
                 self._worker_store = None
                 self._worker_store = dist.TCPStore(
                     worker_group.master_addr, 0, is_master=True, wait_for_workers=False,
-                    multi_tenant=True,
                 )
                 store.set(key, f"{worker_group.master_addr}:{self._worker_store.port}".encode())
             addr, _, port = store.get(key).decode().rpartition(":")

@@ -1,0 +1,54 @@
+"""``robust run`` argument handling without launching anything."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from robust_plugins.cli import run as run_cmd
+from robust_plugins.cli.main import build_parser
+from robust_plugins.errors import ConfigError
+
+
+def _parse(argv):
+    return build_parser("run").parse_args(["run", *argv])
+
+
+def test_torchrun_options_parse_unchanged_next_to_ours():
+    args = _parse(["--run-dir", "r", "--inject", "kill:rank=1,step=3", "--nnodes", "1:2",
+                   "--nproc-per-node", "4", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
+                   "--max-restarts", "3", "--monitor-interval", "0.5", "train.py", "--lr", "1e-3"])
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend, args.rdzv_endpoint) == ("1:2", "4", "c10d", "h:29400")
+    assert args.max_restarts == 3 and args.monitor_interval == 0.5
+    assert args.training_script == "train.py" and args.training_script_args == ["--lr", "1e-3"]
+    assert args.inject == ["kill:rank=1,step=3"] and args.run_dir == "r"
+
+
+def test_standalone_and_single_node_defaults_match_torchrun():
+    args = _parse(["--standalone", "--nproc-per-node", "2", "t.py"])
+    run_cmd._resolve_rendezvous(args)
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", "localhost:0")
+    args = _parse(["--nproc-per-node", "2", "--master-port", "1234", "t.py"])
+    run_cmd._resolve_rendezvous(args)
+    assert (args.rdzv_backend, args.master_port) == ("static", 1234)
+
+
+def test_watchdog_settings_from_a_deepspeed_config_and_the_command_line(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8,
+                                "robust_plugins": {"watchdog": {"hang_factor": 4, "nan_check": False}}}))
+    cfg = run_cmd.watchdog_config(str(path), ["hang_factor=6", "hang_min_timeout_s=5"])
+    assert (cfg.hang_factor, cfg.nan_check, cfg.hang_min_timeout_s) == (6, False, 5)
+    with pytest.raises(ConfigError, match="--watchdog 'hang_factor' must be KEY=VALUE"):
+        run_cmd.watchdog_config(None, ["hang_factor"])
+    with pytest.raises(ConfigError, match="Did you mean 'hang_factor'"):
+        run_cmd.watchdog_config(None, ["hang_facter=3"])
+
+
+def test_default_run_dirs_never_collide(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_cmd.time, "strftime", lambda fmt: "run-20260101-000000")
+    first = run_cmd._new_run_dir(tmp_path)
+    first.mkdir()
+    second = run_cmd._new_run_dir(tmp_path)
+    assert first.name == "run-20260101-000000" and second.name == "run-20260101-000000-1"
