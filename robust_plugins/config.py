@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from robust_plugins.errors import ConfigError
+from robust_plugins.errors import ConfigError, UnsupportedError
 
 #: The top-level key of the block in a DeepSpeed JSON config.
 BLOCK_KEY = "robust_plugins"
@@ -227,7 +227,111 @@ class WatchdogConfig:
         )
 
 
-_SECTIONS: dict[str, type] = {"compression": CompressionConfig, "watchdog": WatchdogConfig}
+#: ``checkpoint.verify`` values: ``sha256`` hashes every file on save and checks it on load;
+#: ``none`` records and checks sizes only (atomic commit still applies).
+VERIFY_MODES = ("sha256", "none")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Verified, atomic disk checkpoints (``"checkpoint"`` sub-block).
+
+    With this sub-block, DeepSpeed's ``save_checkpoint`` writes into a temporary directory,
+    records every file's size and sha256 in a manifest, and renames the directory into place;
+    ``latest`` is updated only afterwards. ``load_checkpoint`` without a tag loads the newest
+    checkpoint whose manifest verifies and skips (with one log line each) corrupt, truncated,
+    partial or mismatched ones.
+    """
+
+    dir: str | None = None
+    """Checkpoint directory used when ``save_checkpoint`` / ``load_checkpoint`` are called
+    without one (``None``: the caller always passes it). Required by ``persist_every``."""
+
+    persist_every: int | None = None
+    """Save a disk checkpoint into ``dir`` automatically after every this many optimizer steps
+    (``None``: only when the training script calls ``save_checkpoint``). The save is synchronous;
+    background persistence is not implemented yet."""
+
+    keep: int = 3
+    """Committed checkpoints kept in a directory: after each save, older ones beyond the ``keep``
+    newest intact ones are deleted (directories without a robust_plugins manifest are never
+    touched)."""
+
+    verify: str = "sha256"
+    """``sha256``: hash every file on save and check every hash before loading. ``none``: check
+    only that every file is present with its recorded size (cheaper for very large checkpoints,
+    but a flipped bit is not caught)."""
+
+    memory_every: int | None = None
+    """NOT IMPLEMENTED YET (setting it raises UnsupportedError): in-memory snapshots every this
+    many steps."""
+
+    peer_backup: bool = False
+    """NOT IMPLEMENTED YET (``true`` raises UnsupportedError): copy each rank's in-memory snapshot
+    to a rank on another node."""
+
+    timeout_s: float = 900.0
+    """Bound on every wait for the other ranks during a save or load (gathering file hashes,
+    agreeing on the tag to load). A rank that does not answer in time fails the save / load with
+    CheckpointError instead of hanging."""
+
+    def __post_init__(self) -> None:
+        where = f"{BLOCK_KEY}.checkpoint"
+        if self.dir is not None:
+            if isinstance(self.dir, os.PathLike):
+                object.__setattr__(self, "dir", os.fspath(self.dir))
+            _expect_type(f"{where}.dir", self.dir, (str,), "a directory path (string)")
+            if not self.dir:
+                raise ConfigError(f"{where}.dir = '' is empty: give a directory path or leave it out.")
+        for name in ("persist_every", "memory_every"):
+            value = getattr(self, name)
+            if value is not None:
+                _expect_type(f"{where}.{name}", value, (int,), "an integer number of steps or null")
+                if value < 1:
+                    raise ConfigError(f"{where}.{name} = {value} must be >= 1 (or null to turn it off).")
+        _expect_type(f"{where}.keep", self.keep, (int,), "an integer")
+        if self.keep < 1:
+            raise ConfigError(
+                f"{where}.keep = {self.keep} must be >= 1: the newest checkpoint is always kept."
+            )
+        _expect_type(f"{where}.verify", self.verify, (str,), "a string")
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(
+                f"{where}.verify = {self.verify!r} is not allowed.{_did_you_mean(self.verify, list(VERIFY_MODES))} "
+                f"Allowed: {', '.join(VERIFY_MODES)}."
+            )
+        _expect_type(f"{where}.peer_backup", self.peer_backup, (bool,), "true or false")
+        value = _expect_type(f"{where}.timeout_s", self.timeout_s, (int, float), "a number")
+        if not value > 0 or value == float("inf"):
+            raise ConfigError(f"{where}.timeout_s = {value!r} must be a finite number of seconds > 0.")
+        if self.persist_every is not None and self.dir is None:
+            raise ConfigError(
+                f"{where}.persist_every = {self.persist_every} needs {where}.dir: automatic saves "
+                f"have no directory to go to. Set dir or remove persist_every."
+            )
+        if self.memory_every is not None:
+            raise UnsupportedError(
+                f"{where}.memory_every = {self.memory_every}: in-memory snapshots are not "
+                f"implemented yet. Remove memory_every (disk checkpoints work without it)."
+            )
+        if self.peer_backup:
+            raise UnsupportedError(
+                f"{where}.peer_backup = true: peer backup of in-memory snapshots is not "
+                f"implemented yet. Remove peer_backup or set it to false."
+            )
+
+    def describe(self) -> str:
+        """One-line summary for logs and ``robust check-config``."""
+        every = f"every {self.persist_every} steps" if self.persist_every else "on save_checkpoint"
+        return (
+            f"checkpoint(dir={self.dir}, persist {every}, keep={self.keep}, verify={self.verify}, "
+            f"timeout_s={self.timeout_s:g})"
+        )
+
+
+_SECTIONS: dict[str, type] = {
+    "compression": CompressionConfig, "watchdog": WatchdogConfig, "checkpoint": CheckpointConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -239,6 +343,9 @@ class PluginConfig:
 
     watchdog: WatchdogConfig | None = None
     """Fault detection settings read by ``robust run``; ``None`` means the defaults there."""
+
+    checkpoint: CheckpointConfig | None = None
+    """Verified, atomic disk checkpoints; ``None`` leaves DeepSpeed's own save/load unchanged."""
 
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The block as given (after environment overrides), for logs and W&B run configs."""
@@ -282,11 +389,11 @@ class PluginConfig:
     def active(self) -> bool:
         """True when a feature that hooks the host engine is configured (the watchdog sub-block
         alone is read by ``robust run`` and hooks nothing)."""
-        return self.compression is not None
+        return self.compression is not None or self.checkpoint is not None
 
     def describe(self) -> str:
         """One line naming every active feature with its settings."""
-        parts = [s.describe() for s in (self.compression, self.watchdog) if s is not None]
+        parts = [s.describe() for s in (self.compression, self.watchdog, self.checkpoint) if s is not None]
         return "; ".join(parts) if parts else "no features active"
 
 
