@@ -18,19 +18,40 @@ Each replacement keeps DeepSpeed's scaling (``gradient_predivide_factor``,
 ``postscale_gradients``, ``gradient_average``, sequence-parallel world size) and swaps only the
 collective. ``save_checkpoint`` / ``load_checkpoint`` are shadowed to store each rank's
 error-feedback residuals beside DeepSpeed's files.
+
+With the ``checkpoint`` sub-block, the same two methods also make every save verified and atomic
+(``robust_plugins/checkpoint``): DeepSpeed is handed the tag ``.tmp-<tag>``, so its
+``_save_checkpoint`` / ``_save_zero_checkpoint`` write every rank's files into that temporary
+directory, with ``save_latest=False`` so it never writes ``latest`` itself. While it runs, the
+engine's ``checkpoint_engine.save`` is shadowed to fsync each file and catch a failed write (so
+that every rank still reaches DeepSpeed's closing barrier), and ``_copy_recovery_script`` to catch
+rank 0's copy of ``zero_to_fp32.py``. Then each rank hashes its files, rank 0 writes the manifest,
+renames the directory to ``<tag>`` and only then rewrites ``latest``. ``load_checkpoint`` with no
+tag picks the newest checkpoint that verifies (rank 0 decides, every rank loads the same tag).
+
+Loading runs no code from the files. DeepSpeed 0.19's ``TorchCheckpointEngine.load`` calls
+``torch.load(weights_only=False)``; every file DeepSpeed reads for a ZeRO 0-2, non-MoE,
+non-universal checkpoint goes through ``engine.checkpoint_engine.load`` (``SDLoaderFactory``
+for model states, ``_get_all_zero_checkpoint_state_dicts`` for ZeRO shards, the optimizer file
+for ZeRO 0), so during a load that method is shadowed with ``torch.load(weights_only=True)`` and an
+allowlist of four inert DeepSpeed types its files hold (``SAFE_GLOBALS``). Engines whose loads
+take other paths (MoE, universal checkpoints, other checkpoint engines) are refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
+import pickle
 from typing import Any
 
 import torch
 
 from robust_plugins._logging import current_rank, get_logger, warn_once
 from robust_plugins.config import PluginConfig, load_json
+from robust_plugins.checkpoint import DiskCheckpointer
 from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
 from robust_plugins.patches import _guard
 
@@ -51,6 +72,20 @@ _LOAD_SIGNATURE = [
     "self", "load_dir", "tag", "load_module_strict", "load_optimizer_states",
     "load_lr_scheduler_states", "load_module_only", "custom_load_fn",
 ]
+_STEP_SIGNATURE = ["self", "lr_kwargs"]
+_COPY_SCRIPT_SIGNATURE = ["self", "save_path"]
+_CKPT_ENGINE_SAVE_SIGNATURE = ["self", "state_dict", "path"]
+_CKPT_ENGINE_LOAD_SIGNATURE = ["self", "path", "map_location"]
+
+#: (module, name) of the only non-builtin types in DeepSpeed 0.19 ZeRO 0-2 checkpoint files
+#: (found by loading fp32 and bf16 checkpoints of every stage with weights_only=True). Each is
+#: plain data: a loss-scale holder, an enum, a (numel, start) dataclass. Nothing else may load.
+SAFE_GLOBALS = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,6 +107,12 @@ def install() -> None:
     )
     _guard.check_signature("deepspeed", DeepSpeedEngine.save_checkpoint, _SAVE_SIGNATURE, SUPPORTED)
     _guard.check_signature("deepspeed", DeepSpeedEngine.load_checkpoint, _LOAD_SIGNATURE, SUPPORTED)
+    _guard.check_signature("deepspeed", DeepSpeedEngine.step, _STEP_SIGNATURE, SUPPORTED)
+    _guard.check_signature("deepspeed", DeepSpeedEngine._copy_recovery_script, _COPY_SCRIPT_SIGNATURE, SUPPORTED)
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    _guard.check_signature("deepspeed", TorchCheckpointEngine.save, _CKPT_ENGINE_SAVE_SIGNATURE, SUPPORTED)
+    _guard.check_signature("deepspeed", TorchCheckpointEngine.load, _CKPT_ENGINE_LOAD_SIGNATURE, SUPPORTED)
 
     original = deepspeed.initialize
     signature = inspect.signature(original)
@@ -81,7 +122,7 @@ def install() -> None:
         plugin_cfg = PluginConfig.from_ds_config(_find_ds_config(bound.arguments))
         if not plugin_cfg.active:
             return original(*args, **kwargs)
-        _refuse_before_init(bound.arguments)
+        _refuse_before_init(bound.arguments, plugin_cfg)
         result = original(*args, **kwargs)
         attach(result[0], plugin_cfg)
         return result
@@ -126,21 +167,28 @@ def _read_config_file(path: str | os.PathLike) -> dict[str, Any] | None:
             raise ConfigError(f"Cannot parse the DeepSpeed config {path} as JSON or HJSON.") from None
 
 
-def _refuse_before_init(arguments: dict[str, Any]) -> None:
+def _features(plugin_cfg: PluginConfig) -> str:
+    """``compression``, ``checkpoint`` or ``compression and checkpoint``: for refusal messages."""
+    names = [n for n in ("compression", "checkpoint") if getattr(plugin_cfg, n) is not None]
+    return " and ".join(names)
+
+
+def _refuse_before_init(arguments: dict[str, Any], plugin_cfg: PluginConfig) -> None:
     """Cheap refusals that need no engine: fail before DeepSpeed spends time building one."""
     cfg = _find_ds_config(arguments) or {}
+    what = _features(plugin_cfg)
     stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1, 2):
         raise UnsupportedError(
-            f"robust_plugins.compression supports ZeRO stages 0, 1 and 2; this config sets "
+            f"robust_plugins.{what} supports ZeRO stages 0, 1 and 2; this config sets "
             f"zero_optimization.stage = {stage!r}. Use stage 0-2 or remove the "
-            f"'compression' sub-block."
+            f"'{what}' sub-block."
         )
     model = arguments.get("model")
     if model is not None and type(model).__name__ == "PipelineModule":
         raise UnsupportedError(
-            "robust_plugins.compression does not support DeepSpeed pipeline engines "
-            "(PipelineModule); remove the 'compression' sub-block or train without pipeline parallelism."
+            f"robust_plugins.{what} does not support DeepSpeed pipeline engines "
+            f"(PipelineModule); remove the '{what}' sub-block or train without pipeline parallelism."
         )
 
 
@@ -177,6 +225,30 @@ def _refuse_engine(engine) -> None:
             )
 
 
+def _refuse_checkpoint_engine(engine) -> None:
+    """Engines whose checkpoint files take paths the verified save/load does not cover."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    remove = "Remove the 'checkpoint' sub-block to use DeepSpeed's own checkpoints."
+    if isinstance(engine, PipelineEngine):
+        raise UnsupportedError(f"robust_plugins.checkpoint does not support DeepSpeed's PipelineEngine. {remove}")
+    stage = engine.zero_optimization_stage()
+    if stage not in (0, 1, 2):
+        raise UnsupportedError(f"robust_plugins.checkpoint supports ZeRO stages 0-2, not stage {stage}. {remove}")
+    refusals = (
+        (engine.has_moe_layers, "MoE engines (expert files are loaded outside the checkpoint engine)"),
+        (engine.load_universal_checkpoint(), "universal checkpoints (checkpoint.load_universal)"),
+        (engine.use_node_local_storage(), "node-local storage (rank 0 must see every rank's files)"),
+        (engine.zero_nvme_offload_optimizer(), "NVMe optimizer offload (its files are copied with copytree)"),
+        (type(engine.checkpoint_engine) is not TorchCheckpointEngine,
+         f"the {type(engine.checkpoint_engine).__name__} checkpoint engine (only TorchCheckpointEngine)"),
+    )
+    for refused, what in refusals:
+        if refused:
+            raise UnsupportedError(f"robust_plugins.checkpoint does not support {what}. {remove}")
+
+
 # ---------------------------------------------------------------------------------------------
 # attaching to one engine
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +260,23 @@ class DeepSpeedPlugin:
 
         self.engine = engine
         self.config = config
-        self.sync = GradientSync(config.compression, step_fn=lambda: engine.global_steps)
+        self.sync = (GradientSync(config.compression, step_fn=lambda: engine.global_steps)
+                     if config.compression is not None else None)
+        """Compressed gradient sync; None without the ``compression`` sub-block."""
+        self.disk: DiskCheckpointer | None = None
+        """Verified, atomic checkpoints; None without the ``checkpoint`` sub-block."""
+        if config.checkpoint is not None:
+            import deepspeed
+            from deepspeed import comm as dist
+
+            self.disk = DiskCheckpointer(
+                config.checkpoint, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                layout={"zero_stage": engine.zero_optimization_stage(), "dp_world_size": engine.dp_world_size},
+                versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
+                device=engine.device,
+            )
+        self.persisted_at: int | None = None
+        """Step of the last automatic save (``checkpoint.persist_every``)."""
 
     def state_dict(self) -> dict:
         """Per-rank plugin state saved next to DeepSpeed's checkpoint files."""
@@ -203,21 +291,28 @@ class DeepSpeedPlugin:
 
 def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
     """Attach the configured features to a built engine; logs one line on rank 0."""
-    _refuse_engine(engine)
+    if config.compression is not None:
+        _refuse_engine(engine)
+    if config.checkpoint is not None:
+        _refuse_checkpoint_engine(engine)
     plugin = DeepSpeedPlugin(engine, config)
     engine.robust_plugins = plugin
     stage = engine.zero_optimization_stage()
-    if stage == 0:
+    # With the checkpoint sub-block alone, gradient reduction stays DeepSpeed's own, untouched.
+    if config.compression is not None and stage == 0:
         _guard.bind_instance(engine, "allreduce_bucket", _engine_allreduce_bucket(engine, plugin))
-    else:
+    elif config.compression is not None:
         opt = engine.optimizer
         _guard.bind_instance(opt, "allreduce_bucket", _zero_allreduce_bucket(opt, plugin))
         _guard.bind_instance(opt, "gradient_reduction_w_predivide", _zero_predivide(opt, plugin))
     _guard.bind_instance(engine, "save_checkpoint", _save_checkpoint(engine, plugin))
     _guard.bind_instance(engine, "load_checkpoint", _load_checkpoint(engine, plugin))
+    if config.checkpoint is not None and config.checkpoint.persist_every is not None:
+        _guard.bind_instance(engine, "step", _step_with_persist(engine, plugin))
 
     comm_dtype = engine.communication_data_type
-    if config.compression.compresses and comm_dtype not in (torch.float32, engine.get_data_types()[0]):
+    if (config.compression is not None and config.compression.compresses
+            and comm_dtype not in (torch.float32, engine.get_data_types()[0])):
         warn_once(
             log, "comm_dtype",
             "robust_plugins: communication_data_type=%s is superseded by codec %s for compressed "
@@ -238,7 +333,7 @@ def detach(engine) -> None:
     """Remove the plugin from ``engine``: its methods fall back to DeepSpeed's."""
     for obj, name in ((engine, "allreduce_bucket"), (engine.optimizer, "allreduce_bucket"),
                       (engine.optimizer, "gradient_reduction_w_predivide"),
-                      (engine, "save_checkpoint"), (engine, "load_checkpoint")):
+                      (engine, "save_checkpoint"), (engine, "load_checkpoint"), (engine, "step")):
         if obj is not None:
             _guard.unbind_instance(obj, name)
     engine.__dict__.pop("robust_plugins", None)
@@ -340,51 +435,179 @@ def _state_path(ckpt_dir: str, tag: str) -> str:
 def _save_checkpoint(engine, plugin: DeepSpeedPlugin):
     original = engine.save_checkpoint
 
-    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
+    def save_checkpoint(save_dir=None, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         if tag is None:
             tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default tag
-        path = _state_path(save_dir, tag)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        # Written before DeepSpeed's files so that DeepSpeed's `latest` (written last) never
-        # points at a checkpoint whose residuals are missing; tmp + rename keeps it atomic.
-        tmp = f"{path}.tmp"
-        torch.save(plugin.state_dict(), tmp)
-        os.replace(tmp, path)
+        if plugin.disk is not None:
+            return _verified_save(engine, plugin, original, _checkpoint_dir(plugin, save_dir, "save_checkpoint"),
+                                  str(tag), client_state, save_latest, exclude_frozen_parameters)
+        if plugin.sync is not None:
+            path = _state_path(save_dir, tag)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            # Written before DeepSpeed's files so that DeepSpeed's `latest` (written last) never
+            # points at a checkpoint whose residuals are missing; tmp + rename keeps it atomic.
+            tmp = f"{path}.tmp"
+            torch.save(plugin.state_dict(), tmp)
+            os.replace(tmp, path)
         return original(save_dir, tag, client_state=client_state, save_latest=save_latest,
                         exclude_frozen_parameters=exclude_frozen_parameters)
 
     return save_checkpoint
 
 
+def _checkpoint_dir(plugin: DeepSpeedPlugin, given, method: str) -> str:
+    """The directory argument, or ``checkpoint.dir`` when the caller passed none."""
+    if given:
+        return os.fspath(given)
+    if plugin.config.checkpoint.dir is None:
+        raise CheckpointError(
+            f"engine.{method}() was called without a directory and robust_plugins.checkpoint.dir is "
+            f"not set: pass the directory or set checkpoint.dir in the config."
+        )
+    return plugin.config.checkpoint.dir
+
+
+def _verified_save(engine, plugin, original, save_dir, tag, client_state, save_latest, exclude_frozen):
+    """One atomic, hashed save (module docstring): DeepSpeed writes into ``.tmp-<tag>``."""
+    disk = plugin.disk
+    staging = disk.begin(save_dir, tag)
+    ckpt_engine = engine.checkpoint_engine
+    write, copy_scripts = ckpt_engine.save, engine._copy_recovery_script
+
+    def save(state_dict, path):
+        if disk.failed:  # this rank's save is lost already: do not fill the disk further
+            return
+        try:
+            write(state_dict, path)
+            disk.record(path)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by disk.finish
+            disk.fail(exc, path)
+
+    def copy_recovery_script(save_path):
+        try:
+            copy_scripts(save_path)
+        except OSError as exc:
+            disk.fail(exc)
+
+    ckpt_engine.save = save
+    engine._copy_recovery_script = copy_recovery_script
+    try:
+        # DeepSpeed's tag-consistency check and barriers run as usual, on the temporary name.
+        original(save_dir, os.path.basename(staging), client_state=client_state, save_latest=False,
+                 exclude_frozen_parameters=exclude_frozen)
+        if plugin.sync is not None:
+            save(plugin.state_dict(), os.path.join(staging, STATE_FILE.format(rank=current_rank())))
+    except Exception as exc:
+        # Raised outside the two shadowed writes: the other ranks may be waiting in one of
+        # DeepSpeed's barriers, bounded only by the process-group timeout.
+        raise CheckpointError(
+            f"Checkpoint save of {tag!r} into {save_dir} failed inside DeepSpeed on rank {current_rank()} "
+            f"({type(exc).__name__}: {exc}); nothing was committed, {staging} is left for the next save "
+            f"to remove."
+        ) from exc
+    finally:
+        del ckpt_engine.save
+        del engine._copy_recovery_script
+    disk.finish(save_dir, tag, engine.global_steps, save_latest)
+    return True
+
+
+def _safe_globals() -> list:
+    import importlib
+
+    return [getattr(importlib.import_module(module), name) for module, name in SAFE_GLOBALS]
+
+
+@contextlib.contextmanager
+def _weights_only_loads(engine):
+    """Route DeepSpeed's loads through ``torch.load(weights_only=True)`` for one load_checkpoint."""
+    ckpt_engine = engine.checkpoint_engine
+    allowed = _safe_globals()
+
+    def load(path, map_location=None):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            # torch's message starts with generic advice; the line naming the refused global is the news.
+            lines = [ln.strip() for ln in str(exc).splitlines() if "Unsupported" in ln or "GLOBAL" in ln]
+            raise CheckpointError(
+                f"{path} needs more than tensors and plain data to load "
+                f"({lines[0] if lines else str(exc).splitlines()[0]}). "
+                f"robust_plugins loads checkpoints with torch.load(weights_only=True) and does not "
+                f"run code from files; it was not loaded."
+            ) from exc
+
+    ckpt_engine.load = load
+    try:
+        yield
+    finally:
+        del ckpt_engine.load
+
+
 def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
     original = engine.load_checkpoint
 
-    def load_checkpoint(load_dir, tag=None, *args, **kwargs):
-        load_path, client_state = original(load_dir, tag, *args, **kwargs)
-        if load_path is None:
-            return load_path, client_state
-        if tag is None:
-            latest = "latest_universal" if engine.load_universal_checkpoint() else "latest"
-            with open(os.path.join(load_dir, latest)) as f:
-                tag = f.read().strip()
-        path = _state_path(load_dir, tag)
-        if not os.path.isfile(path):
-            warn_once(
-                log, f"missing:{path}",
-                "robust_plugins: checkpoint %s/%s has no plugin state for rank %d (%s missing: "
-                "saved without the plugin or at another world size). Error-feedback residuals "
-                "start from zero; the run continues, but not bitwise as an uninterrupted one.",
-                load_dir, tag, current_rank(), os.path.basename(path),
-            )
-            return load_path, client_state
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise CheckpointError(
-                f"robust_plugins state {path} cannot be read ({exc}); it is corrupt or truncated. "
-                f"Load an older checkpoint tag or delete the file to restart residuals from zero."
-            ) from exc
-        plugin.load_state_dict(sd)
+    def load_checkpoint(load_dir=None, tag=None, *args, **kwargs):
+        if plugin.disk is not None:
+            load_dir = _checkpoint_dir(plugin, load_dir, "load_checkpoint")
+            tag = plugin.disk.select(load_dir, tag)
+            if tag is None:
+                return None, None  # an empty directory: a fresh start, as DeepSpeed reports it
+            with _weights_only_loads(engine):
+                load_path, client_state = original(load_dir, tag, *args, **kwargs)
+            if load_path is None:
+                raise CheckpointError(
+                    f"DeepSpeed found no model files in the verified checkpoint {load_dir}/{tag}; "
+                    f"it was saved by another kind of engine (e.g. other model parallelism)."
+                )
+        else:
+            load_path, client_state = original(load_dir, tag, *args, **kwargs)
+            if load_path is None:
+                return load_path, client_state
+            if tag is None:
+                latest = "latest_universal" if engine.load_universal_checkpoint() else "latest"
+                with open(os.path.join(load_dir, latest)) as f:
+                    tag = f.read().strip()
+        if plugin.sync is not None:
+            _load_residuals(plugin, load_dir, tag)
         return load_path, client_state
 
     return load_checkpoint
+
+
+def _load_residuals(plugin: DeepSpeedPlugin, load_dir: str, tag: str) -> None:
+    path = _state_path(load_dir, tag)
+    if not os.path.isfile(path):
+        warn_once(
+            log, f"missing:{path}",
+            "robust_plugins: checkpoint %s/%s has no plugin state for rank %d (%s missing: "
+            "saved without the plugin or at another world size). Error-feedback residuals "
+            "start from zero; the run continues, but not bitwise as an uninterrupted one.",
+            load_dir, tag, current_rank(), os.path.basename(path),
+        )
+        return
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            f"robust_plugins state {path} cannot be read ({exc}); it is corrupt or truncated. "
+            f"Load an older checkpoint tag or delete the file to restart residuals from zero."
+        ) from exc
+    plugin.load_state_dict(sd)
+
+
+def _step_with_persist(engine, plugin: DeepSpeedPlugin):
+    original = engine.step
+    every = plugin.config.checkpoint.persist_every
+
+    def step(lr_kwargs=None):
+        result = original(lr_kwargs)
+        # global_steps moves only at gradient-accumulation boundaries; save once per such step.
+        n = engine.global_steps
+        if n % every == 0 and n != plugin.persisted_at:
+            plugin.persisted_at = n
+            engine.save_checkpoint(plugin.config.checkpoint.dir)
+        return result
+
+    return step
