@@ -27,6 +27,21 @@ Codecs
 
 Rounding is ``torch.round``: round half to even. All arithmetic is fp32.
 
+Stochastic rounding (``rounding="stochastic"``, ``int8`` and ``int4`` only) replaces
+``round(v)`` with ``v = (x / absmax) * qmax``, ``f = floor(v)`` and
+``q = f + (u < v - f)``, where ``u`` in ``[0, 1)`` is drawn for element ``i`` (its index in the
+quantized tensor) from ``seed`` by a counter-based hash, so the result depends on ``(seed, i)``
+only, never on block size, launch grid or device:
+
+    key = fmix32((seed mod 2**32) XOR 0x9E3779B9)
+    u   = (fmix32((i mod 2**32) XOR key) >> 8) * 2**-24
+
+``fmix32`` is MurmurHash3's 32-bit finalizer (``h ^= h >> 16; h *= 0x85EBCA6B; h ^= h >> 13;
+h *= 0xC2B2AE35; h ^= h >> 16``, all mod 2**32). ``v - f`` is exact in fp32 and ``u`` is a
+multiple of ``2**-24``, so ``E[q] - v`` lies in ``[0, 2**-24)`` (unbiased to 24 bits), and every
+implementation computes the same codes. ``sign`` has no rounding step (one bit a sign, scale the
+L2-optimal mean) and ``bf16`` is a cast, so both reject ``"stochastic"``.
+
 Special blocks
 --------------
 * All-zero block: ``scale = 0`` and every code is 0 (for ``sign``: every bit 0). It decodes to
@@ -47,6 +62,9 @@ import torch
 
 #: Codecs implemented here (``none`` is not a codec: it is the host's own collective).
 CODECS = ("bf16", "int8", "int4", "sign")
+
+#: Rounding modes of :func:`quantize` (``stochastic`` for ``int8`` / ``int4`` only).
+ROUNDINGS = ("nearest", "stochastic")
 
 _QMAX = {"int8": 127, "int4": 7}
 
@@ -77,6 +95,52 @@ def _check_flat(x: torch.Tensor, block_size: int, what: str) -> None:
         )
 
 
+def _check_rounding(codec: str, rounding: str, seed: int | None) -> None:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding = {rounding!r} is not known here; allowed: {', '.join(ROUNDINGS)}.")
+    if rounding == "stochastic":
+        if codec not in _QMAX:
+            raise ValueError(
+                f"rounding='stochastic' applies to int8 and int4 only, not codec {codec!r} "
+                f"(sign keeps one bit a sign, bf16 is a cast); use rounding='nearest'."
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(
+                f"rounding='stochastic' needs an integer seed (e.g. the step number) so that the result "
+                f"is reproducible, got seed = {seed!r}."
+            )
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    # (h * c) mod 2**32 for int64 tensors holding uint32 values: split c in 16-bit halves so that
+    # no product exceeds 2**48 (an int64 product of two 32-bit values could overflow).
+    lo, hi = c & 0xFFFF, c >> 16
+    return (h * lo + (((h * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def seed_key(seed: int) -> int:
+    """``fmix32((seed mod 2**32) XOR 0x9E3779B9)``: the per-call key of stochastic rounding."""
+    return int(_fmix32(torch.tensor([(seed & _M32) ^ 0x9E3779B9], dtype=torch.int64)).item())
+
+
+def uniform_draws(numel: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fp32 ``u`` in ``[0, 1)`` that stochastic rounding uses for elements ``0 .. numel-1``."""
+    idx = torch.arange(numel, dtype=torch.int64, device=device) & _M32
+    h = _fmix32(idx ^ seed_key(seed))
+    return (h >> 8).to(torch.float32) * 2.0**-24
+
+
 def padded_numel(numel: int, block_size: int) -> int:
     """Return ``numel`` rounded up to a whole number of blocks."""
     return -(-numel // block_size) * block_size
@@ -100,6 +164,20 @@ def scales_numel(numel: int, *, codec: str, block_size: int) -> int:
     return 0 if codec == "bf16" else -(-numel // block_size)
 
 
+def empty_encoded(
+    numel: int, *, codec: str, block_size: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised ``(codes, scales)`` with the dtypes and shapes :func:`quantize` returns for
+    ``numel`` elements (a multiple of ``block_size``)."""
+    _check_codec(codec)
+    dtype = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "sign": torch.uint8}[codec]
+    n_codes = numel if codec in ("bf16", "int8") else codes_nbytes(numel, codec=codec)
+    return (
+        torch.empty(n_codes, dtype=dtype, device=device),
+        torch.empty(scales_numel(numel, codec=codec, block_size=block_size), dtype=torch.float32, device=device),
+    )
+
+
 def wire_nbytes(numel: int, *, codec: str, block_size: int) -> int:
     """Bytes of codes plus fp32 scales for ``numel`` elements, padded to whole blocks.
 
@@ -112,13 +190,17 @@ def wire_nbytes(numel: int, *, codec: str, block_size: int) -> int:
     return codes_nbytes(n, codec=codec) + 4 * scales_numel(n, codec=codec, block_size=block_size)
 
 
-def quantize(x: torch.Tensor, *, codec: str, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(
+    x: torch.Tensor, *, codec: str, block_size: int, rounding: str = "nearest", seed: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Encode a flat tensor; return ``(codes, scales)`` as described in the module docstring.
 
     Args:
         x: 1-D float tensor (any float dtype) whose length is a multiple of ``block_size``.
         codec: ``bf16``, ``int8``, ``int4`` or ``sign``.
         block_size: elements sharing one scale.
+        rounding: ``nearest`` (half to even) or ``stochastic`` (int8 / int4, needs ``seed``).
+        seed: the stochastic draws' seed; element ``i`` of ``x`` always gets the same draw.
 
     Returns:
         ``codes`` (bf16 ``[n]``, int8 ``[n]``, uint8 ``[n/2]`` or uint8 ``[n/8]``) and fp32
@@ -127,6 +209,7 @@ def quantize(x: torch.Tensor, *, codec: str, block_size: int) -> tuple[torch.Ten
     _check_codec(codec)
     _check_block_size(block_size)
     _check_flat(x, block_size, "x")
+    _check_rounding(codec, rounding, seed)
     xf = x.detach().to(torch.float32)
     if codec == "bf16":
         return xf.to(torch.bfloat16), torch.empty(0, dtype=torch.float32, device=x.device)
@@ -143,7 +226,14 @@ def quantize(x: torch.Tensor, *, codec: str, block_size: int) -> tuple[torch.Ten
 
     if codec in _QMAX:
         qmax = _QMAX[codec]
-        q = torch.round(unit * qmax).clamp_(-qmax, qmax).to(torch.int8).view(-1)
+        v = unit * qmax
+        if rounding == "nearest":
+            q = torch.round(v)
+        else:
+            f = torch.floor(v)
+            u = uniform_draws(x.numel(), seed, x.device).view(-1, block_size)
+            q = f + (u < v - f).to(torch.float32)
+        q = q.clamp_(-qmax, qmax).to(torch.int8).view(-1)
         scales = torch.where(finite, absmax / qmax, nan)
         if codec == "int8":
             return q, scales
@@ -158,9 +248,35 @@ def quantize(x: torch.Tensor, *, codec: str, block_size: int) -> tuple[torch.Ten
 
 
 def dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, *, codec: str, block_size: int, numel: int
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    codec: str,
+    block_size: int,
+    numel: int,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
-    """Decode ``(codes, scales)`` from :func:`quantize`; return the first ``numel`` values in fp32."""
+    """Decode ``(codes, scales)`` from :func:`quantize`; return the first ``numel`` values in fp32.
+
+    With ``out`` (fp32, ``[numel]``) the values are written there (``accumulate=True``: added to
+    it, ``out += q * scale``, the product rounded to fp32 first) and ``out`` is returned.
+    """
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs out= (the fp32 tensor to add the decoded values to).")
+    if out is not None and (out.dtype != torch.float32 or out.shape != (numel,)):
+        raise ValueError(f"out must be fp32 of shape ({numel},), got {out.dtype} {tuple(out.shape)}.")
+    values = _decode(codes, scales, codec=codec, block_size=block_size, numel=numel)
+    if out is None:
+        return values
+    if accumulate:
+        out += values
+    else:
+        out.copy_(values)
+    return out
+
+
+def _decode(codes: torch.Tensor, scales: torch.Tensor, *, codec: str, block_size: int, numel: int) -> torch.Tensor:
     _check_codec(codec)
     _check_block_size(block_size)
     if codec == "bf16":
@@ -191,24 +307,31 @@ def _reset_nonfinite_blocks(residual: torch.Tensor, block_size: int) -> None:
 
 
 def quantize_ef(
-    grad: torch.Tensor, residual: torch.Tensor | None, *, codec: str, block_size: int
+    grad: torch.Tensor,
+    residual: torch.Tensor | None,
+    *,
+    codec: str,
+    block_size: int,
+    rounding: str = "nearest",
+    seed: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``grad + residual`` and store the new quantization error in ``residual``.
 
     ``residual`` (fp32, same length as ``grad``) is updated in place to
     ``x - dequantize(quantize(x))`` with ``x = grad + residual``; blocks where that is not finite
     are reset to 0. With ``residual=None`` this is :func:`quantize` of ``grad`` in fp32.
+    ``rounding`` and ``seed`` are :func:`quantize`'s.
     """
     x = grad.detach().to(torch.float32)
     if residual is None:
-        return quantize(x, codec=codec, block_size=block_size)
+        return quantize(x, codec=codec, block_size=block_size, rounding=rounding, seed=seed)
     if residual.dtype != torch.float32 or residual.shape != x.shape:
         raise ValueError(
             f"residual must be fp32 with the gradient's shape {tuple(x.shape)}, got "
             f"{residual.dtype} {tuple(residual.shape)}."
         )
     x = x + residual
-    codes, scales = quantize(x, codec=codec, block_size=block_size)
+    codes, scales = quantize(x, codec=codec, block_size=block_size, rounding=rounding, seed=seed)
     torch.sub(x, dequantize(codes, scales, codec=codec, block_size=block_size, numel=x.numel()), out=residual)
     _reset_nonfinite_blocks(residual, block_size)
     return codes, scales
@@ -250,6 +373,8 @@ def reduce_requantize(
     residual: torch.Tensor | None = None,
     scale_factor: float = 1.0,
     valid_numel: int | None = None,
+    rounding: str = "nearest",
+    seed: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reducing side of a compressed all-reduce for one chunk.
 
@@ -257,6 +382,7 @@ def reduce_requantize(
     the server-side ``residual`` and requantizes, updating ``residual`` in place as
     :func:`quantize_ef` does. Elements at index ``>= valid_numel`` are padding: they are zeroed
     before requantization so that they neither enter a block's scale nor the residual.
+    ``rounding`` and ``seed`` (draws indexed by position in the chunk) are :func:`quantize`'s.
     """
     if not codes_list:
         raise ValueError("codes_list is empty: need one chunk from each rank.")
@@ -267,7 +393,7 @@ def reduce_requantize(
     )
     if valid_numel is not None and valid_numel < numel:
         acc[max(valid_numel, 0):] = 0.0
-    return quantize_ef(acc, residual, codec=codec, block_size=block_size)
+    return quantize_ef(acc, residual, codec=codec, block_size=block_size, rounding=rounding, seed=seed)
 
 
 def _codes_numel(codes: torch.Tensor, codec: str) -> int:
