@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from triton_ops import ops
 from triton_ops import reference as ref
 
 _CODE_DTYPE = {"bf16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8, "sign": torch.uint8}
@@ -97,7 +98,7 @@ def encode(x: torch.Tensor, layout: Layout, residual: torch.Tensor | None) -> to
     if residual is not None:
         res = torch.zeros_like(padded)
         res[: layout.numel] = residual
-    codes, scales = ref.quantize_ef(padded, res, codec=layout.codec, block_size=layout.block_size)
+    codes, scales = ops.quantize_ef(padded, res, codec=layout.codec, block_size=layout.block_size)
     if residual is not None:
         residual.copy_(res[: layout.numel])
     return pack(codes, scales, layout)
@@ -113,7 +114,7 @@ def reduce_chunk(
     Returns this rank's packed row for the all-gather.
     """
     parts = [unpack(received[r], layout) for r in range(layout.world_size)]
-    codes, scales = ref.reduce_requantize(
+    codes, scales = ops.reduce_requantize(
         [c for c, _ in parts],
         [s for _, s in parts],
         codec=layout.codec,
@@ -131,7 +132,7 @@ def decode(gathered: torch.Tensor, layout: Layout) -> torch.Tensor:
     for r in range(layout.world_size):
         codes, scales = unpack(gathered[r], layout)
         chunks.append(
-            ref.dequantize(codes, scales, codec=layout.codec, block_size=layout.block_size, numel=layout.chunk)
+            ops.dequantize(codes, scales, codec=layout.codec, block_size=layout.block_size, numel=layout.chunk)
         )
     return torch.cat(chunks)[: layout.numel]
 
@@ -143,7 +144,7 @@ def decode_sum(received: torch.Tensor, layout: Layout, scale_factor: float) -> t
     ``scale_factor``. Returns fp32 ``[numel]``.
     """
     parts = [unpack(received[r], layout) for r in range(received.shape[0])]
-    return ref.dequantize_sum(
+    return ops.dequantize_sum(
         [c for c, _ in parts],
         [s for _, s in parts],
         codec=layout.codec,
