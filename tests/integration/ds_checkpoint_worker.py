@@ -177,6 +177,11 @@ def main() -> None:
     root = str(out / "main")
     block = {"checkpoint": {"dir": root, "persist_every": 10, "keep": 3}}
     eng = make_engine(stage, block)
+    # A checkpoint-only block must leave gradient reduction to DeepSpeed (no instance shadows).
+    res["hooks"] = sorted(
+        f"{type(obj).__name__}.{name}" for obj in (eng, eng.optimizer)
+        for name in ("allreduce_bucket", "gradient_reduction_w_predivide") if name in vars(obj))
+    res["sync"] = eng.robust_plugins.sync is not None
     res["main_losses"] = train(eng, 20, corpus)
     res["main_after_20"] = {"dirs": committed(root), "log": records.take(),
                             "latest": (pathlib.Path(root) / "latest").read_text()}
