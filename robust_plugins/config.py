@@ -180,6 +180,16 @@ class WatchdogConfig:
     restart_backoff_max_s: float = 60.0
     """Ceiling of the restart wait."""
 
+    spike_factor: float = 10.0
+    """A loss or gradient norm above this many times its running median is a spike (rollback by
+    restart from the newest checkpoint). 0 turns spike detection off."""
+
+    spike_window: int = 50
+    """Reported values per rank and metric in the running median."""
+
+    spike_warmup_steps: int = 20
+    """Values a rank must have reported before spikes are judged (at most ``spike_window``)."""
+
     def __post_init__(self) -> None:
         where = f"{BLOCK_KEY}.watchdog"
         _expect_type(f"{where}.hang_warmup_steps", self.hang_warmup_steps, (int,), "an integer")
@@ -216,6 +226,18 @@ class WatchdogConfig:
                 f"{where}.restart_backoff_s ({self.restart_backoff_s}) must be <= "
                 f"restart_backoff_max_s ({self.restart_backoff_max_s})."
             )
+        value = _expect_type(f"{where}.spike_factor", self.spike_factor, (int, float), "a number")
+        if not (value == 0 or 1 < value < float("inf")):
+            raise ConfigError(
+                f"{where}.spike_factor = {value!r} must be 0 (off) or a finite number > 1."
+            )
+        for name in ("spike_window", "spike_warmup_steps"):
+            _expect_type(f"{where}.{name}", getattr(self, name), (int,), "an integer")
+        if not 1 <= self.spike_warmup_steps <= self.spike_window:
+            raise ConfigError(
+                f"{where}.spike_warmup_steps ({self.spike_warmup_steps}) must lie between 1 and "
+                f"spike_window ({self.spike_window})."
+            )
 
     def describe(self) -> str:
         """One-line summary for logs and ``robust check-config``."""
@@ -223,7 +245,7 @@ class WatchdogConfig:
             f"watchdog(hang_timeout={self.hang_factor:g} x p99 step in "
             f"[{self.hang_min_timeout_s:g}, {self.hang_max_timeout_s:g}] s after "
             f"{self.hang_warmup_steps} steps, {self.hang_initial_timeout_s:g} s before; "
-            f"nan_check={self.nan_check})"
+            f"nan_check={self.nan_check}, spike_factor={self.spike_factor:g})"
         )
 
 

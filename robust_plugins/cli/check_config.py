@@ -41,6 +41,16 @@ def check(path: str) -> list[str]:
         if ds.get("communication_data_type") and cfg.compression.compresses:
             lines.append(f"  note: communication_data_type={ds['communication_data_type']!r} applies only to "
                          f"buckets the codec leaves uncompressed.")
+    if cfg.checkpoint is not None:
+        if stage not in (0, 1, 2):
+            lines.append(f"  ERROR: zero_optimization.stage = {stage}: verified checkpoints support ZeRO 0, 1, 2 only; "
+                         f"deepspeed.initialize will refuse this config.")
+        else:
+            lines.append(f"  engine.save_checkpoint / load_checkpoint become verified and atomic "
+                         f"(manifest + {cfg.checkpoint.verify}; load picks the newest checkpoint that verifies).")
+        if cfg.checkpoint.dir is None:
+            lines.append("  note: checkpoint.dir is not set: pass save_dir / load_dir to save_checkpoint / "
+                         "load_checkpoint yourself.")
     if stage in (1, 2):
         for key in ("reduce_bucket_size", "allgather_bucket_size"):
             if float(zero.get(key, 5e8)) > _CPU_BUCKET_LIMIT:

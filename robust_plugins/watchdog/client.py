@@ -106,11 +106,13 @@ class _Client:
     def step_end(self, step: int, loss: float | None, grad_norm: float | None) -> None:
         fault = self.injections.pop((self.rank, step), None)
         if fault is not None:
-            if fault.kind == "nan":
+            if fault.kind in ("nan", "spike"):
+                def corrupt(v: float | None) -> float:
+                    return math.nan if fault.kind == "nan" else (v or 1.0) * _inject.SPIKE_MULTIPLIER
                 if fault.option == "loss":
-                    loss = math.nan
+                    loss = corrupt(loss)
                 else:
-                    grad_norm = math.nan
+                    grad_norm = corrupt(grad_norm)
             self.send({"k": "inject", "s": step, "spec": fault.spec()}, wait=True)
             if fault.kind == "kill":
                 sys.stdout.flush()

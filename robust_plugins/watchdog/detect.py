@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
@@ -81,6 +83,27 @@ def restart_delay(cfg: WatchdogConfig, restart: int) -> float:
     if restart < 1 or cfg.restart_backoff_s == 0:
         return 0.0
     return min(cfg.restart_backoff_max_s, cfg.restart_backoff_s * 2 ** min(restart - 1, 30))
+
+
+class RunningMedian:
+    """The last ``window`` values of one metric, to judge spikes against their median."""
+
+    def __init__(self, window: int) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+
+    def spike(self, value: float | None, factor: float, warmup: int) -> float | None:
+        """The median ``value`` exceeds ``factor`` times, or None; normal values join the window.
+
+        A spike is kept out of the window so that it cannot raise the bar for the next one.
+        """
+        if value is None or not math.isfinite(value):
+            return None
+        if factor > 0 and len(self.values) >= warmup:
+            median = statistics.median(self.values)
+            if median > 0 and value > factor * median:
+                return median
+        self.values.append(value)
+        return None
 
 
 def is_bad_number(value: float | None) -> bool:

@@ -12,6 +12,7 @@ step ``S`` does not fire it again.
                            system call instead (``select`` on a pipe nobody writes)
 ``nan:rank=1,step=40``     rank 1 reports a NaN loss for step 40 (``what=grad_norm`` for the
                            gradient norm); the model itself is not touched
+``spike:rank=1,step=40``   rank 1 reports 1000 x its loss (or ``what=grad_norm``) for step 40
 =========================  ==================================================================
 """
 
@@ -27,12 +28,17 @@ KINDS: dict[str, dict[str, tuple[str, ...] | None]] = {
     "kill": {"signal": None},
     "hang": {"mode": ("python", "syscall")},
     "nan": {"what": ("loss", "grad_norm")},
+    "spike": {"what": ("loss", "grad_norm")},
 }
+
+#: A spike multiplies the reported value by this (far above any sensible spike_factor).
+SPIKE_MULTIPLIER = 1000.0
 
 FORMS = (
     "kill:rank=R,step=S[,signal=KILL|TERM|SEGV|ABRT...]",
     "hang:rank=R,step=S[,mode=python|syscall]",
     "nan:rank=R,step=S[,what=loss|grad_norm]",
+    "spike:rank=R,step=S[,what=loss|grad_norm]",
 )
 
 
@@ -41,7 +47,7 @@ class Injection:
     """One fault to inject."""
 
     kind: str
-    """``kill``, ``hang`` or ``nan``."""
+    """``kill``, ``hang``, ``nan`` or ``spike``."""
 
     rank: int
     """Global rank that misbehaves."""
@@ -51,11 +57,11 @@ class Injection:
 
     option: str = ""
     """The kind's option: signal name for ``kill``, ``python`` or ``syscall`` for ``hang``, ``loss`` or
-    ``grad_norm`` for ``nan``."""
+    ``grad_norm`` for ``nan`` and ``spike``."""
 
     def spec(self) -> str:
         """The canonical text form; ``parse(x.spec()) == [x]``."""
-        key = {"kill": "signal", "hang": "mode", "nan": "what"}[self.kind]
+        (key,) = KINDS[self.kind]
         return f"{self.kind}:rank={self.rank},step={self.step},{key}={self.option}"
 
     @property

@@ -9,6 +9,7 @@ or stops ranks.
 from __future__ import annotations
 
 import json
+import select
 import os
 import signal
 import socket
@@ -26,6 +27,7 @@ from robust_plugins.watchdog import stacks as _stacks
 from robust_plugins.watchdog.detect import (
     STEP_WINDOW,
     RankProgress,
+    RunningMedian,
     is_bad_number,
     localize,
     stalled_ranks,
@@ -49,6 +51,8 @@ class _RankState:
     """The rank reported through ``step_end`` at least once (only such ranks are watched for hangs)."""
     finished: bool = False
     """The rank's interpreter is exiting (it sent ``exit``): no more steps are expected."""
+    spike: tuple[int, str, float, float, float] | None = None
+    """(step, what, value, median, wall time) of the first spike reported in this incarnation."""
     bad_number: tuple[int, str, float | None, float] | None = None
     """(step, what, value, wall time) of the first NaN/Inf reported in this incarnation."""
 
@@ -76,13 +80,14 @@ class Monitor:
         self._warned_unregistered = False
         self._uses_api = False
         self._warned_receiver = False
+        self._medians: dict[tuple[int, str], RunningMedian] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sock_dir = tempfile.mkdtemp(prefix="robust-wd-")  # short: AF_UNIX paths max 107 bytes
         self.address = os.path.join(self._sock_dir, "monitor.sock")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.address)
-        self._sock.settimeout(_RECV_POLL_S)
+        self._recv_lock = threading.Lock()
         self._thread = threading.Thread(target=self._receive, name="robust-watchdog-recv", daemon=True)
         self._thread.start()
 
@@ -134,15 +139,30 @@ class Monitor:
     def _receive(self) -> None:
         while not self._stop.is_set():
             try:
-                data = self._sock.recv(65536)
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            try:
-                self._handle(json.loads(data), time.monotonic())
-            except Exception as exc:  # one bad datagram must not end the receiver
-                log.warning("robust watchdog: dropped a malformed signal (%d bytes): %r", len(data), exc)
+                ready, _, _ = select.select([self._sock], [], [], _RECV_POLL_S)
+            except (OSError, ValueError):
+                return  # socket closed
+            if ready:
+                self._drain()
+
+    def _drain(self) -> None:
+        """Handle every datagram already queued. Receiving and handling happen under one lock, so
+        when the agent thread calls this, no datagram is half-way (read but not yet handled): a
+        rank's last words (an injected fault's announcement) are known before its exit is judged,
+        however late the receiver thread got scheduled."""
+        with self._recv_lock:
+            while True:
+                try:
+                    data = self._sock.recv(65536, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    return
+                try:
+                    self._handle(json.loads(data), time.monotonic())
+                except Exception as exc:  # one bad datagram must not end the receiver
+                    log.warning("robust watchdog: dropped a malformed signal (%d bytes): %r",
+                                len(data), exc)
 
     def _handle(self, msg: dict[str, Any], now: float) -> None:
         with self._lock:
@@ -173,6 +193,12 @@ class Monitor:
                         if is_bad_number(msg.get(key)):
                             st.bad_number = (step, what, msg.get(key), msg["t"])
                             break
+                for what, key in (("loss", "l"), ("grad_norm", "g")):
+                    # Medians live across incarnations: a restarted job needs no new warm-up.
+                    med = self._medians.setdefault((msg["r"], what), RunningMedian(self.cfg.spike_window))
+                    median = med.spike(msg.get(key), self.cfg.spike_factor, self.cfg.spike_warmup_steps)
+                    if median is not None and st.spike is None:
+                        st.spike = (step, what, float(msg[key]), median, msg["t"])
 
     def _note_resume(self, step: int) -> None:
         fault = self._pending_resume
@@ -215,6 +241,7 @@ class Monitor:
 
     def on_crash(self, failures: dict[int, Any], will_restart: bool) -> Fault:
         """Ranks exited badly: ``{global_rank: ProcessFailure}`` from the elastic agent."""
+        self._drain()
         now_wall = time.time()
         with self._lock:
             states = {r: self.ranks.get(r, _RankState()) for r in failures}
@@ -251,13 +278,14 @@ class Monitor:
 
     def check(self, will_restart: bool) -> Fault | None:
         """Look for a NaN/Inf report or a hang; returns the fault if the ranks must be stopped."""
-        now, now_wall = time.monotonic(), time.time()
         if not self._thread.is_alive():
             if not self._warned_receiver:
                 self._warned_receiver = True
-                log.warning("robust watchdog: the signal receiver stopped; hang and NaN detection "
-                            "are off for the rest of the job (crashes are still detected).")
+                log.warning("robust watchdog: the signal receiver stopped; hang, NaN and spike "
+                            "detection are off for the rest of the job (crashes are still detected).")
             return None
+        self._drain()
+        now, now_wall = time.monotonic(), time.time()
         with self._lock:
             bad = {r: st.bad_number for r, st in self.ranks.items() if st.bad_number}
             progress = {r: st.progress for r, st in self.ranks.items() if st.registered}
@@ -280,6 +308,21 @@ class Monitor:
                 action="rollback" if will_restart else "report",
                 detail={"what": first[1], "value": str(first[2]),
                         "reason": f"{first[1]} = {first[2]} at step {step}"},
+            ))
+        with self._lock:
+            spikes = {r: st.spike for r, st in self.ranks.items() if st.spike}
+        if spikes:
+            step = min(sp[0] for sp in spikes.values())
+            suspects = sorted(r for r, sp in spikes.items() if sp[0] == step)
+            _, what, value, median, t = spikes[suspects[0]]
+            return self._record(Fault(
+                kind="spike", step=step, suspect_ranks=suspects, suspect_hosts=[self.host],
+                detected_after_s=round(max(0.0, now_wall - t), 3),
+                action="rollback" if will_restart else "report",
+                detail={"what": what, "value": value, "median": median,
+                        "factor": self.cfg.spike_factor,
+                        "reason": f"{what} = {value:.4g} is {value / median:.1f} x its running "
+                                  f"median {median:.4g} at step {step}"},
             ))
         stalled, timeout = stalled_ranks(self.cfg, progress, now, finished, history)
         if not stalled:

@@ -27,21 +27,25 @@ def test_kill_is_recorded_restarted_and_ends_with_the_fault_free_loss(tmp_path, 
     assert len(job.worker_pids()) == 4  # two incarnations of two ranks
 
 
-def test_four_ranks_recover_from_a_kill_then_a_nan(tmp_path):
-    """The gloo restart bug of HOSTS.md: a 4-rank job must form its process group again, here with
-    the static rendezvous (the 2-rank tests use the c10d one of --standalone)."""
-    job = robust_run(tmp_path, 4, "--max-restarts", "2",
+def test_four_ranks_recover_from_a_kill_a_nan_and_a_spike(tmp_path):
+    """The gloo restart bug of HOSTS.md: a 4-rank job must form its process group again (three
+    times), here with the static rendezvous (the 2-rank tests use the c10d one of --standalone)."""
+    job = robust_run(tmp_path, 4, "--max-restarts", "3",
                      "--inject", "kill:rank=2,step=12", "--inject", "nan:rank=1,step=25",
+                     "--inject", "spike:rank=3,step=28",
                      recipe_args=["--steps", "30", "--save-every", "10", "--corpus-bytes", "200000"],
                      timeout_s=180, rdzv="static")
     assert job.returncode == 0, job.output[-3000:]
-    crash, nan = job.faults
+    crash, nan, spike = job.faults
     assert (crash["kind"], crash["suspect_ranks"], crash["resumed_at_step"]) == ("crash", [2], 11)
     assert (nan["kind"], nan["suspect_ranks"], nan["step"]) == ("nan", [1], 25)
     assert nan["action"] == "rollback" and nan["resumed_at_step"] == 21
+    assert (spike["kind"], spike["suspect_ranks"], spike["step"]) == ("spike", [3], 28)
+    assert spike["action"] == "rollback" and spike["resumed_at_step"] == 21
+    assert spike["detail"]["value"] > 100 * spike["detail"]["median"]
     assert "Gloo connectFullMesh failed" not in job.output
     assert job.result["world_size"] == 4 and job.result["started_at"] == 21
-    assert len(job.worker_pids()) == 12  # three incarnations of four ranks
+    assert len(job.worker_pids()) == 16  # four incarnations of four ranks
 
 
 def test_hang_is_detected_localized_and_restarted(tmp_path, baseline_2):

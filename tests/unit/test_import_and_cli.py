@@ -60,3 +60,13 @@ def test_check_config_flags_zero3_and_cpu_buckets(tmp_path):
     assert "ERROR: zero_optimization.stage = 3" in text
     p.write_text(json.dumps({"zero_optimization": {"stage": 2}, "robust_plugins": {"compression": {}}}))
     assert "reduce_bucket_size" in "\n".join(check_config.check(str(p)))
+
+
+def test_check_config_reports_checkpoint_block(tmp_path):
+    p = tmp_path / "ck.json"
+    p.write_text(json.dumps({"zero_optimization": {"stage": 0}, "robust_plugins": {"checkpoint": {"keep": 2}}}))
+    text = "\n".join(check_config.check(str(p)))
+    assert "verified and atomic" in text and "keep=2" in text and "checkpoint.dir is not set" in text
+    p.write_text(json.dumps({"zero_optimization": {"stage": 3}, "robust_plugins": {"checkpoint": {"dir": "x"}}}))
+    text = "\n".join(check_config.check(str(p)))
+    assert "ERROR: zero_optimization.stage = 3" in text and "dir is not set" not in text

@@ -22,6 +22,7 @@ def test_inject_parses_every_kind_and_round_trips():
         ("kill", 1, 30, "KILL"), ("hang", 0, 20, "python"), ("nan", 1, 40, "grad_norm")]
     assert inject.parse(inject.to_env(got)) == got
     assert inject.parse_one("kill:rank=0,step=3,signal=term").signum == 15
+    assert inject.parse_one("spike:rank=2,step=9,what=grad_norm").spec() == "spike:rank=2,step=9,what=grad_norm"
 
 
 @pytest.mark.parametrize("spec, bad", [
@@ -61,6 +62,8 @@ def test_inject_refuses_two_faults_at_one_place_and_missing_ranks():
     ({"stack_dump_timeout_s": "10"}, "must be a number, got str"),
     ({"hang_min_timeout_s": float("nan")}, "must be a finite number > 0"),
     ({"hang_facter": 5}, "Did you mean 'hang_factor'"),
+    ({"spike_factor": 1.0}, "spike_factor = 1.0 must be 0 (off) or a finite number > 1"),
+    ({"spike_warmup_steps": 60}, "spike_warmup_steps (60) must lie between 1 and spike_window (50)"),
 ])
 def test_bad_watchdog_settings_are_refused(block, bad):
     with pytest.raises(ConfigError) as err:
@@ -110,6 +113,19 @@ def test_ranks_without_a_step_get_the_initial_timeout_and_history_skips_a_second
     # to rank 1, while rank 0, still starting up, keeps the initial timeout.
     assert detect.stalled_ranks(cfg, fresh, now=20.0, history=[1.0] * 10) == ([1], 2.0)
     assert detect.stalled_ranks(cfg, fresh, now=31.0, history=[1.0] * 10) == ([0, 1], 2.0)
+
+
+def test_running_median_flags_spikes_after_warmup_and_keeps_them_out_of_the_window():
+    med = detect.RunningMedian(window=5)
+    assert med.spike(100.0, factor=10, warmup=3) is None  # warm-up: judged by nothing yet
+    med.values.clear()
+    for v in (1.0, 1.2, 0.9):
+        assert med.spike(v, factor=10, warmup=3) is None
+    assert med.spike(12.5, factor=10, warmup=3) == 1.0
+    assert med.spike(12.5, factor=10, warmup=3) == 1.0  # the first spike did not enter the window
+    assert med.spike(9.9, factor=10, warmup=3) is None and len(med.values) == 4
+    assert med.spike(float("nan"), factor=10, warmup=3) is None  # NaN is the NaN detector's job
+    assert med.spike(1e9, factor=0, warmup=3) is None  # off
 
 
 # -- stacks and localization -------------------------------------------------------------------------
@@ -218,13 +234,13 @@ def test_step_end_is_a_noop_outside_robust_run(monkeypatch):
     assert client.get_client() is None
 
 
-def test_step_end_sends_a_datagram_and_nan_injection_poisons_the_reported_loss(tmp_path, monkeypatch):
+def test_step_end_sends_datagrams_and_nan_and_spike_injections_change_the_reported_values(tmp_path, monkeypatch):
     path = str(tmp_path / "m.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     srv.bind(path)
     srv.settimeout(5)
     monkeypatch.setenv(client.ENV_SOCKET, path)
-    monkeypatch.setenv(client.ENV_INJECT, "nan:rank=0,step=2")
+    monkeypatch.setenv(client.ENV_INJECT, "nan:rank=0,step=2;spike:rank=0,step=3,what=grad_norm")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.delenv(client.ENV_RUN_DIR, raising=False)
     monkeypatch.setattr(client, "_client", None)
@@ -232,9 +248,11 @@ def test_step_end_sends_a_datagram_and_nan_injection_poisons_the_reported_loss(t
     monkeypatch.setattr(client, "_die_with_parent", lambda: None)
     client.step_end(1, loss=2.5, grad_norm=0.5)
     client.step_end(2, loss=2.4)
-    msgs = [json.loads(srv.recv(65536)) for _ in range(4)]
+    client.step_end(3, loss=2.3, grad_norm=0.5)
+    msgs = [json.loads(srv.recv(65536)) for _ in range(6)]
     srv.close()
-    assert [m["k"] for m in msgs] == ["hello", "end", "inject", "end"]
+    assert [m["k"] for m in msgs] == ["hello", "end", "inject", "end", "inject", "end"]
+    assert msgs[5]["g"] == 500.0 and msgs[5]["l"] == 2.3
     assert msgs[1]["s"] == 1 and msgs[1]["l"] == 2.5 and msgs[1]["g"] == 0.5
     assert msgs[2]["spec"] == "nan:rank=0,step=2,what=loss"
     assert math.isnan(msgs[3]["l"])
@@ -294,3 +312,30 @@ def test_monitor_survives_bad_datagrams_detects_nan_and_stands_down_without_its_
         mon.close()
     (line,) = read_faults(tmp_path / "faults.jsonl")  # the pending rollback is written on close
     assert line["kind"] == "nan" and line["resumed_at_step"] is None
+
+
+def test_crash_is_judged_after_the_ranks_last_datagrams_even_if_the_receiver_lags(tmp_path):
+    """Under load the receiver thread may not have run when the agent sees a rank's exit; the
+    injected fault's announcement still decides the suspect and the step."""
+    from types import SimpleNamespace
+
+    from robust_plugins.watchdog.monitor import Monitor
+
+    mon = Monitor(WatchdogConfig(), tmp_path, host="h")
+    try:
+        mon._stop.set()
+        mon._thread.join(timeout=5)  # the receiver is "late": it will never run again
+        mon.begin_incarnation({0: 100, 1: 101})
+        tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        for r in (0, 1):
+            tx.sendto(json.dumps({"k": "end", "r": r, "i": 0, "s": 11, "t": 0.0}).encode(), mon.address)
+        tx.sendto(json.dumps({"k": "inject", "r": 1, "i": 0, "s": 12, "t": 0.0,
+                              "spec": "kill:rank=1,step=12,signal=KILL"}).encode(), mon.address)
+        tx.close()
+        # Rank 0 died of the broken collective (exit 1) before the agent's SIGTERM reached it.
+        failures = {0: SimpleNamespace(exitcode=1, timestamp=0), 1: SimpleNamespace(exitcode=-9, timestamp=0)}
+        fault = mon.on_crash(failures, will_restart=False)
+    finally:
+        mon.close()
+    assert (fault.suspect_ranks, fault.step, fault.detail["signal"]) == ([1], 12, "SIGKILL")
+    assert fault.detail["onset"] == "injected"
