@@ -85,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--from-results", metavar="DIR",
                    help="do not train: rebuild the table from a previous run's results directory")
     p.set_defaults(_bench=run_compression)
+    from robust_plugins.cli import bench_kernels
+
+    bench_kernels.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -339,10 +342,11 @@ def _write_config(path: Path, cfg: dict[str, Any]) -> str:
     return str(path.resolve())
 
 
-def write_section(path: Path, name: str, body: str) -> None:
+def write_section(path: Path, name: str, body: str, title: str = "Gradient compression") -> None:
     """Replace the text between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->``.
 
-    The markers stay; a missing file is created with a title, a missing section is appended.
+    The markers stay; a missing file is created with a title, a missing section is appended under
+    a ``## title`` heading.
     """
     start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
     block = f"{start}\n{body.rstrip()}\n{end}"
@@ -354,5 +358,5 @@ def write_section(path: Path, name: str, body: str) -> None:
     if i >= 0:
         text = text[:i] + block + text[j + len(end):]
     else:
-        text = text.rstrip("\n") + f"\n\n## Gradient compression\n\n{block}\n"
+        text = text.rstrip("\n") + f"\n\n## {title}\n\n{block}\n"
     path.write_text(text)
