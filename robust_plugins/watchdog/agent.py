@@ -49,7 +49,8 @@ def _agent_class():
             # Called again for every restart, after the old ranks were stopped: the backoff goes here.
             delay = restart_delay(self.monitor.cfg, self._round)
             if delay > 0:
-                log.info("robust run: waiting %.1f s before restart %d (restart_backoff_s)", delay, self._round)
+                log.info("robust run: waiting %.1f s before restart %d (restart_backoff_s)",
+                         delay, self._round)
                 time.sleep(delay)
             super()._rendezvous(worker_group)
             self._round += 1

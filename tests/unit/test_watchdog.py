@@ -22,7 +22,8 @@ def test_inject_parses_every_kind_and_round_trips():
         ("kill", 1, 30, "KILL"), ("hang", 0, 20, "python"), ("nan", 1, 40, "grad_norm")]
     assert inject.parse(inject.to_env(got)) == got
     assert inject.parse_one("kill:rank=0,step=3,signal=term").signum == 15
-    assert inject.parse_one("spike:rank=2,step=9,what=grad_norm").spec() == "spike:rank=2,step=9,what=grad_norm"
+    spike = "spike:rank=2,step=9,what=grad_norm"
+    assert inject.parse_one(spike).spec() == spike
 
 
 @pytest.mark.parametrize("spec, bad", [
@@ -234,7 +235,8 @@ def test_step_end_is_a_noop_outside_robust_run(monkeypatch):
     assert client.get_client() is None
 
 
-def test_step_end_sends_datagrams_and_nan_and_spike_injections_change_the_reported_values(tmp_path, monkeypatch):
+def test_step_end_sends_datagrams_and_nan_and_spike_injections_change_reported_values(
+        tmp_path, monkeypatch):
     path = str(tmp_path / "m.sock")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     srv.bind(path)
@@ -263,7 +265,7 @@ def test_restart_delay_doubles_up_to_the_ceiling_and_is_validated():
     cfg = WatchdogConfig(restart_backoff_s=2, restart_backoff_max_s=10)
     assert [detect.restart_delay(cfg, n) for n in range(6)] == [0.0, 2, 4, 8, 10, 10]
     assert detect.restart_delay(WatchdogConfig(), 3) == 0.0
-    with pytest.raises(ConfigError, match=r"restart_backoff_s \(20\) must be <= restart_backoff_max_s \(10\)"):
+    with pytest.raises(ConfigError, match=r"restart_backoff_s \(20\) must be <= restart_backoff_max_s"):
         WatchdogConfig(restart_backoff_s=20, restart_backoff_max_s=10)
     with pytest.raises(ConfigError, match="restart_backoff_s = -1 must be a finite number >= 0"):
         WatchdogConfig(restart_backoff_s=-1)
