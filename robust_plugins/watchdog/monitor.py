@@ -202,7 +202,8 @@ class Monitor:
 
     def _note_resume(self, step: int) -> None:
         fault = self._pending_resume
-        if fault is None:
+        # The faulty incarnation's ranks may report a step or two more before they are stopped.
+        if fault is None or self.incarnation <= fault.incarnation:
             return
         fault.resumed_at_step = step
         if self._detected_at is not None:

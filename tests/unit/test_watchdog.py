@@ -304,6 +304,10 @@ def test_monitor_survives_bad_datagrams_detects_nan_and_stands_down_without_its_
         assert mon.ranks[0].progress.last_step == 1 and mon.ranks[0].registered
         fault = mon.check(will_restart=True)
         assert (fault.kind, fault.step, fault.suspect_ranks, fault.action) == ("nan", 2, [1], "rollback")
+        # A step the faulty incarnation still reports before it is stopped is not the resume.
+        send({"k": "end", "r": 0, "i": 0, "s": 3, "t": 0.0, "l": 2.0})
+        assert _wait_for(lambda: mon.ranks[0].progress.last_step == 3)
+        assert fault.resumed_at_step is None
         mon._stop.set()
         mon._thread.join(timeout=5)
         with caplog.at_level("WARNING", logger="robust_plugins"):
