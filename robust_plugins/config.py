@@ -190,6 +190,11 @@ class WatchdogConfig:
     spike_warmup_steps: int = 20
     """Values a rank must have reported before spikes are judged (at most ``spike_window``)."""
 
+    sdc_every_steps: int = 100
+    """``robust_plugins.watchdog.check_params`` hashes the parameters every this many steps (64-bit
+    hash, compared across the replicas on a node; a minority hash is silent data corruption).
+    0 turns the check off."""
+
     def __post_init__(self) -> None:
         where = f"{BLOCK_KEY}.watchdog"
         _expect_type(f"{where}.hang_warmup_steps", self.hang_warmup_steps, (int,), "an integer")
@@ -238,6 +243,9 @@ class WatchdogConfig:
                 f"{where}.spike_warmup_steps ({self.spike_warmup_steps}) must lie between 1 and "
                 f"spike_window ({self.spike_window})."
             )
+        _expect_type(f"{where}.sdc_every_steps", self.sdc_every_steps, (int,), "an integer")
+        if self.sdc_every_steps < 0:
+            raise ConfigError(f"{where}.sdc_every_steps = {self.sdc_every_steps} must be >= 0 (0: off).")
 
     def describe(self) -> str:
         """One-line summary for logs and ``robust check-config``."""
@@ -245,7 +253,8 @@ class WatchdogConfig:
             f"watchdog(hang_timeout={self.hang_factor:g} x p99 step in "
             f"[{self.hang_min_timeout_s:g}, {self.hang_max_timeout_s:g}] s after "
             f"{self.hang_warmup_steps} steps, {self.hang_initial_timeout_s:g} s before; "
-            f"nan_check={self.nan_check}, spike_factor={self.spike_factor:g})"
+            f"nan_check={self.nan_check}, spike_factor={self.spike_factor:g}, "
+            f"sdc_every_steps={self.sdc_every_steps})"
         )
 
 

@@ -7,7 +7,9 @@ The recipe is the reference for the resume contract of ``robust run`` (``watchdo
 - on start every rank loads the newest checkpoint, if any, and continues at the step after it;
 - batches are a pure function of the step (:func:`robust_plugins.workloads.get_batch`), so a
   resumed run sees exactly the batches the uninterrupted run would have seen;
-- after each optimizer step it calls ``robust_plugins.watchdog.step_end(step, loss, grad_norm)``.
+- after each optimizer step it calls ``robust_plugins.watchdog.step_end(step, loss, grad_norm)``
+  and ``robust_plugins.watchdog.check_params(step, model)``, and saves only when the replicas'
+  parameter hashes agree.
 
 With ``torch.use_deterministic_algorithms`` on CPU, a run that was killed and resumed ends with
 bitwise the same parameters and loss as one that never failed. Run it with::
@@ -135,7 +137,10 @@ def main(argv: list[str] | None = None) -> None:
         optimizer.step()
         losses[step] = mean_loss
         watchdog.step_end(step, loss=mean_loss, grad_norm=grad_norm)
-        if step % args.save_every == 0 and rank == 0:
+        # Compare parameter hashes across replicas (every sdc_every_steps) before saving: a
+        # checkpoint written from a corrupted replica would make the corruption permanent.
+        replicas_agree = watchdog.check_params(step, model)
+        if step % args.save_every == 0 and rank == 0 and replicas_agree:
             save_checkpoint(ckpt_dir, step, model, optimizer)
     dist.barrier()
     if rank == 0:

@@ -7,6 +7,9 @@ The one call a training loop makes (a no-op outside ``robust run``)::
     for step in range(start, total + 1):
         loss = train_step(step)
         watchdog.step_end(step, loss=loss, grad_norm=grad_norm)
+        ok = watchdog.check_params(step, model)      # silent data corruption, every N steps
+        if ok and step % save_every == 0:
+            save_checkpoint(step)
 
 Layout: :mod:`.client` (rank side), :mod:`.inject` (``--inject`` specs), :mod:`.detect` (pure
 detection logic), :mod:`.stacks` (py-spy / faulthandler), :mod:`.monitor` (node monitor),
@@ -16,6 +19,6 @@ detection logic), :mod:`.stacks` (py-spy / faulthandler), :mod:`.monitor` (node 
 
 from __future__ import annotations
 
-from robust_plugins.watchdog.client import step_end
+from robust_plugins.watchdog.client import check_params, step_end
 
-__all__ = ["step_end"]
+__all__ = ["check_params", "step_end"]

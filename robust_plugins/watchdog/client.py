@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import faulthandler
+import hashlib
 import json
 import math
 import os
@@ -37,6 +38,7 @@ ENV_SOCKET = "ROBUST_WATCHDOG_SOCKET"
 ENV_RUN_DIR = "ROBUST_RUN_DIR"
 ENV_INJECT = "ROBUST_INJECT"
 ENV_INCARNATION = "ROBUST_INCARNATION"
+ENV_SDC_EVERY = "ROBUST_SDC_EVERY"
 
 #: Upper bound of an injected Python hang; the monitor kills the rank long before.
 HANG_INJECT_MAX_S = 3600.0
@@ -49,8 +51,11 @@ class _Client:
         self.address = address
         self.rank = int(os.environ.get("RANK", "0"))
         self.incarnation = int(os.environ.get(ENV_INCARNATION, "0"))
-        self.injections = {(i.rank, i.step): i for i in _inject.parse(os.environ.get(ENV_INJECT) or None)
-                           if i.rank == self.rank}
+        mine = [i for i in _inject.parse(os.environ.get(ENV_INJECT) or None) if i.rank == self.rank]
+        self.injections = {i.step: i for i in mine if i.kind not in _inject.PARAM_KINDS}
+        self.param_injections = sorted((i for i in mine if i.kind in _inject.PARAM_KINDS),
+                                       key=lambda i: i.step)
+        self.sdc_every = int(os.environ.get(ENV_SDC_EVERY, "0") or 0)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.dropped = 0
         self.fh_path = self._register_faulthandler()
@@ -104,7 +109,7 @@ class _Client:
             pass
 
     def step_end(self, step: int, loss: float | None, grad_norm: float | None) -> None:
-        fault = self.injections.pop((self.rank, step), None)
+        fault = self.injections.pop(step, None)
         if fault is not None:
             if fault.kind in ("nan", "spike"):
                 def corrupt(v: float | None) -> float:
@@ -122,6 +127,69 @@ class _Client:
             if fault.kind == "hang":
                 (_hang_in_syscall if fault.option == "syscall" else _hang_in_python)(HANG_INJECT_MAX_S)
         self.send({"k": "end", "s": step, "l": loss, "g": grad_norm})
+
+
+    def check_params(self, step: int, params: list, group: Any) -> bool:
+        if self.sdc_every <= 0 or step % self.sdc_every:
+            return True
+        import torch
+        import torch.distributed as dist
+
+        if self.param_injections and self.param_injections[0].step <= step:
+            fault = self.param_injections.pop(0)
+            self.send({"k": "inject", "s": step, "spec": fault.spec()}, wait=True)
+            _flip_bit(params[0], int(fault.option))
+        mine = param_hash(params)
+        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        mine_t = torch.tensor([mine], dtype=torch.int64, device=device)
+        world = dist.get_world_size(group)
+        gathered = [torch.empty_like(mine_t) for _ in range(world)]
+        dist.all_gather(gathered, mine_t, group=group)
+        hashes = {dist.get_global_rank(group, i) if group is not None else i: int(t.item())
+                  for i, t in enumerate(gathered)}
+        minority, reason = minority_ranks(hashes)
+        self.send({"k": "hash", "s": step, "h": f"{mine & (2**64 - 1):016x}", "bad": minority,
+                   "why": reason, "n": world})
+        return not reason
+
+
+def param_hash(params: list) -> int:
+    """A 64-bit hash (signed, to fit an int64 tensor) of the parameters' bytes, in order."""
+    import torch
+
+    h = hashlib.blake2b(digest_size=8)
+    for p in params:
+        t = p.detach().contiguous().reshape(-1).view(torch.uint8)
+        h.update(t.cpu().numpy().tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def minority_ranks(hashes: dict[int, int]) -> tuple[list[int], str]:
+    """Ranks whose hash differs from a strict majority, and why; ``([], "")`` when all agree.
+
+    Without a strict majority (two replicas that disagree, or an even split) every rank is named.
+    """
+    groups: dict[int, list[int]] = {}
+    for rank, h in sorted(hashes.items()):
+        groups.setdefault(h, []).append(rank)
+    if len(groups) == 1:
+        return [], ""
+    ordered = sorted(groups.values(), key=len, reverse=True)
+    if len(ordered[0]) * 2 > len(hashes):
+        bad = sorted(r for g in ordered[1:] for r in g)
+        return bad, f"ranks {bad} hold parameters that differ from the majority {ordered[0]}"
+    return sorted(hashes), f"no majority among {len(hashes)} replicas ({len(groups)} different hashes)"
+
+
+def _flip_bit(param: Any, bit: int) -> None:
+    import torch
+
+    with torch.no_grad():
+        flat = param.data.reshape(-1)
+        raw = flat[:1].view(torch.int32) if flat.element_size() == 4 else None
+        if raw is None:
+            raise RuntimeError(f"bitflip injection needs a 4-byte parameter, got {param.dtype}")
+        raw ^= (1 << bit) if bit < 31 else -(1 << 31)
 
 
 def _hang_in_python(max_s: float) -> None:
@@ -187,3 +255,22 @@ def step_end(step: int, loss: Any = None, grad_norm: Any = None) -> None:
     if client is None:
         return
     client.step_end(int(step), _as_float(loss), _as_float(grad_norm))
+
+
+def check_params(step: int, params: Any, group: Any = None) -> bool:
+    """Compare a 64-bit hash of this rank's parameters with every other replica's (silent data
+    corruption); returns False when some replica differs (do not save a checkpoint then).
+
+    Call it on every rank of ``group`` (a data-parallel group whose replicas hold identical
+    parameters; default: the whole job) after the optimizer step, *before* saving a checkpoint.
+    It works every ``sdc_every_steps`` steps (watchdog setting) and returns True at once on the
+    others; one check costs one pass over the parameters and an 8-byte all-gather. A mismatch is
+    reported to the node monitor, which records an ``sdc`` fault naming the minority ranks and
+    rolls the job back to the newest checkpoint. Outside ``robust run`` it does nothing.
+    ``params``: a module or a list of tensors (in the same order on every rank).
+    """
+    client = get_client()
+    if client is None:
+        return True
+    tensors = list(params.parameters()) if hasattr(params, "parameters") else list(params)
+    return client.check_params(int(step), tensors, group)

@@ -2,8 +2,8 @@
 
 Syntax: ``KIND:rank=R,step=S[,key=value...]``; several faults are separated by ``;`` or given as
 several ``--inject`` flags. A fault fires once per job: when rank ``R`` reports the end of step
-``S`` (``robust_plugins.watchdog.step_end(S)``) for the first time; a restarted job that replays
-step ``S`` does not fire it again.
+``S`` (``robust_plugins.watchdog.step_end(S)``) for the first time (``bitflip``: in its first
+``check_params`` at or after ``S``); a restarted job that replays step ``S`` does not fire it again.
 
 =========================  ==================================================================
 ``kill:rank=1,step=30``    rank 1 kills itself with SIGKILL (``signal=TERM`` etc. to choose)
@@ -13,6 +13,8 @@ step ``S`` does not fire it again.
 ``nan:rank=1,step=40``     rank 1 reports a NaN loss for step 40 (``what=grad_norm`` for the
                            gradient norm); the model itself is not touched
 ``spike:rank=1,step=40``   rank 1 reports 1000 x its loss (or ``what=grad_norm``) for step 40
+``bitflip:rank=2,step=30`` rank 2 flips bit 20 (``bit=N``) of its first parameter's first element
+                           in the first ``check_params`` at or after step 30: real corruption
 =========================  ==================================================================
 """
 
@@ -29,7 +31,11 @@ KINDS: dict[str, dict[str, tuple[str, ...] | None]] = {
     "hang": {"mode": ("python", "syscall")},
     "nan": {"what": ("loss", "grad_norm")},
     "spike": {"what": ("loss", "grad_norm")},
+    "bitflip": {"bit": None},
 }
+
+#: Kinds fired by ``check_params`` (the others fire in ``step_end``).
+PARAM_KINDS = ("bitflip",)
 
 #: A spike multiplies the reported value by this (far above any sensible spike_factor).
 SPIKE_MULTIPLIER = 1000.0
@@ -39,6 +45,7 @@ FORMS = (
     "hang:rank=R,step=S[,mode=python|syscall]",
     "nan:rank=R,step=S[,what=loss|grad_norm]",
     "spike:rank=R,step=S[,what=loss|grad_norm]",
+    "bitflip:rank=R,step=S[,bit=0..31]",
 )
 
 
@@ -47,7 +54,7 @@ class Injection:
     """One fault to inject."""
 
     kind: str
-    """``kill``, ``hang``, ``nan`` or ``spike``."""
+    """``kill``, ``hang``, ``nan``, ``spike`` or ``bitflip``."""
 
     rank: int
     """Global rank that misbehaves."""
@@ -57,7 +64,7 @@ class Injection:
 
     option: str = ""
     """The kind's option: signal name for ``kill``, ``python`` or ``syscall`` for ``hang``, ``loss`` or
-    ``grad_norm`` for ``nan`` and ``spike``."""
+    ``grad_norm`` for ``nan`` and ``spike``, the bit index for ``bitflip``."""
 
     def spec(self) -> str:
         """The canonical text form; ``parse(x.spec()) == [x]``."""
@@ -109,6 +116,11 @@ def parse_one(text: str) -> Injection:
 def _option(part: str, kind: str, values: dict[str, str]) -> str:
     (key,) = KINDS[kind]
     allowed = KINDS[kind][key]
+    if kind == "bitflip":
+        bit = values.get(key, "20")
+        if not bit.isdigit() or not 0 <= int(bit) <= 31:
+            raise _error(part, f"bit={bit!r} must be an integer from 0 to 31")
+        return str(int(bit))
     if kind == "kill":
         name = values.get(key, "KILL").upper().removeprefix("SIG")
         if not isinstance(getattr(_signal, "SIG" + name, None), _signal.Signals):

@@ -51,6 +51,8 @@ class _RankState:
     """The rank reported through ``step_end`` at least once (only such ranks are watched for hangs)."""
     finished: bool = False
     """The rank's interpreter is exiting (it sent ``exit``): no more steps are expected."""
+    sdc: tuple[int, list[int], str, float] | None = None
+    """(step, minority ranks, reason, wall time) of the first parameter-hash mismatch seen."""
     spike: tuple[int, str, float, float, float] | None = None
     """(step, what, value, median, wall time) of the first spike reported in this incarnation."""
     bad_number: tuple[int, str, float | None, float] | None = None
@@ -101,6 +103,7 @@ class Monitor:
             client.ENV_RUN_DIR: str(self.run_dir),
             client.ENV_INJECT: _inject.to_env(self.pending_injections),
             client.ENV_INCARNATION: str(self.incarnation + 1),
+            client.ENV_SDC_EVERY: str(self.cfg.sdc_every_steps),
         }
 
     def begin_incarnation(self, pids: dict[int, int]) -> None:
@@ -184,6 +187,9 @@ class Monitor:
                                            if not (i.spec() == spec and i.rank == msg["r"])]
             elif kind == "exit":
                 st.finished = True
+            elif kind == "hash":
+                if msg.get("why") and st.sdc is None:
+                    st.sdc = (int(msg["s"]), [int(r) for r in msg["bad"]], str(msg["why"]), msg["t"])
             elif kind == "end":
                 step = int(msg["s"])
                 self._note_resume(step)
@@ -282,8 +288,8 @@ class Monitor:
         if not self._thread.is_alive():
             if not self._warned_receiver:
                 self._warned_receiver = True
-                log.warning("robust watchdog: the signal receiver stopped; hang, NaN and spike "
-                            "detection are off for the rest of the job (crashes are still detected).")
+                log.warning("robust watchdog: the signal receiver stopped; hang, NaN, spike and "
+                            "SDC detection are off for the rest of the job (crashes are still detected).")
             return None
         self._drain()
         now, now_wall = time.monotonic(), time.time()
@@ -309,6 +315,17 @@ class Monitor:
                 action="rollback" if will_restart else "report",
                 detail={"what": first[1], "value": str(first[2]),
                         "reason": f"{first[1]} = {first[2]} at step {step}"},
+            ))
+        with self._lock:
+            sdc = sorted((st.sdc for st in self.ranks.values() if st.sdc), key=lambda x: x[0])
+        if sdc:
+            # Every rank computed the same verdict from the same all-gathered hashes.
+            step, minority, reason, t = sdc[0]
+            return self._record(Fault(
+                kind="sdc", step=step, suspect_ranks=minority, suspect_hosts=[self.host],
+                detected_after_s=round(max(0.0, now_wall - t), 3),
+                action="rollback" if will_restart else "report",
+                detail={"reason": reason, "check_every": self.cfg.sdc_every_steps},
             ))
         with self._lock:
             spikes = {r: st.spike for r, st in self.ranks.items() if st.spike}

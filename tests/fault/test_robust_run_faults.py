@@ -27,25 +27,37 @@ def test_kill_is_recorded_restarted_and_ends_with_the_fault_free_loss(tmp_path, 
     assert len(job.worker_pids()) == 4  # two incarnations of two ranks
 
 
-def test_four_ranks_recover_from_a_kill_a_nan_and_a_spike(tmp_path):
-    """The gloo restart bug of HOSTS.md: a 4-rank job must form its process group again (three
-    times), here with the static rendezvous (the 2-rank tests use the c10d one of --standalone)."""
-    job = robust_run(tmp_path, 4, "--max-restarts", "3",
-                     "--inject", "kill:rank=2,step=12", "--inject", "nan:rank=1,step=25",
-                     "--inject", "spike:rank=3,step=28",
-                     recipe_args=["--steps", "30", "--save-every", "10", "--corpus-bytes", "200000"],
-                     timeout_s=180, rdzv="static")
+FOUR_RANK_ARGS = ["--steps", "30", "--save-every", "10", "--corpus-bytes", "200000"]
+
+
+def test_four_ranks_recover_from_kill_bitflip_nan_and_spike_with_the_fault_free_result(tmp_path):
+    """The gloo restart bug of HOSTS.md: a 4-rank job must form its process group again (four
+    times), here with the static rendezvous (the 2-rank tests use the c10d one of --standalone).
+    A flipped parameter bit is real corruption: only the rollback makes the end result right."""
+    clean = robust_run(tmp_path / "clean", 4, "--max-restarts", "0", "--watchdog", "sdc_every_steps=5",
+                       recipe_args=FOUR_RANK_ARGS, timeout_s=120, rdzv="static")
+    assert clean.returncode == 0 and clean.faults == [], clean.output[-3000:]
+    job = robust_run(tmp_path / "faults", 4, "--max-restarts", "4", "--watchdog", "sdc_every_steps=5",
+                     "--inject", "kill:rank=2,step=12", "--inject", "bitflip:rank=3,step=17",
+                     "--inject", "nan:rank=1,step=25", "--inject", "spike:rank=3,step=28",
+                     recipe_args=FOUR_RANK_ARGS, timeout_s=240, rdzv="static")
     assert job.returncode == 0, job.output[-3000:]
-    crash, nan, spike = job.faults
+    crash, sdc, nan, spike = job.faults
     assert (crash["kind"], crash["suspect_ranks"], crash["resumed_at_step"]) == ("crash", [2], 11)
+    # The flip fires in the first hash check at or after step 17 (every 5 steps: 20). The
+    # replicas disagree there, so no checkpoint is written at 20: back to 10.
+    assert (sdc["kind"], sdc["suspect_ranks"], sdc["step"], sdc["action"]) == ("sdc", [3], 20, "rollback")
+    assert sdc["resumed_at_step"] == 11
     assert (nan["kind"], nan["suspect_ranks"], nan["step"]) == ("nan", [1], 25)
     assert nan["action"] == "rollback" and nan["resumed_at_step"] == 21
     assert (spike["kind"], spike["suspect_ranks"], spike["step"]) == ("spike", [3], 28)
     assert spike["action"] == "rollback" and spike["resumed_at_step"] == 21
     assert spike["detail"]["value"] > 100 * spike["detail"]["median"]
     assert "Gloo connectFullMesh failed" not in job.output
+    assert len(job.worker_pids()) == 20  # five incarnations of four ranks
     assert job.result["world_size"] == 4 and job.result["started_at"] == 21
-    assert len(job.worker_pids()) == 16  # four incarnations of four ranks
+    assert job.result["final_loss"] == clean.result["final_loss"]
+    assert job.result["params_hash"] == clean.result["params_hash"]
 
 
 def test_hang_is_detected_localized_and_restarted(tmp_path, baseline_2):

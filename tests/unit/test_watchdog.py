@@ -24,6 +24,7 @@ def test_inject_parses_every_kind_and_round_trips():
     assert inject.parse_one("kill:rank=0,step=3,signal=term").signum == 15
     spike = "spike:rank=2,step=9,what=grad_norm"
     assert inject.parse_one(spike).spec() == spike
+    assert inject.parse_one("bitflip:rank=3,step=5").spec() == "bitflip:rank=3,step=5,bit=20"
 
 
 @pytest.mark.parametrize("spec, bad", [
@@ -37,6 +38,7 @@ def test_inject_parses_every_kind_and_round_trips():
     ("nan:rank=1,step=3,where=loss", "unknown key 'where' for nan"),
     ("kill:rank=1,step", "'step' is not key=value"),
     ("kill:rank=1,rank=2,step=3", "'rank' is given twice"),
+    ("bitflip:rank=1,step=3,bit=40", "bit='40' must be an integer from 0 to 31"),
 ])
 def test_malformed_inject_names_the_bad_part_and_the_forms(spec, bad):
     with pytest.raises(ConfigError) as err:
@@ -64,6 +66,7 @@ def test_inject_refuses_two_faults_at_one_place_and_missing_ranks():
     ({"hang_min_timeout_s": float("nan")}, "must be a finite number > 0"),
     ({"hang_facter": 5}, "Did you mean 'hang_factor'"),
     ({"spike_factor": 1.0}, "spike_factor = 1.0 must be 0 (off) or a finite number > 1"),
+    ({"sdc_every_steps": -5}, "sdc_every_steps = -5 must be >= 0 (0: off)"),
     ({"spike_warmup_steps": 60}, "spike_warmup_steps (60) must lie between 1 and spike_window (50)"),
 ])
 def test_bad_watchdog_settings_are_refused(block, bad):
@@ -345,3 +348,28 @@ def test_crash_is_judged_after_the_ranks_last_datagrams_even_if_the_receiver_lag
         mon.close()
     assert (fault.suspect_ranks, fault.step, fault.detail["signal"]) == ([1], 12, "SIGKILL")
     assert fault.detail["onset"] == "injected"
+
+
+# -- silent data corruption ------------------------------------------------------------------------
+def test_minority_ranks_names_the_odd_replicas_or_everyone_without_a_majority():
+    assert client.minority_ranks({0: 7, 1: 7, 2: 7}) == ([], "")
+    bad, why = client.minority_ranks({0: 7, 1: 7, 2: 9, 3: 7})
+    assert bad == [2] and "majority [0, 1, 3]" in why
+    assert client.minority_ranks({r: (5 if r in (10, 40) else 1) for r in range(64)})[0] == [10, 40]
+    bad, why = client.minority_ranks({0: 1, 1: 2})
+    assert bad == [0, 1] and "no majority among 2 replicas" in why
+    assert client.minority_ranks({0: 1, 1: 1, 2: 2, 3: 2})[0] == [0, 1, 2, 3]
+
+
+def test_bitflip_changes_the_parameter_hash_and_one_bit_only():
+    import torch
+
+    params = [torch.linspace(-1, 1, 17), torch.ones(3, 4)]
+    before = client.param_hash(params)
+    copy = [p.clone() for p in params]
+    assert client.param_hash(copy) == before
+    client._flip_bit(copy[0], 20)
+    assert client.param_hash(copy) != before
+    diff = (copy[0].view(torch.int32) ^ params[0].view(torch.int32)).tolist()
+    assert diff[0] == 1 << 20 and not any(diff[1:])
+    assert torch.equal(copy[1], params[1])
