@@ -1,0 +1,95 @@
+"""Hierarchical all-reduce: reduce-scatter in the node, compressed all-reduce on the rail, all-gather.
+
+Only ``1 / ranks_per_node`` of the tensor crosses the slow inter-node link, and compressed: each
+rank owns one shard after the intra-node reduce-scatter, all-reduces that shard with the ranks
+holding the same shard on other nodes (its rail group) through
+:func:`robust_plugins.comm.compressed_all_reduce`, and the intra-node all-gather hands every rank
+the whole result. The intra-node steps are uncompressed fp32: the fast link does not need
+compression and an fp32 sum of the node's contributions costs no accuracy.
+
+Every rank ends with the same bits: each shard's final value comes from one rail all-reduce
+(bitwise equal on its members) and is copied, not recomputed, by the all-gather.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+import torch.distributed as dist
+
+from robust_plugins._logging import get_logger, warn_once
+from robust_plugins.comm.collectives import OPS, compressed_all_reduce
+from robust_plugins.comm.state import CompressionState
+from robust_plugins.errors import ConfigError, RobustPluginsError
+from robust_plugins.topology.builder import TopologyGroups
+
+_log = get_logger(__name__)
+
+
+def hierarchical_all_reduce(
+    tensor: torch.Tensor,
+    groups: TopologyGroups,
+    *,
+    codec: str | None = None,
+    op: str = "avg",
+    state: CompressionState | None = None,
+    key: Hashable | None = None,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Average or sum ``tensor`` over all ranks, in place, hierarchically; compressed across nodes.
+
+    Args:
+        tensor: contiguous float tensor, any shape; overwritten with the result in its dtype.
+        groups: from :func:`robust_plugins.topology.build_groups`. If the layout was uneven
+            (``groups.fallback_reason``) this warns once, naming the reason, and runs the flat
+            :func:`~robust_plugins.comm.compressed_all_reduce` over the default group.
+        codec, state, block_size: as for ``compressed_all_reduce``; they apply to the rail step.
+        op: ``avg`` or ``sum`` (over all ranks).
+        key: error-feedback key of this bucket; the rail step stores its residuals under
+            ``("hierarchical", key)`` since this rank's shard, not the whole bucket, is compressed.
+
+    A tensor whose size is not a multiple of the node size is padded with zeros for the
+    reduce-scatter. With one node there is no rail step (nothing crosses a slow link).
+
+    Returns:
+        ``tensor``.
+    """
+    if op not in OPS:
+        raise ConfigError(f"op = {op!r} is not supported; allowed: {', '.join(OPS)}.")
+    if groups.plan is None:
+        warn_once(
+            _log, "hierarchical-fallback",
+            "hierarchical all-reduce falls back to a FLAT compressed all-reduce: %s", groups.fallback_reason,
+        )
+        return compressed_all_reduce(tensor, codec=codec, op=op, state=state, key=key, block_size=block_size)
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or not tensor.is_contiguous():
+        raise RobustPluginsError(
+            f"hierarchical_all_reduce needs a contiguous float tensor; got "
+            f"{getattr(tensor, 'dtype', type(tensor).__name__)} (contiguous: {getattr(tensor, 'is_contiguous', lambda: None)()})."
+        )
+    numel = tensor.numel()
+    if numel == 0:
+        return tensor
+    per_node = len(groups.intra_ranks)
+    shard_len = -(-numel // per_node)
+    buf = torch.zeros(shard_len * per_node, dtype=torch.float32, device=tensor.device)
+    buf[:numel].copy_(tensor.view(-1))
+    shard = torch.empty(shard_len, dtype=torch.float32, device=tensor.device)
+    if per_node > 1:
+        dist.reduce_scatter_tensor(shard, buf, op=dist.ReduceOp.SUM, group=groups.intra)
+    else:
+        shard.copy_(buf)
+    if len(groups.rail_ranks) > 1:
+        rail_key = ("hierarchical", ("default", numel) if key is None else key)
+        compressed_all_reduce(
+            shard, codec=codec, group=groups.rail, op="sum", state=state, key=rail_key, block_size=block_size
+        )
+    if per_node > 1:
+        dist.all_gather_into_tensor(buf, shard, group=groups.intra)
+    else:
+        buf.copy_(shard)
+    if op == "avg":
+        buf.div_(groups.plan.world_size)
+    tensor.view(-1).copy_(buf[:numel])
+    return tensor
