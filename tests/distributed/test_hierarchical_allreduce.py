@@ -59,6 +59,20 @@ def _scenarios(rank: int, world: int) -> dict:
     out["residual_keys"] = st.keys()
     out["residual_numel"] = st.residual_numel(("hierarchical", ("bucket", 0)))
 
+    # Discovery over the process group: hostnames (+ LOCAL_RANK), then SLURM's tree address.
+    host_topo = discover(env={"LOCAL_RANK": str(rank)})
+    out["hostname_topo"] = host_topo
+    slurm_env = {
+        "SLURM_TOPOLOGY_ADDR": f"spine.leaf{rank // 2}.n{rank // 2}",
+        "SLURM_TOPOLOGY_ADDR_PATTERN": "switch.switch.node",
+        "LOCAL_RANK": str(rank % 2),
+    }
+    out["slurm_topo"] = discover(env=slurm_env)
+    # One node (every rank on this host): no rail step, so even int8 is the exact fp32 sum.
+    one_node = build_groups(host_topo.records)
+    x = rank_input(rank, 777)
+    out["one_node_int8"] = hierarchical_all_reduce(x.clone(), one_node, codec="int8", op="sum")
+
     # An uneven layout (one node short by a rank) falls back to flat, loudly.
     uneven = [RankRecord(r, f"n{min(r // (world // 2 + 1), 1)}", f"n{min(r // (world // 2 + 1), 1)}",
                          r if r <= world // 2 else r - world // 2 - 1) for r in range(world)]
@@ -122,6 +136,23 @@ def test_hierarchical_matches_flat(layout):
                 assert torch.equal(outs[rank]["results"][(n, codec)], outs[0]["results"][(n, codec)]), (
                     f"{layout} n={n} {codec}: rank {rank} differs from rank 0"
                 )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_discovery_over_the_process_group(layout):
+    outs = run_layout(layout)
+    world = len(outs)
+    for out in outs:
+        assert out["hostname_topo"] == outs[0]["hostname_topo"] and out["hostname_topo"].source == "hostname"
+        assert [r.local_index for r in out["hostname_topo"].records] == list(range(world))
+        slurm = out["slurm_topo"]
+        assert slurm.source == "slurm" and slurm == outs[0]["slurm_topo"]
+        assert [(r.host, r.local_index, r.switches) for r in slurm.records[:3]] == [
+            ("n0", 0, ("leaf0", "spine")), ("n0", 1, ("leaf0", "spine")), ("n1", 0, ("leaf1", "spine"))
+        ]
+    exact = torch.stack([rank_input(r, 777) for r in range(world)]).sum(0)
+    torch.testing.assert_close(outs[0]["one_node_int8"], exact, rtol=1e-6, atol=1e-5)
+    assert all(torch.equal(o["one_node_int8"], outs[0]["one_node_int8"]) for o in outs)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
