@@ -18,7 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--file", help="topology file (JSON, or YAML with PyYAML) keyed by host name")
     parser.add_argument("--sim", metavar="NxM", help=f"simulated layout, N nodes x M ranks (overrides {SIM_ENV})")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size that must fit in a node (default 1)")
-    parser.add_argument("--megatron", action="store_true", help="also print megatron_rank_order for --tp/--pp/--cp/--ep")
+    parser.add_argument(
+        "--megatron", action="store_true", help="also print megatron_rank_order for --tp/--pp/--cp/--ep"
+    )
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (with --megatron)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (with --megatron)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (with --megatron)")
@@ -75,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         rows += [[kind, g["name"], str(len(g["ranks"])), _ranks(g["ranks"])] for g in groups]
     print("\n".join(_table(rows)))
     if "megatron_rank_order" in data:
-        print(f"\nmegatron rank order (order[m] = process to run megatron rank m): {_ranks(data['megatron_rank_order'])}")
+        order = _ranks(data["megatron_rank_order"])
+        print(f"\nmegatron rank order (order[m] = process to run megatron rank m): {order}")
     return 0
 
 

@@ -55,8 +55,9 @@ def parse_sim(spec: str) -> tuple[RankRecord, ...]:
         )
     nodes, per_node = int(m.group(1)), int(m.group(2))
     return tuple(
-        RankRecord(rank=r, host=f"sim-node{r // per_node}", nvlink_domain=f"sim-node{r // per_node}", local_index=r % per_node)
+        RankRecord(rank=r, host=f"sim-node{n}", nvlink_domain=f"sim-node{n}", local_index=i)
         for r in range(nodes * per_node)
+        for n, i in [divmod(r, per_node)]
     )
 
 
@@ -143,7 +144,9 @@ def validate_host_table(data: Any, where: str = "topology") -> dict[str, dict]:
         norm = {"nvlink_domain": domain, "switches": tuple(switches)}
         if "ranks" in entry:
             ranks = entry["ranks"]
-            if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+            if not isinstance(ranks, list) or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks
+            ):
                 raise TopologyError(f"{where}: host {host!r}: ranks = {ranks!r} must be a list of ints >= 0.")
             norm["ranks"] = tuple(ranks)
         out[host] = norm

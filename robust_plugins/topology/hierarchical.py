@@ -63,10 +63,12 @@ def hierarchical_all_reduce(
             "hierarchical all-reduce falls back to a FLAT compressed all-reduce: %s", groups.fallback_reason,
         )
         return compressed_all_reduce(tensor, codec=codec, op=op, state=state, key=key, block_size=block_size)
-    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or not tensor.is_contiguous():
+    if not isinstance(tensor, torch.Tensor):
+        raise RobustPluginsError(f"hierarchical_all_reduce needs a tensor, got {type(tensor).__name__}.")
+    if not tensor.is_floating_point() or not tensor.is_contiguous():
         raise RobustPluginsError(
-            f"hierarchical_all_reduce needs a contiguous float tensor; got "
-            f"{getattr(tensor, 'dtype', type(tensor).__name__)} (contiguous: {getattr(tensor, 'is_contiguous', lambda: None)()})."
+            f"hierarchical_all_reduce needs a contiguous float tensor; got {tensor.dtype}, "
+            f"contiguous={tensor.is_contiguous()}. Pass tensor.contiguous() and copy the result back."
         )
     numel = tensor.numel()
     if numel == 0:

@@ -107,7 +107,9 @@ def plan_groups(records: Sequence[RankRecord], *, tp: int = 1) -> TopologyPlan:
         domains[rec.nvlink_domain].append(rec)
     # Domains in order of their lowest rank, ranks inside by (host, local index): deterministic on every rank.
     ordered = sorted(domains.items(), key=lambda kv: kv[1][0].rank)
-    intra = tuple(tuple(r.rank for r in sorted(members, key=lambda r: (r.host, r.local_index))) for _, members in ordered)
+    intra = tuple(
+        tuple(r.rank for r in sorted(members, key=lambda r: (r.host, r.local_index))) for _, members in ordered
+    )
     sizes = [len(g) for g in intra]
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise TopologyError(f"tp = {tp!r} must be an int >= 1.")

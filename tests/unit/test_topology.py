@@ -172,7 +172,8 @@ def test_multi_node_nvlink_domain_spans_hosts():
 
 def test_uneven_nodes_error_prints_the_counts():
     recs = cluster(1000, 8)[:-3]  # the last host lost 3 ranks
-    with pytest.raises(UnevenTopologyError, match=r"1000 NVLink domains with rank counts 1 x 5, 999 x 8 \(world size 7997\)"):
+    msg = r"1000 NVLink domains with rank counts 1 x 5, 999 x 8 \(world size 7997\)"
+    with pytest.raises(UnevenTopologyError, match=msg):
         plan_groups(recs)
 
 
@@ -192,7 +193,8 @@ def test_missing_and_duplicated_ranks():
 
 
 def test_domain_smaller_than_tp():
-    with pytest.raises(TopologyError, match=r"tensor parallel size 16 .*'h00000' has 8 ranks \(domain sizes: 256 x 8\)"):
+    msg = r"tensor parallel size 16 .*'h00000' has 8 ranks \(domain sizes: 256 x 8\)"
+    with pytest.raises(TopologyError, match=msg):
         plan_groups(cluster(256, 8), tp=16)
     with pytest.raises(TopologyError, match="tensor parallel size 4 .* has 6 ranks"):
         plan_groups(cluster(4, 6), tp=4)
