@@ -83,6 +83,8 @@ class Monitor:
         self._uses_api = False
         self._warned_receiver = False
         self._medians: dict[tuple[int, str], RunningMedian] = {}
+        self._fired: list[tuple[int, int, _inject.Injection]] = []
+        """(incarnation, step, injection) of every injected fault the ranks announced."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._sock_dir = tempfile.mkdtemp(prefix="robust-wd-")  # short: AF_UNIX paths max 107 bytes
@@ -183,8 +185,9 @@ class Monitor:
             elif kind == "inject":
                 st.injected = msg
                 spec = msg.get("spec")
-                self.pending_injections = [i for i in self.pending_injections
-                                           if not (i.spec() == spec and i.rank == msg["r"])]
+                fired = [i for i in self.pending_injections if i.spec() == spec]
+                self.pending_injections = [i for i in self.pending_injections if i.spec() != spec]
+                self._fired += [(self.incarnation, int(msg["s"]), i) for i in fired]
             elif kind == "exit":
                 st.finished = True
             elif kind == "hash":
@@ -237,6 +240,13 @@ class Monitor:
             self._detected_at = time.monotonic()
             fault.incarnation = self.incarnation
             self.all_faults.append(fault)
+            # Ranks run on for a few steps between a fault and their stop; injections they fired
+            # after the fault's step are replayed by the restarted job: arm them again.
+            if fault.step is not None:
+                rearm = [i for inc, step, i in self._fired
+                         if inc == self.incarnation and step > fault.step]
+                self._fired = [f for f in self._fired if f[2] not in rearm]
+                self.pending_injections += rearm
             if fault.action in ("restart", "rollback"):
                 self._pending_resume = fault  # written when the restarted job reports a step
             else:

@@ -373,3 +373,27 @@ def test_bitflip_changes_the_parameter_hash_and_one_bit_only():
     diff = (copy[0].view(torch.int32) ^ params[0].view(torch.int32)).tolist()
     assert diff[0] == 1 << 20 and not any(diff[1:])
     assert torch.equal(copy[1], params[1])
+
+
+def test_injections_fired_after_a_detected_fault_are_armed_again(tmp_path):
+    """Ranks run on for a few steps before they are stopped; a fault they inject in that time is
+    replayed by the restarted job, so it must fire there again."""
+    from robust_plugins.watchdog.monitor import Monitor
+
+    inj = inject.parse("nan:rank=1,step=25;spike:rank=0,step=28")
+    mon = Monitor(WatchdogConfig(), tmp_path, injections=inj, host="h")
+    try:
+        mon.begin_incarnation({0: 100, 1: 101})
+        tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        for msg in ({"k": "hello", "r": 1, "i": 0, "t": 0.0, "pid": 101},
+                    {"k": "inject", "r": 1, "i": 0, "s": 25, "t": 0.0, "spec": inj[0].spec()},
+                    {"k": "end", "r": 1, "i": 0, "s": 25, "t": 0.0, "l": float("nan")},
+                    {"k": "inject", "r": 0, "i": 0, "s": 28, "t": 0.0, "spec": inj[1].spec()}):
+            tx.sendto(json.dumps(msg).encode(), mon.address)
+        tx.close()
+        fault = mon.check(will_restart=True)
+        assert (fault.kind, fault.step) == ("nan", 25)
+        assert mon.pending_injections == [inj[1]]  # the spike at 28 fires again; the NaN does not
+        assert "spike:rank=0,step=28" in mon.worker_env()[client.ENV_INJECT]
+    finally:
+        mon.close()
