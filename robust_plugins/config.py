@@ -5,12 +5,19 @@ from keyword arguments (megatron-core and plain PyTorch users) and by ``robust c
 Every user mistake raises :class:`~robust_plugins.errors.ConfigError` naming the key, the bad value
 and what is allowed; unknown keys get a "did you mean".
 
-Environment overrides (all in one place, all with the ``ROBUST_`` prefix):
+Environment variables (all in one place, all with the ``ROBUST_`` prefix). Set by users:
 
-=========================  ==========================================================
-``ROBUST_CODEC``           replaces ``compression.codec`` (e.g. ``none`` to bisect a run)
-``ROBUST_DISABLE=1``       ignores the whole block: the host behaves exactly as without it
-=========================  ==========================================================
+=============================  ======================================================================
+``ROBUST_CODEC``               replaces ``compression.codec`` (e.g. ``none`` to bisect a run)
+``ROBUST_DISABLE=1``           ignores the whole block: the host behaves exactly as without it
+``ROBUST_TOPOLOGY_SIM=NxM``    simulated topology, N nodes x M ranks (``robust_plugins.topology``)
+``ROBUST_TRITON_ON_CPU=1``     with ``TRITON_INTERPRET=1``: run the Triton kernels on CPU tensors
+``ROBUST_WATCHDOG_NO_PYSPY=1`` hang stacks via faulthandler instead of py-spy
+=============================  ======================================================================
+
+Set by ``robust run`` for its ranks (read by ``robust_plugins.watchdog.client``; not for users):
+``ROBUST_WATCHDOG_SOCKET``, ``ROBUST_RUN_DIR``, ``ROBUST_INJECT``, ``ROBUST_INCARNATION``,
+``ROBUST_SDC_EVERY``.
 """
 
 from __future__ import annotations
