@@ -9,7 +9,7 @@ The recipe is the reference for the resume contract of ``robust run`` (``watchdo
   resumed run sees exactly the batches the uninterrupted run would have seen;
 - after each optimizer step it calls ``robust_plugins.watchdog.step_end(step, loss, grad_norm)``
   and ``robust_plugins.watchdog.check_params(step, model)``, and saves only when the replicas'
-  parameter hashes agree.
+  parameter hashes agree and ``robust_plugins.watchdog.ok_to_save(step)`` says no fault was seen.
 
 With ``torch.use_deterministic_algorithms`` on CPU, a run that was killed and resumed ends with
 bitwise the same parameters and loss as one that never failed. Run it with::
@@ -69,13 +69,14 @@ def newest_checkpoint(ckpt_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer) -> Path:
+def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, loss: float) -> Path:
     """Write ``step-NNNNNNNN.pt`` atomically and keep the newest :data:`KEEP`."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     final = ckpt_dir / f"step-{step:08d}.pt"
     tmp = ckpt_dir / f".{final.name}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
-        torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}, f)
+        torch.save({"step": step, "loss": loss, "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict()}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[rank 0] resumed from {ckpt.name}: continuing at step {start}", flush=True)
     corpus = load_corpus(max_bytes=args.corpus_bytes)
     params = [p for p in model.parameters() if p.requires_grad]
-    losses: dict[int, float] = {}
+    # The checkpoint's own loss: a job resumed from its final checkpoint still reports one.
+    losses: dict[int, float] = {start - 1: state["loss"]} if ckpt is not None else {}
     t0 = time.monotonic()
     for step in range(start, args.steps + 1):
         x, y = get_batch(corpus, "train", seed=args.seed, step=step, rank=rank, world_size=world,
@@ -140,8 +142,9 @@ def main(argv: list[str] | None = None) -> None:
         # Compare parameter hashes across replicas (every sdc_every_steps) before saving: a
         # checkpoint written from a corrupted replica would make the corruption permanent.
         replicas_agree = watchdog.check_params(step, model)
-        if step % args.save_every == 0 and rank == 0 and replicas_agree:
-            save_checkpoint(ckpt_dir, step, model, optimizer)
+        # ok_to_save: the monitor has seen every rank's report of this step and no fault in it.
+        if step % args.save_every == 0 and rank == 0 and replicas_agree and watchdog.ok_to_save(step):
+            save_checkpoint(ckpt_dir, step, model, optimizer, mean_loss)
     dist.barrier()
     if rank == 0:
         result = {"steps": args.steps, "started_at": start, "final_loss": losses.get(args.steps),

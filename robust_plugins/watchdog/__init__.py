@@ -8,7 +8,7 @@ The one call a training loop makes (a no-op outside ``robust run``)::
         loss = train_step(step)
         watchdog.step_end(step, loss=loss, grad_norm=grad_norm)
         ok = watchdog.check_params(step, model)      # silent data corruption, every N steps
-        if ok and step % save_every == 0:
+        if step % save_every == 0 and ok and watchdog.ok_to_save(step):
             save_checkpoint(step)
 
 Layout: :mod:`.client` (rank side), :mod:`.inject` (``--inject`` specs), :mod:`.detect` (pure
@@ -19,6 +19,6 @@ detection logic), :mod:`.stacks` (py-spy / faulthandler), :mod:`.monitor` (node 
 
 from __future__ import annotations
 
-from robust_plugins.watchdog.client import check_params, step_end
+from robust_plugins.watchdog.client import check_params, ok_to_save, step_end
 
-__all__ = ["check_params", "step_end"]
+__all__ = ["check_params", "ok_to_save", "step_end"]

@@ -90,7 +90,9 @@ def _agent_class():
             try:
                 if result.state == WorkerState.FAILED:
                     self.monitor.on_crash(result.failures, will_restart)
-                elif result.state == WorkerState.HEALTHY:
+                elif result.state in (WorkerState.HEALTHY, WorkerState.SUCCEEDED):
+                    # Also when every rank exited 0: a NaN, spike or SDC report of the last steps
+                    # may still be queued, and the job must then roll back, not end.
                     if self.monitor.check(will_restart) is not None:
                         result = RunResult(state=WorkerState.FAILED)
             except Exception:

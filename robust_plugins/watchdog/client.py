@@ -57,6 +57,11 @@ class _Client:
                                        key=lambda i: i.step)
         self.sdc_every = int(os.environ.get(ENV_SDC_EVERY, "0") or 0)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        # An abstract address of the kernel's choosing (Linux autobind) so the monitor can answer
+        # ok_to_save; elsewhere the socket stays unbound and ok_to_save cannot ask.
+        self.can_ask = sys.platform.startswith("linux")
+        if self.can_ask:
+            self.sock.bind("")
         self.dropped = 0
         self.fh_path = self._register_faulthandler()
         _die_with_parent()
@@ -151,6 +156,26 @@ class _Client:
         self.send({"k": "hash", "s": step, "h": f"{mine & (2**64 - 1):016x}", "bad": minority,
                    "why": reason, "n": world})
         return not reason
+
+
+    def ok_to_save(self, step: int, timeout_s: float) -> bool:
+        if not self.can_ask:
+            warn_once(log, "watchdog-ask", "robust watchdog: ok_to_save needs Linux; saving unchecked.")
+            return True
+        self.send({"k": "query", "s": step}, wait=True)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                self.sock.settimeout(left)
+                msg = json.loads(self.sock.recv(4096))
+                if msg.get("k") == "verdict" and msg.get("s") == step:
+                    return bool(msg["ok"])
+        except (socket.timeout, OSError, ValueError) as exc:
+            log.warning("robust watchdog: no answer from the node monitor about step %d within "
+                        "%.0f s (%r); saving without its check.", step, timeout_s, exc)
+        finally:
+            self.sock.setblocking(True)
+        return True
 
 
 def param_hash(params: list) -> int:
@@ -274,3 +299,26 @@ def check_params(step: int, params: Any, group: Any = None) -> bool:
         return True
     tensors = list(params.parameters()) if hasattr(params, "parameters") else list(params)
     return client.check_params(int(step), tensors, group)
+
+
+#: How long ``ok_to_save`` waits for the monitor (it answers within a monitor interval once every
+#: rank reported the step; longer only when a rank is stuck, and then saving is harmless).
+OK_TO_SAVE_TIMEOUT_S = 10.0
+
+
+def ok_to_save(step: int, timeout_s: float = OK_TO_SAVE_TIMEOUT_S) -> bool:
+    """Ask the node monitor whether a checkpoint of step ``step`` may be written.
+
+    Faults are detected in the monitor, a little after the step that caused them; a script that
+    saves in between would write the NaN, the spike's update or the corrupted replica into the
+    checkpoint the rollback then loads. The monitor answers once every rank of the node has
+    reported ``step`` (usually within one monitor interval, ~0.1 s, so ask only at save steps):
+    False if a fault was found, True otherwise. After ``timeout_s`` without an answer it warns
+    and returns True. Outside ``robust run`` it returns True at once. Savers that call a
+    collective (DeepSpeed ``save_checkpoint``) get the same answer on every rank of the node,
+    unless a fault is found between their questions, and then the job is being restarted anyway.
+    """
+    client = get_client()
+    if client is None:
+        return True
+    return client.ok_to_save(int(step), timeout_s)

@@ -83,6 +83,8 @@ class Monitor:
         self._uses_api = False
         self._warned_receiver = False
         self._medians: dict[tuple[int, str], RunningMedian] = {}
+        self._queries: list[tuple[int, Any]] = []
+        """(step, reply address) of ``ok_to_save`` questions not answered yet."""
         self._fired: list[tuple[int, int, _inject.Injection]] = []
         """(incarnation, step, injection) of every injected fault the ranks announced."""
         self._lock = threading.Lock()
@@ -158,18 +160,18 @@ class Monitor:
         with self._recv_lock:
             while True:
                 try:
-                    data = self._sock.recv(65536, socket.MSG_DONTWAIT)
+                    data, addr = self._sock.recvfrom(65536, socket.MSG_DONTWAIT)
                 except (BlockingIOError, InterruptedError):
                     return
                 except OSError:
                     return
                 try:
-                    self._handle(json.loads(data), time.monotonic())
+                    self._handle(json.loads(data), time.monotonic(), addr)
                 except Exception as exc:  # one bad datagram must not end the receiver
                     log.warning("robust watchdog: dropped a malformed signal (%d bytes): %r",
                                 len(data), exc)
 
-    def _handle(self, msg: dict[str, Any], now: float) -> None:
+    def _handle(self, msg: dict[str, Any], now: float, addr: Any = None) -> None:
         with self._lock:
             if msg.get("i") != self.incarnation:
                 return  # a dying rank of an earlier incarnation
@@ -190,10 +192,14 @@ class Monitor:
                 self._fired += [(self.incarnation, int(msg["s"]), i) for i in fired]
             elif kind == "exit":
                 st.finished = True
+            elif kind == "query":
+                if addr:
+                    self._queries.append((int(msg["s"]), addr))
             elif kind == "hash":
                 if msg.get("why") and st.sdc is None:
                     st.sdc = (int(msg["s"]), [int(r) for r in msg["bad"]], str(msg["why"]), msg["t"])
             elif kind == "end":
+                st.registered = self._uses_api = True  # also if its hello came too early
                 step = int(msg["s"])
                 self._note_resume(step)
                 st.progress.on_step(step, now)
@@ -294,7 +300,31 @@ class Monitor:
         return self._record(fault)
 
     def check(self, will_restart: bool) -> Fault | None:
-        """Look for a NaN/Inf report or a hang; returns the fault if the ranks must be stopped."""
+        """Look for faults (SDC, NaN/Inf, spike, hang); returns the fault if the ranks must be
+        stopped. Then answers the ranks' ``ok_to_save`` questions."""
+        fault = self._check(will_restart)
+        self._answer_queries(fault)
+        return fault
+
+    def _answer_queries(self, fault: Fault | None) -> None:
+        # "May I save step s?" Yes once every watched rank has reported step s and nothing
+        # tripped (SDC, NaN, spike reports for s are in by then); no once a fault was found.
+        with self._lock:
+            if not self._queries:
+                return
+            watched = [st for st in self.ranks.values() if st.registered and not st.finished]
+            reached = min((st.progress.last_step or 0 for st in watched), default=0)
+            ready = [(s, a) for s, a in self._queries if fault is not None or s <= reached]
+            self._queries = [(s, a) for s, a in self._queries if (s, a) not in ready]
+        for step, addr in ready:
+            verdict = {"k": "verdict", "s": step, "ok": fault is None}
+            try:
+                self._sock.sendto(json.dumps(verdict).encode(), socket.MSG_DONTWAIT, addr)
+            except OSError as exc:  # the rank is gone or its buffer is full: it will time out
+                log.warning("robust watchdog: could not answer a save question of step %d: %r",
+                            step, exc)
+
+    def _check(self, will_restart: bool) -> Fault | None:
         if not self._thread.is_alive():
             if not self._warned_receiver:
                 self._warned_receiver = True

@@ -62,7 +62,8 @@ def main() -> None:
         dist.all_reduce(mean)
         loss_value = float(mean) / world
         watchdog.step_end(step, loss=loss_value)
-        if step % args.save_every == 0:
+        # save_checkpoint is collective: every rank gets the same answer from the node monitor.
+        if step % args.save_every == 0 and watchdog.ok_to_save(step):
             engine.save_checkpoint(args.ckpt_dir)
     h = hashlib.sha256()
     for _, prm in sorted(engine.module.named_parameters()):

@@ -397,3 +397,51 @@ def test_injections_fired_after_a_detected_fault_are_armed_again(tmp_path):
         assert "spike:rank=0,step=28" in mon.worker_env()[client.ENV_INJECT]
     finally:
         mon.close()
+
+
+def test_ok_to_save_waits_for_every_rank_and_says_no_after_a_fault(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from robust_plugins.watchdog.monitor import Monitor
+
+    monkeypatch.setattr(client, "_die_with_parent", lambda: None)
+    monkeypatch.delenv(client.ENV_RUN_DIR, raising=False)
+    monkeypatch.delenv(client.ENV_INJECT, raising=False)
+    mon = Monitor(WatchdogConfig(), tmp_path, host="h")
+    stop = threading.Event()
+
+    def agent():  # what the elastic agent does every monitor interval
+        while not stop.is_set():
+            mon.check(will_restart=True)
+            time.sleep(0.02)
+
+    mon.begin_incarnation({0: 1, 1: 2})  # as in a job: the agent starts the ranks first
+    clients = {}
+    for r in (0, 1):
+        monkeypatch.setenv("RANK", str(r))
+        monkeypatch.setenv(client.ENV_INCARNATION, "0")
+        clients[r] = client._Client(mon.address)
+    answers = {}
+    loop = threading.Thread(target=agent, daemon=True)
+    try:
+        loop.start()
+        clients[0].step_end(1, 2.0, None)
+        asker = threading.Thread(target=lambda: answers.setdefault(1, clients[0].ok_to_save(1, 10.0)))
+        asker.start()
+        time.sleep(0.3)
+        assert 1 not in answers  # rank 1 has not reported step 1 yet
+        t_answer = time.monotonic()
+        clients[1].step_end(1, 2.0, None)
+        asker.join(timeout=5)
+        assert answers[1] is True and time.monotonic() - t_answer < 3  # answered, not timed out
+        clients[0].step_end(2, 2.0, None)
+        clients[1].step_end(2, float("nan"), None)
+        assert clients[0].ok_to_save(2, 5.0) is False  # the NaN of step 2 is in the checkpoint
+    finally:
+        stop.set()
+        loop.join(timeout=5)
+    t0 = time.monotonic()
+    assert clients[0].ok_to_save(3, 0.3) is True  # no answer: bounded, then saves (with a warning)
+    assert time.monotonic() - t0 < 2
+    mon.close()
