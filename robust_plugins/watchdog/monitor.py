@@ -89,8 +89,13 @@ class Monitor:
         """(incarnation, step, injection) of every injected fault the ranks announced."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._sock_dir = tempfile.mkdtemp(prefix="robust-wd-")  # short: AF_UNIX paths max 107 bytes
-        self.address = os.path.join(self._sock_dir, "monitor.sock")
+        # In the run directory when the path fits AF_UNIX's 107 bytes (then even a SIGKILLed
+        # launcher leaves nothing outside it), else in a short temporary directory.
+        in_run_dir = str((self.run_dir / "monitor.sock").resolve())
+        self._sock_dir = None if len(in_run_dir) < 100 else tempfile.mkdtemp(prefix="robust-wd-")
+        self.address = in_run_dir if self._sock_dir is None else os.path.join(self._sock_dir, "monitor.sock")
+        if os.path.exists(self.address):
+            os.unlink(self.address)  # left by a launcher that was killed; nobody listens there
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.address)
         self._recv_lock = threading.Lock()
@@ -138,7 +143,8 @@ class Monitor:
         self._flush_pending()
         try:
             os.unlink(self.address)
-            os.rmdir(self._sock_dir)
+            if self._sock_dir is not None:
+                os.rmdir(self._sock_dir)
         except OSError:
             pass
 
