@@ -121,6 +121,10 @@ def install() -> None:
         bound = signature.bind_partial(*args, **kwargs)
         plugin_cfg = PluginConfig.from_ds_config(_find_ds_config(bound.arguments))
         if not plugin_cfg.active:
+            if plugin_cfg.watchdog is not None and current_rank() == 0:
+                # Validated above; said aloud so a user does not expect initialize to act on it.
+                log.warning("robust_plugins: the 'watchdog' sub-block is read by `robust run` "
+                            "(--watchdog-config); deepspeed.initialize attaches nothing for it.")
             return original(*args, **kwargs)
         _refuse_before_init(bound.arguments, plugin_cfg)
         result = original(*args, **kwargs)
