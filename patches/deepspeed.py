@@ -361,6 +361,16 @@ def _scaling(average: bool, postscale: bool, predivide: float, world: float, ful
     return 1.0 / world, 1.0
 
 
+def _scaled_sum(plugin: DeepSpeedPlugin, tensor, group, key: str, pre: float, post: float):
+    """DeepSpeed's pre-scale, the compressed sum in place of its all-reduce, its post-scale."""
+    if pre != 1.0:
+        tensor.mul_(pre)
+    plugin.sync.all_reduce_sum(tensor, group, key)
+    if post != 1.0:
+        tensor.mul_(post)
+    return tensor
+
+
 def _engine_allreduce_bucket(engine, plugin: DeepSpeedPlugin):
     original = engine.allreduce_bucket
     from deepspeed import comm as dist
@@ -374,12 +384,7 @@ def _engine_allreduce_bucket(engine, plugin: DeepSpeedPlugin):
         world = dp_world_size if dp_world_size is not None else dist.get_world_size(group=dp_group)
         pre, post = _scaling(engine.gradient_average, engine.postscale_gradients(),
                              engine.gradient_predivide_factor(), world, world)
-        if pre != 1.0:
-            tensor.mul_(pre)
-        plugin.sync.all_reduce_sum(tensor, dp_group, key)
-        if post != 1.0:
-            tensor.mul_(post)
-        return tensor
+        return _scaled_sum(plugin, tensor, dp_group, key, pre, post)
 
     return allreduce_bucket
 
@@ -419,12 +424,7 @@ def _zero_predivide(opt, plugin: DeepSpeedPlugin):
         full_world = dist.get_world_size(group=group)
         pre, post = _scaling(opt.gradient_average, opt.postscale_gradients, opt.gradient_predivide_factor,
                              full_world / float(opt.sequence_parallel_size), full_world)
-        if pre != 1.0:
-            tensor.mul_(pre)
-        plugin.sync.all_reduce_sum(tensor, group, key)
-        if post != 1.0:
-            tensor.mul_(post)
-        return tensor
+        return _scaled_sum(plugin, tensor, group, key, pre, post)
 
     return gradient_reduction_w_predivide
 
