@@ -367,8 +367,111 @@ class CheckpointConfig:
         )
 
 
+#: ``telemetry.wandb.mode`` values, as ``wandb.init(mode=...)`` takes them. ``offline`` writes the
+#: run under ``<telemetry dir>/wandb`` for a later ``wandb sync``; ``online`` needs a W&B account.
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases run settings (``"telemetry": {"wandb": {...}}``)."""
+
+    project: str = "robust_plugins"
+    """W&B project: baseline and plugin runs of one comparison go into the same project."""
+
+    group: str | None = None
+    """W&B group, so that the runs of one comparison sit together in one workspace."""
+
+    mode: str = "offline"
+    """``offline`` (default: nothing leaves the machine), ``online`` or ``disabled``."""
+
+    name: str | None = None
+    """Run name (default: the telemetry directory's name, plus the incarnation under robust run)."""
+
+    def __post_init__(self) -> None:
+        where = f"{BLOCK_KEY}.telemetry.wandb"
+        _expect_type(f"{where}.project", self.project, (str,), "a string")
+        if not self.project:
+            raise ConfigError(f"{where}.project is empty: give a W&B project name.")
+        for name in ("group", "name"):
+            if getattr(self, name) is not None:
+                _expect_type(f"{where}.{name}", getattr(self, name), (str,), "a string or null")
+        _expect_type(f"{where}.mode", self.mode, (str,), "a string")
+        if self.mode not in WANDB_MODES:
+            raise ConfigError(
+                f"{where}.mode = {self.mode!r} is not allowed.{_did_you_mean(self.mode, list(WANDB_MODES))} "
+                f"Allowed: {', '.join(WANDB_MODES)}."
+            )
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Per-step metrics, aggregated on rank 0 into a JSONL file and a W&B run (``"telemetry"``)."""
+
+    dir: str | None = None
+    """Directory of ``metrics.jsonl`` (and ``wandb/``). ``None``: ``$ROBUST_RUN_DIR/telemetry``
+    under ``robust run``, else ``robust_telemetry`` in the working directory."""
+
+    log_every: int = 10
+    """Optimizer steps between aggregations on rank 0 (one small gather of ~16 numbers a rank)."""
+
+    wandb: WandbConfig | None = None
+    """W&B run settings; ``None`` (or leaving the key out) writes only the JSONL file."""
+
+    peak_flops: float | None = None
+    """Peak FLOP/s of one rank's device for MFU. ``None``: looked up by device name in
+    ``robust_plugins.telemetry.metrics.PEAK_FLOPS`` (dense bf16); no entry (every CPU) leaves MFU
+    empty, with one warning."""
+
+    flops_per_token: float | None = None
+    """Training FLOPs per token for MFU. ``None``: 6 x trainable parameters (forward + backward,
+    the dense-transformer rule of thumb; attention is left out)."""
+
+    heatmap_at_start: bool = False
+    """Probe every rank pair's bandwidth and latency once at the first step, write
+    ``heatmap.json`` / ``heatmap.png`` and log the image to W&B."""
+
+    heatmap_bytes: int = 1 << 20
+    """Message size of the bandwidth probe (the latency probe sends 4 bytes)."""
+
+    def __post_init__(self) -> None:
+        where = f"{BLOCK_KEY}.telemetry"
+        if self.dir is not None:
+            if isinstance(self.dir, os.PathLike):
+                object.__setattr__(self, "dir", os.fspath(self.dir))
+            _expect_type(f"{where}.dir", self.dir, (str,), "a directory path (string)")
+            if not self.dir:
+                raise ConfigError(f"{where}.dir = '' is empty: give a directory path or leave it out.")
+        _expect_type(f"{where}.log_every", self.log_every, (int,), "an integer")
+        if self.log_every < 1:
+            raise ConfigError(f"{where}.log_every = {self.log_every} must be >= 1 (optimizer steps).")
+        if isinstance(self.wandb, Mapping):
+            _check_keys(f"{where}.wandb", self.wandb, [f.name for f in dataclasses.fields(WandbConfig)])
+            object.__setattr__(self, "wandb", WandbConfig(**self.wandb))
+        elif self.wandb is not None and not isinstance(self.wandb, WandbConfig):
+            raise ConfigError(f"{where}.wandb must be a JSON object or null, got {type(self.wandb).__name__}.")
+        for name in ("peak_flops", "flops_per_token"):
+            value = getattr(self, name)
+            if value is not None:
+                _expect_type(f"{where}.{name}", value, (int, float), "a number or null")
+                if not 0 < value < float("inf"):
+                    raise ConfigError(f"{where}.{name} = {value!r} must be a finite number > 0 (or null).")
+        _expect_type(f"{where}.heatmap_at_start", self.heatmap_at_start, (bool,), "true or false")
+        _expect_type(f"{where}.heatmap_bytes", self.heatmap_bytes, (int,), "an integer")
+        if not 4 <= self.heatmap_bytes <= 1 << 30:
+            raise ConfigError(f"{where}.heatmap_bytes = {self.heatmap_bytes} must lie in [4, 2**30].")
+
+    def describe(self) -> str:
+        """One-line summary for logs and ``robust check-config``."""
+        wb = (f"wandb {self.wandb.mode} {self.wandb.project}/{self.wandb.group or '-'}"
+              if self.wandb is not None else "no wandb")
+        return (f"telemetry(dir={self.dir or 'default'}, log_every={self.log_every}, {wb}, "
+                f"heatmap_at_start={self.heatmap_at_start})")
+
+
 _SECTIONS: dict[str, type] = {
     "compression": CompressionConfig, "watchdog": WatchdogConfig, "checkpoint": CheckpointConfig,
+    "telemetry": TelemetryConfig,
 }
 
 
@@ -384,6 +487,9 @@ class PluginConfig:
 
     checkpoint: CheckpointConfig | None = None
     """Verified, atomic disk checkpoints; ``None`` leaves DeepSpeed's own save/load unchanged."""
+
+    telemetry: TelemetryConfig | None = None
+    """Per-step metrics to a JSONL file and W&B; ``None`` records nothing."""
 
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
     """The block as given (after environment overrides), for logs and W&B run configs."""
@@ -427,11 +533,12 @@ class PluginConfig:
     def active(self) -> bool:
         """True when a feature that hooks the host engine is configured (the watchdog sub-block
         alone is read by ``robust run`` and hooks nothing)."""
-        return self.compression is not None or self.checkpoint is not None
+        return self.compression is not None or self.checkpoint is not None or self.telemetry is not None
 
     def describe(self) -> str:
         """One line naming every active feature with its settings."""
-        parts = [s.describe() for s in (self.compression, self.watchdog, self.checkpoint) if s is not None]
+        parts = [s.describe() for s in (self.compression, self.watchdog, self.checkpoint, self.telemetry)
+                 if s is not None]
         return "; ".join(parts) if parts else "no features active"
 
 
