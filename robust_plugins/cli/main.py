@@ -15,6 +15,7 @@ COMMANDS = {
     "bench": ("bench", "run a benchmark and optionally write its rows into BENCHMARKS.md"),
     "run": ("run", "torchrun with a fault watchdog, working restarts on gloo and fault injection"),
     "topo": ("topo", "print the discovered (or simulated) topology and the planned process groups"),
+    "sim": ("sim", "run a command on a simulated multi-node cluster (network namespaces, rate-limited links)"),
     "prebuild": ("prebuild", "build DeepSpeed's CPU comm extension once (used by make install)"),
 }
 
