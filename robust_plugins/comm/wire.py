@@ -7,6 +7,7 @@ import functools
 import inspect
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -125,14 +126,17 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         nbytes = measure(a, rank, world) if world > 1 and rank >= 0 else 0
         _tls.depth = 1
+        t0 = time.perf_counter()
         try:
             result = original(*args, **kwargs)
         finally:
             _tls.depth = 0
+        # Wall time of the call; for an async_op call only the launch (its wait is not seen).
+        seconds = time.perf_counter() - t0
         with _lock:
             counters = list(_active)
         for counter in counters:
-            counter._add(name, nbytes, group)
+            counter._add(name, nbytes, group, seconds)
         return result
 
     counted._robust_wire_counter = True
@@ -211,6 +215,8 @@ class WireCounter:
         bytes_sent: total bytes (int).
         calls: ``collections.Counter`` of calls by function name.
         by_op: ``collections.Counter`` of bytes by function name.
+        seconds: wall time spent inside the counted calls (float; an ``async_op`` call counts
+            only its launch).
     """
 
     def __init__(self, filter_group: Any = None):
@@ -218,6 +224,7 @@ class WireCounter:
         self.bytes_sent = 0
         self.calls: collections.Counter = collections.Counter()
         self.by_op: collections.Counter = collections.Counter()
+        self.seconds = 0.0
         self._mutex = threading.Lock()
 
     def __enter__(self) -> "WireCounter":
@@ -238,10 +245,11 @@ class WireCounter:
             return True
         return (group if group is not None else dist.group.WORLD) is self.filter_group
 
-    def _add(self, name: str, nbytes: int, group: Any) -> None:
+    def _add(self, name: str, nbytes: int, group: Any, seconds: float = 0.0) -> None:
         if not self._matches(group):
             return
         with self._mutex:
+            self.seconds += seconds
             self.bytes_sent += nbytes
             self.calls[name] += 1
             self.by_op[name] += nbytes
