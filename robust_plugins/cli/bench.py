@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from robust_plugins.cli import bench_kernels
 
     bench_kernels.add_parser(sub)
+    from robust_plugins.cli import bench_comm
+
+    bench_comm.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:

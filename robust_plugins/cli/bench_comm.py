@@ -1,0 +1,147 @@
+"""``robust bench comm``: all-reduce methods side by side on a simulated multi-node cluster.
+
+Builds one :class:`~robust_plugins.sim.SimCluster` (``--sim-nodes`` x ``--ranks-per-node`` gloo
+ranks, inter-node links limited with ``tc tbf``), then for each ``--rates`` value sets the link
+rate and launches :mod:`robust_plugins.cli.bench_comm_worker` once, which times every method on
+the same ``--mbytes`` MB fp32 bucket: flat fp32 ``all_reduce`` (the baseline), flat bf16 (what
+DeepSpeed's ``communication_data_type: bf16`` sends), the flat two-phase int8/int4 all-reduce,
+the hierarchical all-reduce with an fp32/int8/int4 rail step, and the ``auto`` codec. It reports
+the median of ``--repeats`` timed calls per method and rate, the speed-up over flat fp32 at that
+rate, and each method's relative error against flat fp32. Needs root and iproute2 (exits 2 and
+says which is missing otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+SECTION = "comm"
+TITLE = "All-reduce on a simulated multi-node cluster"
+
+NOTES = (
+    "Each number is the median of the timed calls of one method on one bucket, from a barrier "
+    "before the call to a barrier after it, on rank 0; every method first runs once untimed. "
+    "vs flat fp32 is flat fp32's median divided by the method's (above 1: faster). rel. error is "
+    "||result - flat fp32 result|| / ||flat fp32 result|| of the first call (no error feedback yet); "
+    "hier fp32 differs from flat fp32 only by the order of the fp32 additions. The simulator's "
+    "inter-node links are veth pairs between network namespaces with `tc tbf` on both ends; ranks "
+    "of one node talk over loopback. All ranks share the machine's CPU cores (with other jobs: "
+    "see the load average), so encode cost weighs more here than on real nodes."
+)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``comm`` under ``robust bench``."""
+    from robust_plugins.cli.bench_comm_worker import METHODS
+
+    p = sub.add_parser("comm", help="all-reduce methods on a simulated multi-node cluster (needs root)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sim-nodes", type=int, default=2, help="simulated nodes (default 2)")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="gloo ranks per node (default 2)")
+    p.add_argument("--rates", nargs="+", default=["10gbit", "200mbit"],
+                   help="inter-node link rates to measure, e.g. 10gbit 200mbit (the default)")
+    p.add_argument("--mbytes", type=float, default=64.0, help="fp32 bucket size in MB (default 64)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per method and rate (default 3)")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--timeout", type=float, default=300.0, help="bound on each launch, seconds (default 300)")
+    p.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
+    p.add_argument("--write", metavar="MARKDOWN", help="replace this benchmark's section in e.g. BENCHMARKS.md")
+    p.set_defaults(_bench=run_comm)
+
+
+def run_comm(args: argparse.Namespace) -> int:
+    """Measure, print the table, optionally write it."""
+    from robust_plugins.errors import ConfigError
+    from robust_plugins.sim import SimCluster, parse_rate, require_netns
+
+    require_netns()
+    if args.repeats < 1 or args.mbytes <= 0:
+        raise ConfigError(f"--repeats ({args.repeats}) must be >= 1 and --mbytes ({args.mbytes}) > 0.")
+    rates = [parse_rate(r) for r in args.rates]
+    results: dict[str, Any] = {}
+    argv = [sys.executable, "-m", "robust_plugins.cli.bench_comm_worker", "--mbytes", str(args.mbytes),
+            "--repeats", str(args.repeats), "--timeout", str(args.timeout), "--methods", *args.methods]
+    with SimCluster(args.sim_nodes, args.ranks_per_node, rates[0]) as cluster:
+        for text, bits in zip(args.rates, rates):
+            cluster.set_rate(bits)
+            ranks = cluster.run(argv, timeout_s=args.timeout)
+            results[text] = json.loads(ranks[0].stdout.strip().splitlines()[-1])
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    body = render(args, results)
+    print(body)
+    if args.write:
+        from robust_plugins.cli.bench import write_section
+
+        write_section(Path(args.write), SECTION, body, title=TITLE)
+        print(f"wrote section {SECTION!r} of {args.write}")
+    return 0
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces a run with these arguments."""
+    return (f"robust bench comm --sim-nodes {args.sim_nodes} --ranks-per-node {args.ranks_per_node} "
+            f"--rates {' '.join(args.rates)} --mbytes {args.mbytes:g} --repeats {args.repeats}"
+            + (f" --methods {' '.join(repr(m) for m in args.methods)}" if args.methods != _default_methods() else "")
+            + (f" --write {args.write}" if args.write else ""))
+
+
+def _default_methods() -> list[str]:
+    from robust_plugins.cli.bench_comm_worker import METHODS
+
+    return list(METHODS)
+
+
+def rows(results: dict[str, Any], methods: Sequence[str]) -> list[list[str]]:
+    """One row per method: median ms, speed-up over flat fp32 at each rate, and the relative error."""
+    out = []
+    for name in methods:
+        row = [name]
+        for res in results.values():
+            m = res["methods"].get(name)
+            if m is None:
+                row += ["-", "-"]
+                continue
+            med = statistics.median(m["times_s"])
+            base = statistics.median(res["methods"]["flat fp32"]["times_s"]) if "flat fp32" in res["methods"] else None
+            row += [f"{med * 1e3:.0f}", f"{base / med:.2f}x" if base else "-"]
+        first = next(iter(results.values()))["methods"].get(name)
+        row.append(f"{first['rel_error']:.1e}" if first else "-")
+        note = [str(r["methods"][name]["choice"]) for r in results.values()
+                if name in r["methods"] and "choice" in r["methods"][name]]
+        row.append(", ".join(note))
+        out.append(row)
+    return out
+
+
+def render(args: argparse.Namespace, results: dict[str, Any]) -> str:
+    """Markdown: command, setup, the table and the notes."""
+    import torch
+
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    head = ["method"]
+    for rate in results:
+        head += [f"{rate} ms", f"{rate} vs flat fp32"]
+    head += ["rel. error", "auto chose (per rate)"]
+    table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table += ["| " + " | ".join(r) + " |" for r in rows(results, args.methods)]
+    return "\n".join([
+        f"Command: `{command_line(args)}` (as root)  ",
+        f"Date: {datetime.date.today().isoformat()}  ",
+        f"Setup: {args.sim_nodes} simulated nodes x {args.ranks_per_node} gloo ranks, one {args.mbytes:g} MB fp32 "
+        f"bucket, median of {args.repeats} calls, block size 256, error feedback on  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores shared by all ranks (load average {load} at the "
+        f"end), Python {platform.python_version()}, torch {torch.__version__}",
+        "",
+        *table,
+        "",
+        NOTES,
+    ])

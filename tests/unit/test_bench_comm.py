@@ -1,0 +1,36 @@
+"""``robust bench comm`` table building from made-up worker results (the run itself needs root)."""
+
+from __future__ import annotations
+
+import argparse
+
+from robust_plugins.cli import bench_comm
+from robust_plugins.cli.main import build_parser
+
+
+def _result(fp32_s, int8_s):
+    return {"world_size": 4, "numel": 10, "methods": {
+        "flat fp32": {"times_s": [fp32_s, fp32_s * 3, fp32_s], "rel_error": 0.0},
+        "hier int8": {"times_s": [int8_s, int8_s], "rel_error": 0.0099},
+    }}
+
+
+def test_rows_give_medians_and_speedups_per_rate():
+    results = {"10gbit": _result(0.3, 1.2), "200mbit": _result(4.0, 1.6)}
+    rows = bench_comm.rows(results, ["flat fp32", "hier int8", "flat int4"])
+    assert rows[0][:5] == ["flat fp32", "300", "1.00x", "4000", "1.00x"]
+    assert rows[1][:6] == ["hier int8", "1200", "0.25x", "1600", "2.50x", "9.9e-03"]
+    assert rows[2][:5] == ["flat int4", "-", "-", "-", "-"]
+
+
+def test_parser_and_command_line_round_trip():
+    args = build_parser("bench").parse_args(
+        ["bench", "comm", "--rates", "1gbit", "50mbit", "--mbytes", "4", "--write", "B.md"])
+    assert args.rates == ["1gbit", "50mbit"] and args.mbytes == 4.0
+    line = bench_comm.command_line(args)
+    assert line == ("robust bench comm --sim-nodes 2 --ranks-per-node 2 --rates 1gbit 50mbit --mbytes 4 "
+                    "--repeats 3 --write B.md")
+    again = build_parser("bench").parse_args(line.split()[1:])
+    assert bench_comm.command_line(again) == line
+    text = bench_comm.render(args, {"1gbit": _result(0.3, 0.2)} | {"50mbit": _result(2.0, 0.5)})
+    assert "| hier int8 | 200 | 1.50x | 500 | 4.00x |" in text and isinstance(args, argparse.Namespace)
