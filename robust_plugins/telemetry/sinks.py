@@ -1,0 +1,144 @@
+"""Where rank 0's telemetry records go: a JSONL file (always) and a W&B run (optional).
+
+``metrics.jsonl`` holds one JSON object a line, each with a ``kind``:
+
+==========  ===================================================================================
+``start``   an incarnation's first engine: ``time``, ``incarnation``, ``world_size``, ``config``
+``step``    one aggregation window (``robust_plugins.telemetry.metrics.aggregate`` fields, plus
+            ``step``, ``time``, ``incarnation``, ``ettr``)
+``fault``   a watchdog event copied from ``faults.jsonl`` (its fields, ``fault_index``)
+``heatmap`` a rank-to-rank probe: ``file`` (JSON with the matrices), ``png``, ``outliers``
+``end``     the engine's telemetry was closed cleanly
+==========  ===================================================================================
+
+The file is appended to, so the records of every incarnation of a restarted job follow each
+other; ``robust report`` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from robust_plugins._logging import get_logger
+from robust_plugins.errors import RobustPluginsError
+
+log = get_logger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _clean(obj: Any) -> Any:
+    # JSON has no NaN/Inf; a NaN loss is exactly what a reader must see, so it becomes null and
+    # the watchdog's fault record says what happened.
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, Mapping):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+class JsonlSink:
+    """Append-only ``metrics.jsonl``; each record is flushed as written (a crash loses none)."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.path = Path(directory) / METRICS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Append one record."""
+        self._f.write(json.dumps(_clean(record)) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if not self._f.closed:
+            self._f.close()
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every record of a ``metrics.jsonl`` (a directory holding one is accepted too).
+
+    A torn last line (the process died while writing it) is skipped; any other bad line is an
+    error naming the file and the line.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / METRICS_FILE
+    if not p.is_file():
+        raise RobustPluginsError(f"No telemetry file at {p}: run with a 'telemetry' block (or give its directory).")
+    lines = p.read_text(encoding="utf-8").splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if i == len(lines):
+                break
+            raise RobustPluginsError(f"{p}, line {i}, is not JSON ({exc.msg}); the file is corrupt.") from exc
+    return out
+
+
+#: Record fields that go to W&B as scalars (the rest stay in the JSONL file).
+WANDB_SCALARS = (
+    "loss", "grad_norm", "step_time_s", "step_time_max_s", "tokens_per_s", "mfu", "mem_bytes_max",
+    "grad_bytes_per_step", "grad_bytes_per_step_rank0", "grad_comm_s_per_step", "grad_bandwidth_Bps",
+    "compression_ratio", "residual_norm", "ettr", "faults_total",
+)
+
+FAULT_COLUMNS = ("kind", "step", "suspect_ranks", "suspect_hosts", "detected_after_s", "action",
+                 "resumed_at_step", "lost_steps", "incarnation", "time")
+
+
+class WandbSink:
+    """One W&B run (offline by default) carrying the run config, scalars, the fault table and
+    the heat map image."""
+
+    def __init__(self, directory: str | os.PathLike, *, project: str, group: str | None, mode: str,
+                 name: str, config: Mapping[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise RobustPluginsError(
+                "robust_plugins.telemetry.wandb is set but wandb is not installed "
+                f"({exc}). pip install 'robust_plugins[wandb]', or remove the 'wandb' key."
+            ) from exc
+        self._wandb = wandb
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        # reinit="create_new": a launch may train several engines one after another (the demo's
+        # baseline and plugin runs), each with its own W&B run.
+        self.run = wandb.init(project=project, group=group, mode=mode, name=name, dir=str(directory),
+                              config=dict(config), reinit="create_new")
+        self._faults: list[list[Any]] = []
+
+    def log(self, record: Mapping[str, Any]) -> None:
+        """Scalars of one ``step`` record, at its step."""
+        data = {k: record[k] for k in WANDB_SCALARS
+                if isinstance(record.get(k), (int, float)) and math.isfinite(record[k])}
+        self.run.log(data, step=int(record["step"]))
+
+    def faults(self, records: list[Mapping[str, Any]], step: int) -> None:
+        """Append fault events; the whole table is logged again (W&B tables are immutable)."""
+        for rec in records:
+            self._faults.append([json.dumps(rec.get(c)) if isinstance(rec.get(c), list) else rec.get(c)
+                                 for c in FAULT_COLUMNS])
+        table = self._wandb.Table(columns=list(FAULT_COLUMNS), data=self._faults)
+        self.run.log({"watchdog/faults": table}, step=step)
+
+    def image(self, key: str, png: str | os.PathLike, step: int, caption: str) -> None:
+        """Log a PNG file as an image."""
+        self.run.log({key: self._wandb.Image(str(png), caption=caption)}, step=step)
+
+    def close(self) -> None:
+        """Finish the run (writes everything to disk in offline mode)."""
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
