@@ -144,6 +144,12 @@ class CompressionState:
         self._sender.pop(skey, None)
         self._server.pop(skey, None)
 
+    def residual_sq_norm(self) -> float:
+        """Squared L2 norm of every residual this rank holds (sender and server side), for
+        telemetry: a residual that keeps growing means the codec is losing too much."""
+        tables = (self._sender, self._server)
+        return float(sum(float(buf.float().pow(2).sum()) for table in tables for buf in table.values()))
+
     def keys(self) -> list[str]:
         """String forms (:func:`key_to_str`) of every key holding a residual."""
         return sorted(set(self._sender) | set(self._server))

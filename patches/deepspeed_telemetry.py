@@ -1,0 +1,102 @@
+"""DeepSpeed side of telemetry (``"telemetry"`` sub-block): feeds a
+:class:`robust_plugins.telemetry.recorder.Telemetry` from one engine, with no change to the
+training script.
+
+- tokens: a forward pre-hook on ``engine.module`` (public ``torch.nn.Module`` API) counts the
+  elements of the first integer tensor argument (token ids) of each training forward;
+- gradient bytes and time: ``engine.backward`` is shadowed on the instance (DeepSpeed 0.19,
+  ``deepspeed/runtime/engine.py``: ZeRO 0-2 reduce gradients inside ``backward`` at the
+  accumulation boundary) and runs inside :meth:`Telemetry.grad_window`, which counts every
+  collective issued there with :class:`robust_plugins.comm.WireCounter`;
+- the step: the engine's step observers (``patches/deepspeed.py``) call :func:`on_step` after each
+  optimizer step at an accumulation boundary.
+
+The recorder is closed (W&B run finished, ``end`` record written) when the engine is garbage
+collected or at interpreter exit, whichever comes first; ``engine.robust_plugins.telemetry.close()``
+closes it explicitly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from robust_plugins._logging import current_rank, get_logger
+from robust_plugins.patches import _guard
+
+log = get_logger(__name__)
+
+_BACKWARD_SIGNATURE = ["self", "loss", "retain_graph", "scale_wrt_gas"]
+
+
+def _first_token_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex():
+            return value
+    return None
+
+
+def attach_telemetry(engine, plugin) -> Any:
+    """Build the recorder for ``engine`` and hook it up; returns it (also ``plugin.telemetry``)."""
+    import deepspeed
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from robust_plugins.telemetry.recorder import Telemetry
+
+    _guard.check_signature("deepspeed", DeepSpeedEngine.backward, _BACKWARD_SIGNATURE,
+                           "deepspeed >=0.19.0,<0.20")
+    cfg = plugin.config.telemetry
+    trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    comm_dtype = engine.communication_data_type or engine.get_data_types()[0]
+    state = plugin.sync.state if plugin.sync is not None else None
+    engine_ref = weakref.ref(engine)  # the recorder must not keep the engine alive
+
+    def grad_norm() -> float | None:
+        eng = engine_ref()
+        norm = eng.get_global_grad_norm() if eng is not None else None
+        return float(norm) if norm is not None else None
+
+    run_config = {
+        "robust_plugins": dict(plugin.config.raw),
+        "host": {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+                 "zero_stage": engine.zero_optimization_stage(), "dp_world_size": engine.dp_world_size,
+                 "grad_dtype": str(comm_dtype), "trainable_params": trainable,
+                 "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+                 "micro_batch": engine.train_micro_batch_size_per_gpu()},
+    }
+    tel = Telemetry(cfg, run_config=run_config, n_grad_elements=trainable,
+                    grad_element_size=torch.empty((), dtype=comm_dtype).element_size(),
+                    dp_world_size=engine.dp_world_size, device=torch.device(engine.device),
+                    flops_per_token=6.0 * trainable,
+                    residual_sq_fn=state.residual_sq_norm if state is not None else None,
+                    grad_norm_fn=grad_norm)
+    plugin.telemetry = tel
+
+    def count_tokens(module, args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            ids = _first_token_tensor(args, kwargs)
+            if ids is not None:
+                tel.count_tokens(ids.numel())
+
+    handle = engine.module.register_forward_pre_hook(count_tokens, with_kwargs=True)
+    original = engine.backward
+
+    def backward(loss, retain_graph=False, scale_wrt_gas=True):
+        with tel.grad_window(loss):
+            return original(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
+
+    _guard.bind_instance(engine, "backward", backward)
+    tel.hook_handles.append(handle)
+    weakref.finalize(engine, tel.close)
+    if current_rank() == 0:
+        log.info("robust_plugins telemetry: %s -> %s", cfg.describe(), tel.dir)
+    return tel
+
+
+def on_step(engine) -> None:
+    """Step observer: one optimizer step of ``engine`` completed."""
+    tel = getattr(getattr(engine, "robust_plugins", None), "telemetry", None)
+    if tel is not None:
+        tel.step_end(engine.global_steps)

@@ -1,0 +1,79 @@
+"""The recorder in one process (world of one, no process group): windows, records, fault events
+copied from a robust run directory's faults.jsonl, W&B offline run read back, close()."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from robust_plugins.config import PluginConfig
+from robust_plugins.telemetry import read_records
+from robust_plugins.telemetry.recorder import Telemetry
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _wandb_offline import read_run  # noqa: E402
+
+
+def _tel(tmp_path, **block):
+    cfg = PluginConfig.from_dict({"telemetry": {"dir": str(tmp_path / "tel"), "log_every": 2, **block}})
+    return Telemetry(cfg.telemetry, run_config={"robust_plugins": dict(cfg.raw)}, n_grad_elements=1000,
+                     grad_element_size=4, dp_world_size=1, device=torch.device("cpu"),
+                     flops_per_token=6000.0, residual_sq_fn=lambda: 4.0, grad_norm_fn=lambda: 0.5)
+
+
+def _steps(tel, n, start=1):
+    for s in range(start, start + n):
+        tel.count_tokens(64)
+        with tel.grad_window(torch.tensor(float(s))):
+            pass
+        tel.step_end(s)
+
+
+def test_windows_and_records(tmp_path):
+    tel = _tel(tmp_path, peak_flops=1e9)
+    _steps(tel, 4)
+    tel.close()
+    tel.close()  # idempotent
+    recs = read_records(tmp_path / "tel")
+    assert [r["kind"] for r in recs] == ["start", "step", "step", "end"]
+    s = recs[2]
+    assert s["step"] == 4 and s["steps_in_window"] == 2 and s["loss"] == pytest.approx(3.5)
+    assert s["grad_bytes_per_step"] == 0 and s["compression_ratio"] is None  # world of one: no wire
+    assert s["residual_norm"] == pytest.approx(2.0) and s["grad_norm"] == 0.5
+    assert s["tokens_per_s"] == pytest.approx(128 / s["window_s"])
+    assert s["mfu"] == pytest.approx(s["tokens_per_s"] * 6000.0 / 1e9)
+    assert s["mem_bytes_max"] > 10e6 and recs[0]["mem_kind"] == "peak_rss"
+    assert recs[0]["config"]["robust_plugins"]["telemetry"]["log_every"] == 2
+
+
+def test_faults_from_run_dir_and_wandb(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setenv("ROBUST_RUN_DIR", str(run_dir))
+    fault = {"kind": "crash", "step": 3, "suspect_ranks": [1], "suspect_hosts": ["h"], "detected_after_s": 0.2,
+             "action": "restart", "time": "2026-11-30T08:17:31.913+00:00", "resumed_at_step": 2,
+             "lost_steps": 2, "evidence": [], "incarnation": 0, "detail": {}}
+    (run_dir / "faults.jsonl").write_text(json.dumps(fault) + "\n")
+    tel = _tel(tmp_path, dir=None, wandb={"project": "p", "group": "g"})
+    assert tel.dir == run_dir / "telemetry"
+    _steps(tel, 2)
+    tel.close()
+    # A restarted incarnation appends and does not copy the same fault again.
+    monkeypatch.setenv("ROBUST_INCARNATION", "1")
+    with open(run_dir / "faults.jsonl", "a") as f:
+        f.write(json.dumps({**fault, "kind": "hang", "step": 5}) + "\n")
+    tel = _tel(tmp_path, dir=None)
+    _steps(tel, 4, start=3)
+    tel.close()
+    recs = read_records(run_dir / "telemetry")
+    faults = [r for r in recs if r["kind"] == "fault"]
+    assert [f["fault_kind"] for f in faults] == ["crash", "hang"] and faults[1]["fault_index"] == 1
+    assert [r["kind"] for r in recs].count("start") == 2
+    last = [r for r in recs if r["kind"] == "step"][-1]
+    assert last["faults_total"] == 2 and 0 < last["ettr"] <= 1
+    wb = read_run(next((run_dir / "telemetry" / "wandb").glob("offline-run-*")))
+    assert wb["project"] == "p" and wb["group"] == "g" and wb["name"] == "run/telemetry"
+    rows = {h["_step"]: h for h in wb["history"]}
+    assert rows[2]["watchdog/faults/nrows"] == 1 and rows[2]["loss"] == pytest.approx(1.5)
