@@ -45,6 +45,7 @@ import inspect
 import json
 import os
 import pickle
+import time
 from typing import Any
 
 import torch
@@ -264,7 +265,7 @@ class DeepSpeedPlugin:
 
         self.engine = engine
         self.config = config
-        self.sync = (GradientSync(config.compression, step_fn=lambda: engine.global_steps)
+        self.sync = (GradientSync(config.compression, step_fn=lambda: engine.global_steps, topology=config.topology)
                      if config.compression is not None else None)
         """Compressed gradient sync; None without the ``compression`` sub-block."""
         self.disk: DiskCheckpointer | None = None
@@ -281,6 +282,8 @@ class DeepSpeedPlugin:
             )
         self.persisted_at: int | None = None
         """Step of the last automatic save (``checkpoint.persist_every``)."""
+        self.memory = None
+        """In-memory snapshots (``checkpoint.memory_every``, ``patches/deepspeed_memory.py``); or None."""
 
     def state_dict(self) -> dict:
         """Per-rank plugin state saved next to DeepSpeed's checkpoint files."""
@@ -301,6 +304,10 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
         _refuse_checkpoint_engine(engine)
     plugin = DeepSpeedPlugin(engine, config)
     engine.robust_plugins = plugin
+    if config.checkpoint is not None and config.checkpoint.memory_every is not None:
+        from robust_plugins.patches.deepspeed_memory import MemorySnapshots
+
+        plugin.memory = MemorySnapshots(engine, plugin)
     stage = engine.zero_optimization_stage()
     # With the checkpoint sub-block alone, gradient reduction stays DeepSpeed's own, untouched.
     if config.compression is not None and stage == 0:
@@ -311,7 +318,7 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
         _guard.bind_instance(opt, "gradient_reduction_w_predivide", _zero_predivide(opt, plugin))
     _guard.bind_instance(engine, "save_checkpoint", _save_checkpoint(engine, plugin))
     _guard.bind_instance(engine, "load_checkpoint", _load_checkpoint(engine, plugin))
-    if config.checkpoint is not None and config.checkpoint.persist_every is not None:
+    if config.checkpoint is not None and (config.checkpoint.persist_every or config.checkpoint.memory_every):
         _guard.bind_instance(engine, "step", _step_with_persist(engine, plugin))
 
     comm_dtype = engine.communication_data_type
@@ -553,6 +560,17 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
     original = engine.load_checkpoint
 
     def load_checkpoint(load_dir=None, tag=None, *args, **kwargs):
+        t0 = time.perf_counter()
+        if plugin.memory is not None and tag is None:
+            # Restore order: own memory snapshot -> a peer's copy -> newest verified disk -> older.
+            if not load_dir and plugin.config.checkpoint.dir is None:
+                found = plugin.memory.restore(disk_step=None)
+                return (f"memory://step{found[0]}/{found[1]}", {}) if found else (None, None)
+            load_dir = _checkpoint_dir(plugin, load_dir, "load_checkpoint")
+            found = plugin.memory.restore(disk_step=_newest_disk_step(load_dir))
+            if found is not None:
+                # No path on disk: the string says the step and where the state came from.
+                return f"memory://step{found[0]}/{found[1]}", {}
         if plugin.disk is not None:
             load_dir = _checkpoint_dir(plugin, load_dir, "load_checkpoint")
             tag = plugin.disk.select(load_dir, tag)
@@ -575,9 +593,22 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
                     tag = f.read().strip()
         if plugin.sync is not None:
             _load_residuals(plugin, load_dir, tag)
+        if plugin.memory is not None:
+            from robust_plugins.patches.deepspeed_memory import record_restore
+
+            plugin.memory.taken_at = engine.global_steps
+            record_restore(engine.global_steps, f"disk:{tag}", time.perf_counter() - t0)
         return load_path, client_state
 
     return load_checkpoint
+
+
+def _newest_disk_step(root: str) -> int | None:
+    """Step of the newest committed checkpoint in ``root`` (manifest only, not verified)."""
+    from robust_plugins.checkpoint import scan
+
+    steps = [e.manifest.step for e in scan(root) if e.manifest is not None]
+    return max(steps, default=None)
 
 
 def _load_residuals(plugin: DeepSpeedPlugin, load_dir: str, tag: str) -> None:
@@ -607,9 +638,11 @@ def _step_with_persist(engine, plugin: DeepSpeedPlugin):
 
     def step(lr_kwargs=None):
         result = original(lr_kwargs)
+        if plugin.memory is not None:
+            plugin.memory.after_step()
         # global_steps moves only at gradient-accumulation boundaries; save once per such step.
         n = engine.global_steps
-        if n % every == 0 and n != plugin.persisted_at:
+        if every and n % every == 0 and n != plugin.persisted_at:
             plugin.persisted_at = n
             engine.save_checkpoint(plugin.config.checkpoint.dir)
         return result

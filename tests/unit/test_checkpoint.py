@@ -18,7 +18,7 @@ from robust_plugins.checkpoint.manifest import (
     verify_files, write_manifest,
 )
 from robust_plugins.config import CheckpointConfig, PluginConfig
-from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
+from robust_plugins.errors import CheckpointError, ConfigError
 
 
 # ------------------------------------------------------------------------------------ config
@@ -48,15 +48,12 @@ def test_checkpoint_block_errors_name_key_value_and_allowed(sub, match):
         PluginConfig.from_dict({"checkpoint": sub})
 
 
-@pytest.mark.parametrize("sub, match", [
-    ({"memory_every": 1}, r"memory_every = 1: in-memory snapshots are not implemented yet"),
-    ({"peer_backup": True}, r"peer_backup = true: peer backup .* not implemented yet"),
-])
-def test_unimplemented_features_are_refused_not_ignored(sub, match):
-    with pytest.raises(UnsupportedError, match=match):
-        PluginConfig.from_dict({"checkpoint": sub})
-    # the defaults are accepted
-    assert PluginConfig.from_dict({"checkpoint": {"memory_every": None, "peer_backup": False}}).checkpoint
+def test_peer_backup_needs_memory_snapshots_and_memory_every_is_accepted():
+    with pytest.raises(ConfigError, match=r"peer_backup = true needs robust_plugins.checkpoint.memory_every"):
+        PluginConfig.from_dict({"checkpoint": {"peer_backup": True}})
+    cfg = PluginConfig.from_dict({"checkpoint": {"memory_every": 1, "peer_backup": True}}).checkpoint
+    assert (cfg.memory_every, cfg.peer_backup) == (1, True)
+    assert "memory every 1 steps + peer backup" in cfg.describe()
 
 
 def test_dir_accepts_a_path_object(tmp_path):

@@ -1,0 +1,249 @@
+"""DeepSpeed binding of the in-memory snapshots (``checkpoint.memory_every`` / ``peer_backup``).
+
+What one snapshot holds, so that a restored engine continues bitwise as if never stopped
+(DeepSpeed 0.19, ZeRO 0-2, same world size):
+
+* ``engine.module.state_dict()`` (parameters and buffers),
+* the optimizer: for ZeRO 1/2 ``DeepSpeedZeroOptimizer.state_dict()`` (loss scaler, fp32 master
+  partition, base optimizer state; restored through its own ``load_state_dict`` with
+  ``load_from_fp32_weights``), for ZeRO 0 a torch optimizer's ``state_dict()``,
+* the LR scheduler, DeepSpeed's step counters (``global_steps``, ``global_samples``,
+  ``skipped_steps``, ``micro_steps``),
+* RNG states: torch (CPU and, where initialized, CUDA), numpy and Python's ``random``,
+* the compression residuals (``compression`` sub-block),
+* whatever the training script registers with :meth:`MemorySnapshots.register` (e.g. its data
+  position: a function returning tensors / plain data, and one taking them back).
+
+The watchdog's learned hang timeouts live in ``robust run``'s node monitor, which outlives every
+rank restart, so they need no snapshot. A DeepSpeed ``client_state`` passed to
+``save_checkpoint`` is not part of a memory snapshot: register it instead.
+
+Snapshots go through :class:`robust_plugins.checkpoint.memory.SnapshotStore` (shared memory,
+double buffer) and, with ``peer_backup``, :class:`robust_plugins.checkpoint.peer.PeerBackup`;
+the restore order lives in :mod:`robust_plugins.checkpoint.restore`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import random
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from robust_plugins._logging import get_logger
+from robust_plugins.checkpoint import flat, memory
+from robust_plugins.checkpoint.peer import PeerBackup, plan_peers
+from robust_plugins.checkpoint.restore import restore_from_memory
+from robust_plugins.errors import CheckpointError, UnsupportedError
+
+log = get_logger(__name__)
+
+#: Name of the per-run log of restores (one JSON line a rank and restore) in ``ROBUST_RUN_DIR``.
+RESTORE_LOG = "restores.jsonl"
+
+_CRASHED = False
+
+
+def _note_crash(previous):
+    def hook(exc_type, exc, tb):
+        # An unhandled exception (a peer died, a collective failed) is not a normal end: the
+        # snapshots must survive it for the restart.
+        global _CRASHED
+        _CRASHED = True
+        previous(exc_type, exc, tb)
+    return hook
+
+
+def _allowed() -> dict[str, type]:
+    import importlib
+
+    from robust_plugins.patches.deepspeed import SAFE_GLOBALS
+
+    return flat.allow(*(getattr(importlib.import_module(m), n) for m, n in SAFE_GLOBALS))
+
+
+def _zero_optimizer(engine):
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return engine.optimizer if isinstance(engine.optimizer, DeepSpeedZeroOptimizer) else None
+
+
+def check_engine(engine) -> None:
+    """Refuse optimizers whose state this binding cannot restore exactly."""
+    opt = engine.optimizer
+    if _zero_optimizer(engine) is None and not isinstance(opt, torch.optim.Optimizer):
+        raise UnsupportedError(
+            f"robust_plugins.checkpoint.memory_every supports ZeRO 1/2 (DeepSpeedZeroOptimizer) and, "
+            f"with ZeRO 0, plain torch optimizers; this engine has {type(opt).__name__} (fp16/bf16 "
+            f"wrappers of ZeRO 0 are not supported yet). Remove memory_every or use ZeRO 1/2."
+        )
+
+
+def _rng_state() -> dict:
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class MemorySnapshots:
+    """Snapshots of one engine; reachable as ``engine.robust_plugins.memory``."""
+
+    def __init__(self, engine, plugin) -> None:
+        from deepspeed import comm as dist
+
+        check_engine(engine)
+        cfg = plugin.config.checkpoint
+        self.engine, self.plugin, self.every = engine, plugin, cfg.memory_every
+        self.timeout_s = cfg.timeout_s
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.job = memory.job_key()
+        self._user: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self.peers: PeerBackup | None = None
+        if cfg.peer_backup:
+            import torch.distributed as tdist
+
+            from robust_plugins.topology import discover
+
+            hosts = [r.host for r in sorted(discover().records, key=lambda r: r.rank)]
+            groups = []
+            mpu = getattr(engine, "mpu", None)
+            # ZeRO's DP group spans every rank of a pure data-parallel job: leaving it is
+            # impossible there, and plan_peers then only keeps the copy off the source's node.
+            if mpu is not None and hasattr(mpu, "get_model_parallel_group"):
+                groups.append(tdist.get_process_group_ranks(mpu.get_model_parallel_group()))
+            groups.append(tdist.get_process_group_ranks(engine.seq_data_parallel_group)
+                          if getattr(engine, "seq_data_parallel_group", None) is not None else list(range(self.world)))
+            holders = plan_peers(hosts, groups)
+            # A separate gloo group: the snapshot thread sends on it while training uses the default one.
+            group = tdist.new_group(backend="gloo")
+            self.peers = PeerBackup(self.job, self.rank, holders, group, timeout_s=self.timeout_s)
+            if self.rank == 0:
+                log.info("robust_plugins: peer backup holders %s (hosts %s)", holders, sorted(set(hosts)))
+        self.store = memory.SnapshotStore(
+            self.job, self.rank, self.world, allowed=_allowed(),
+            after_commit=(lambda _i, slot: self.peers.exchange(slot)) if self.peers is not None else None,
+        )
+        self.taken_at: int | None = None
+        self.blocking_s: list[float] = []
+        """Seconds each snapshot of this process blocked the training loop."""
+        self.restored: dict | None = None
+        """What the last restore used: ``{"step", "source"}``."""
+        sys.excepthook = _note_crash(sys.excepthook)
+        atexit.register(self._at_exit)
+
+    def register(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
+        """Snapshot ``get()`` (tensors / plain data) under ``name``; restore by calling ``set_(value)``."""
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"register(name={name!r}): the name must be a non-empty string.")
+        self._user[name] = (get, set_)
+
+    # ------------------------------------------------------------------------------- capture
+    def capture(self) -> dict:
+        """The engine's whole training state (live tensors; the store copies them)."""
+        e = self.engine
+        state = {
+            "counters": {"global_steps": e.global_steps, "global_samples": e.global_samples,
+                         "skipped_steps": e.skipped_steps, "micro_steps": e.micro_steps},
+            "module": e.module.state_dict(),
+            "optimizer": e.optimizer.state_dict(),
+            "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
+            "rng": _rng_state(),
+            "compression": self.plugin.state_dict() if self.plugin.sync is not None else None,
+            "user": {name: get() for name, (get, _) in self._user.items()},
+        }
+        return state
+
+    def apply(self, state: dict) -> None:
+        """Load a captured state into the engine (same layout)."""
+        e = self.engine
+        e.module.load_state_dict(state["module"], strict=True)
+        zero = _zero_optimizer(e)
+        if zero is not None:
+            from deepspeed import comm as dist
+
+            dp_rank = dist.get_rank(group=zero.dp_process_group)
+            sd_list = [None] * dist.get_world_size(group=zero.dp_process_group)
+            sd_list[dp_rank] = state["optimizer"]
+            zero.load_state_dict(sd_list, load_optimizer_states=True, load_from_fp32_weights=True)
+        else:
+            e.optimizer.load_state_dict(state["optimizer"])
+        if e.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            e.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        for key, value in state["counters"].items():
+            setattr(e, key, value)
+        _set_rng_state(state["rng"])
+        if state["compression"] is not None and self.plugin.sync is not None:
+            self.plugin.load_state_dict(state["compression"])
+        for name, value in state["user"].items():
+            if name not in self._user:
+                raise CheckpointError(f"The snapshot holds registered state {name!r}, which this run did not "
+                                      f"register (registered: {sorted(self._user)}). Register it before loading.")
+            self._user[name][1](value)
+
+    # ---------------------------------------------------------------------------------- hooks
+    def after_step(self) -> None:
+        """Called after ``engine.step()``: snapshot at every ``memory_every``-th optimizer step."""
+        n = self.engine.global_steps
+        if n % self.every == 0 and n != self.taken_at:
+            self.taken_at = n
+            self.blocking_s.append(self.store.save(n, self.capture()))
+
+    def restore(self, disk_step: int | None) -> tuple[int, str] | None:
+        """Restore from memory (own, then a peer's copy) on every rank; (step, source) or None."""
+        t0 = time.perf_counter()
+        found = restore_from_memory(self.store, self.peers, self.timeout_s, disk_step=disk_step,
+                                    device=self.engine.device)
+        if found is None:
+            return None
+        step, state, source = found
+        self.apply(state)
+        self.taken_at = step
+        self.restored = {"step": step, "source": source, "seconds": time.perf_counter() - t0}
+        record_restore(step, source, self.restored["seconds"])
+        return step, source
+
+    def close(self, remove: bool) -> None:
+        """Finish pending hand-offs; with ``remove`` delete this rank's shared-memory files."""
+        try:
+            self.store.flush(timeout_s=min(self.timeout_s, 60.0))
+        except CheckpointError as exc:
+            log.error("robust_plugins: %s", exc)
+        self.store.close(remove=remove)
+        if self.peers is not None:
+            self.peers.close(remove=remove)
+
+    def _at_exit(self) -> None:
+        # A normal end of the script: the job is over, the snapshots are no longer needed.
+        self.close(remove=not _CRASHED)
+
+
+def record_restore(step: int, source: str, seconds: float) -> None:
+    """Append one line to ``$ROBUST_RUN_DIR/restores.jsonl`` (under ``robust run``) and log it."""
+    from robust_plugins._logging import current_rank
+
+    line = {"rank": current_rank(), "incarnation": int(os.environ.get("ROBUST_INCARNATION", "0") or 0),
+            "step": step, "source": source, "seconds": round(seconds, 6), "time": time.time()}
+    log.info("robust_plugins: [rank %d] restored step %d from %s in %.3f s", line["rank"], step, source, seconds)
+    run_dir = os.environ.get("ROBUST_RUN_DIR")
+    if run_dir and os.path.isdir(run_dir):
+        with open(os.path.join(run_dir, RESTORE_LOG), "a") as f:
+            f.write(json.dumps(line) + "\n")

@@ -1,0 +1,462 @@
+"""In-memory snapshots in POSIX shared memory that outlive the training process.
+
+Each rank keeps two *slots* (a double buffer), each one file in ``/dev/shm``::
+
+    robust_plugins.<job>.r<rank>.s<0|1>              this rank's own snapshots
+    robust_plugins.<job>.r<src>.at<holder>.s<0|1>    rank <src>'s snapshot kept by rank <holder>
+
+``<job>`` comes from :func:`job_key` (the same for every incarnation of one job, different for
+two jobs). A slot file is a 4 KiB header, the JSON schema of :mod:`~robust_plugins.checkpoint.flat`
+and the tensor bytes, each tensor 64-byte aligned::
+
+    0   magic "RPSNAP1\\0"   8  committed (u32)    12 format (u32)      16 step (i64)
+    24  rank (i32)          28 world size (i32)  32 schema length     40 data offset
+    48  data length         56 crc32 of schema + data                 64 job key (32 bytes)
+
+A save first clears the slot's ``committed`` word, then copies every tensor into the
+pre-allocated mapping (the only part the training loop waits for), then hands the slot to a
+background thread that computes the crc32, writes it, and writes ``committed = 1`` last. A
+process killed in the middle of a copy leaves that slot uncommitted and the other slot intact.
+Shared memory is the kernel's page cache: whatever the process stored before it died is there
+for the next process to read; no flush is needed (a *node* reboot loses it, which is what the
+peer copy of :mod:`~robust_plugins.checkpoint.peer` is for).
+
+Files are removed by :meth:`SnapshotStore.close` with ``remove=True`` (the host calls it at a
+normal end of training) and by ``robust run`` when a job completes (:func:`remove_job`); never
+when a rank dies, because then they are what the restart restores from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import queue
+import re
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from robust_plugins._logging import get_logger
+from robust_plugins.checkpoint import flat
+from robust_plugins.errors import CheckpointError
+
+log = get_logger(__name__)
+
+#: Where snapshots live: POSIX shared memory (tmpfs) on Linux.
+SHM_ROOT = "/dev/shm"
+PREFIX = "robust_plugins"
+MAGIC = b"RPSNAP1\0"
+FORMAT = 1
+HEADER_SIZE = 4096
+_FIELDS = struct.Struct("<8sIIqiiQQQI")  # up to and including crc32 (60 bytes)
+_JOB_OFF, _JOB_LEN = 64, 32
+_COMMITTED_OFF = 8
+_ALIGN = 64
+#: crc32 in 64 MiB pieces: zlib releases the GIL for each call, so training threads keep running.
+_CRC_CHUNK = 64 << 20
+
+ENV_JOB = "ROBUST_JOB_ID"
+
+
+def job_key(explicit: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """A short file-name-safe key for this job, the same in every incarnation.
+
+    From, in order: ``explicit``; ``ROBUST_JOB_ID`` (``robust run`` sets it per run directory);
+    torchrun's ``TORCHELASTIC_RUN_ID`` unless it is torchrun's default ``none``. Without any,
+    CheckpointError: two unrelated jobs on a node would otherwise restore each other's state.
+    """
+    env = os.environ if env is None else env
+    raw = explicit or env.get(ENV_JOB) or ""
+    if not raw:
+        run_id = env.get("TORCHELASTIC_RUN_ID", "")
+        raw = run_id if run_id not in ("", "none") else ""
+    if not raw:
+        raise CheckpointError(
+            "In-memory snapshots need a job id that stays the same across restarts: launch with "
+            "`robust run` (sets ROBUST_JOB_ID), torchrun with --rdzv-id, or set ROBUST_JOB_ID yourself."
+        )
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def own_name(job: str, rank: int, slot: int) -> str:
+    """File name of ``rank``'s own snapshot slot."""
+    return f"{PREFIX}.{job}.r{rank:05d}.s{slot}"
+
+
+def held_name(job: str, src: int, holder: int, slot: int) -> str:
+    """File name of ``src``'s snapshot as kept by ``holder``."""
+    return f"{PREFIX}.{job}.r{src:05d}.at{holder:05d}.s{slot}"
+
+
+_NAME = re.compile(rf"^{PREFIX}\.([0-9A-Za-z_-]+)\.r(\d+)(?:\.at(\d+))?\.s([01])$")
+
+
+def job_files(job: str, root: str = SHM_ROOT) -> list[str]:
+    """Every snapshot file of ``job`` under ``root``."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(os.path.join(root, n) for n in names if (m := _NAME.match(n)) and m.group(1) == job)
+
+
+def remove_job(job: str, root: str = SHM_ROOT) -> int:
+    """Delete every snapshot file of ``job`` (own and held); returns how many were removed."""
+    n = 0
+    for path in job_files(job, root):
+        try:
+            os.remove(path)
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Header:
+    """The fixed fields of a slot file."""
+
+    committed: bool
+    step: int
+    rank: int
+    world_size: int
+    schema_len: int
+    data_off: int
+    data_len: int
+    crc: int
+    job: str
+
+    @property
+    def total(self) -> int:
+        """Bytes of the file that hold the snapshot."""
+        return self.data_off + self.data_len
+
+
+def read_header(buf: Any) -> Header | None:
+    """The header of a mapped slot, or None if it is not a snapshot (wrong magic, too short)."""
+    if len(buf) < HEADER_SIZE:
+        return None
+    magic, committed, fmt, step, rank, world, slen, doff, dlen, crc = _FIELDS.unpack_from(buf, 0)
+    if magic != MAGIC or fmt != FORMAT:
+        return None
+    job = bytes(buf[_JOB_OFF:_JOB_OFF + _JOB_LEN]).rstrip(b"\0").decode("ascii", "replace")
+    return Header(bool(committed), step, rank, world, slen, doff, dlen, crc, job)
+
+
+def _crc(buf: Any, start: int, end: int) -> int:
+    view = memoryview(buf)
+    crc = 0
+    for off in range(start, end, _CRC_CHUNK):
+        crc = zlib.crc32(view[off:min(end, off + _CRC_CHUNK)], crc)
+    view.release()
+    return crc
+
+
+class Slot:
+    """One shared-memory file, mapped read-write; grown (never shrunk) when a snapshot needs it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self._map: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None
+        self.busy = threading.Event()
+        """Set while the background thread owns this slot (checksum, commit, peer send)."""
+
+    def open_existing(self) -> bool:
+        """Map the file if it exists (a previous incarnation's snapshot); False if absent."""
+        if not os.path.exists(self.path):
+            return False
+        self._remap(None)
+        return True
+
+    def ensure(self, size: int) -> None:
+        """Create or grow the file to at least ``size`` bytes and map it."""
+        if self._map is not None and len(self._map) >= size:
+            return
+        self._remap(size)
+
+    def _remap(self, size: int | None) -> None:
+        self.unmap()
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            have = os.fstat(fd).st_size
+            if size is not None and have < size:
+                try:
+                    os.posix_fallocate(fd, 0, size)  # fail now (ENOSPC) rather than SIGBUS mid-copy
+                except OSError as exc:
+                    raise CheckpointError(
+                        f"Cannot reserve {size / 2**20:.1f} MiB for an in-memory snapshot in {self.path} "
+                        f"({exc}). /dev/shm is full or too small: enlarge it (docker --shm-size, or "
+                        f"`mount -o remount,size=... /dev/shm`) or turn memory_every off."
+                    ) from exc
+                have = size
+            if have == 0:
+                os.close(fd)
+                return
+            self._fd, self._map = fd, mmap.mmap(fd, have)
+        except BaseException:
+            if self._fd is None:
+                os.close(fd)
+            raise
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    @property
+    def buf(self) -> mmap.mmap:
+        """The mapping (raises if the slot is not mapped)."""
+        if self._map is None:
+            raise CheckpointError(f"snapshot slot {self.path} is not mapped")
+        return self._map
+
+    def bytes(self) -> torch.Tensor:
+        """The mapping as a uint8 tensor (shares memory with the file)."""
+        if self._bytes is None:
+            raise CheckpointError(f"snapshot slot {self.path} is not mapped")
+        return self._bytes
+
+    def header(self) -> Header | None:
+        """The slot's header, or None when unmapped or not a snapshot."""
+        return read_header(self._map) if self._map is not None else None
+
+    def set_committed(self, value: bool) -> None:
+        """Write the committed word (a single aligned 4-byte store)."""
+        struct.pack_into("<I", self.buf, _COMMITTED_OFF, int(value))
+
+    def write_header(self, h: Header) -> None:
+        """Write every field but ``committed`` (left as it is: 0 during a save)."""
+        committed = struct.unpack_from("<I", self.buf, _COMMITTED_OFF)[0]
+        _FIELDS.pack_into(self.buf, 0, MAGIC, committed, FORMAT, h.step, h.rank, h.world_size,
+                          h.schema_len, h.data_off, h.data_len, h.crc)
+        job = h.job.encode("ascii")[:_JOB_LEN]
+        self.buf[_JOB_OFF:_JOB_OFF + _JOB_LEN] = job.ljust(_JOB_LEN, b"\0")
+
+    def problem(self, job: str, world_size: int, rank: int | None = None) -> str | None:
+        """Why this slot must not be restored by ``rank`` of a ``world_size`` job, or None."""
+        h = self.header()
+        if h is None:
+            return "not a snapshot (empty or wrong magic)"
+        if not h.committed:
+            return f"step {h.step} was never committed (the process died while writing it)"
+        if h.job != job:
+            return f"belongs to job {h.job}, not {job}"
+        if h.world_size != world_size:
+            return f"taken at world size {h.world_size}, this job has {world_size}"
+        if rank is not None and h.rank != rank:
+            return f"holds rank {h.rank}'s state, not rank {rank}'s"
+        if h.total > len(self.buf):
+            return f"truncated ({len(self.buf)} bytes, header says {h.total})"
+        crc = _crc(self.buf, HEADER_SIZE, h.total)
+        if crc != h.crc:
+            return f"step {h.step}: crc32 {crc:08x} != {h.crc:08x} (corrupted)"
+        return None
+
+    def read(self, allowed: Mapping[str, type] | None = None) -> tuple[int, Any]:
+        """(step, state) with every tensor cloned out of the mapping."""
+        h = self.header()
+        raw = bytes(self.buf[HEADER_SIZE:HEADER_SIZE + h.schema_len])
+        try:
+            schema = json.loads(raw.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"snapshot {self.path}: schema is not JSON ({exc})") from None
+        specs = flat.tensor_specs(schema)
+        offsets = schema.get("offsets")
+        if not isinstance(offsets, list) or len(offsets) != len(specs):
+            raise CheckpointError(f"snapshot {self.path}: schema has no offset for every tensor")
+        data = self.bytes()
+        tensors = []
+        for (dtype, shape), off in zip(specs, offsets):
+            n = _nbytes(dtype, shape)
+            start = h.data_off + off
+            if not isinstance(off, int) or off < 0 or start + n > h.total:
+                raise CheckpointError(f"snapshot {self.path}: tensor at {off!r} lies outside the data")
+            tensors.append(data[start:start + n].view(dtype).view(shape).clone())
+        return h.step, flat.unflatten(schema, tensors, allowed)
+
+    def unmap(self) -> None:
+        """Drop the mapping (the file stays)."""
+        self._bytes = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """A committed, verified snapshot found in shared memory."""
+
+    step: int
+    slot: int
+    path: str
+
+
+class SnapshotStore:
+    """This rank's double-buffered snapshots, plus the copies it keeps for a peer.
+
+    ``save(step, state)`` blocks only for the copy; checksum, commit and ``after_commit(slot)``
+    (the peer send) run on one background thread, in order. A failure there is logged at once
+    and raised as CheckpointError by the next ``save`` or ``flush``.
+    """
+
+    def __init__(self, job: str, rank: int, world_size: int, root: str = SHM_ROOT,
+                 allowed: Mapping[str, type] | None = None,
+                 after_commit: Callable[[int, Slot], None] | None = None) -> None:
+        self.job, self.rank, self.world_size, self.root = job, rank, world_size, root
+        self.allowed = dict(allowed or {})
+        self.after_commit = after_commit
+        self.slots = [Slot(os.path.join(root, own_name(job, rank, i))) for i in range(2)]
+        for s in self.slots:
+            s.open_existing()
+        # Overwrite the older slot first: the newest snapshot of a previous incarnation stays
+        # restorable until a newer one is committed.
+        steps = [(s.header().step if s.header() and s.header().committed else -1) for s in self.slots]
+        self._next = 0 if steps[0] <= steps[1] else 1
+        self._queue: queue.Queue = queue.Queue()
+        self._error: str | None = None
+        self._thread: threading.Thread | None = None
+        self._layout_key: Any = None
+        self._layout: tuple[list[int], int] = ([], 0)
+        self.last_blocking_s = 0.0
+        """Seconds the last :meth:`save` kept the caller waiting."""
+        self.committed_step: int | None = None
+        """Step of the newest snapshot committed by this process."""
+
+    # --------------------------------------------------------------------------------- save
+    def save(self, step: int, state: Any) -> float:
+        """Snapshot ``state`` as ``step``; returns the seconds the caller was blocked."""
+        t0 = time.perf_counter()
+        self._raise_if_failed()
+        schema, tensors = flat.flatten(state, self.allowed)
+        key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
+        if key != self._layout_key:
+            offsets, off = [], 0
+            for t in tensors:
+                offsets.append(off)
+                off = _align(off + t.numel() * t.element_size(), _ALIGN)
+            self._layout_key, self._layout = key, (offsets, off)
+        offsets, data_len = self._layout
+        schema["offsets"] = offsets
+        schema_bytes = json.dumps(schema, separators=(",", ":")).encode()
+        slot = self.slots[self._next]
+        self._wait_idle(slot)
+        # Room for the schema to grow (step counters, scheduler values) without a re-layout.
+        schema_cap = _align(max(len(schema_bytes) * 2, 64 << 10), 4096)
+        h = slot.header()
+        if h is not None and h.data_off - HEADER_SIZE >= len(schema_bytes) and len(slot.buf) >= h.data_off + data_len:
+            data_off = h.data_off
+        else:
+            data_off = HEADER_SIZE + schema_cap
+        slot.ensure(data_off + data_len)
+        if slot.header() is not None:
+            slot.set_committed(False)
+        buf = slot.bytes()
+        for t, off in zip(tensors, offsets):
+            n = t.numel() * t.element_size()
+            if n:
+                buf[data_off + off:data_off + off + n].view(t.dtype).view(t.shape).copy_(t)
+        buf[HEADER_SIZE:HEADER_SIZE + len(schema_bytes)] = torch.frombuffer(bytearray(schema_bytes), dtype=torch.uint8)
+        slot.write_header(Header(False, step, self.rank, self.world_size, len(schema_bytes), data_off,
+                                 data_len, 0, self.job))
+        index = self._next
+        self._next = 1 - self._next
+        slot.busy.set()
+        self._ensure_thread()
+        self._queue.put((index, slot, step))
+        self.last_blocking_s = time.perf_counter() - t0
+        return self.last_blocking_s
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._work, name=f"robust-snapshot-r{self.rank}", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            index, slot, step = item
+            try:
+                if self._error is None:
+                    h = slot.header()
+                    crc = _crc(slot.buf, HEADER_SIZE, h.total)
+                    struct.pack_into("<I", slot.buf, 56, crc)
+                    slot.set_committed(True)
+                    self.committed_step = step
+                    if self.after_commit is not None:
+                        self.after_commit(index, slot)
+            except Exception as exc:  # noqa: BLE001 - reported now and raised by the next save
+                self._error = f"snapshot of step {step} on rank {self.rank}: {type(exc).__name__}: {exc}"
+                log.error("robust_plugins: in-memory snapshot hand-off failed: %s", self._error)
+            finally:
+                slot.busy.clear()
+
+    def _wait_idle(self, slot: Slot, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while slot.busy.is_set():
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"snapshot slot {slot.path} still busy after {timeout_s:g} s "
+                                      f"(checksum or peer send stuck)")
+            time.sleep(0.0005)
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise CheckpointError(f"An in-memory snapshot failed in the background ({self._error}); "
+                                  f"snapshots stopped. Restart from the last committed one.")
+
+    def flush(self, timeout_s: float = 600.0) -> None:
+        """Wait until every handed-off snapshot is committed (and sent); raise if one failed."""
+        for s in self.slots:
+            self._wait_idle(s, timeout_s)
+
+    # ------------------------------------------------------------------------------ restore
+    def own_snapshots(self, why: dict[str, str] | None = None) -> list[SnapshotInfo]:
+        """This rank's committed, verified snapshots, newest first; ``why`` collects the rest."""
+        out = []
+        for i, s in enumerate(self.slots):
+            if s._map is None and not s.open_existing():
+                continue
+            problem = s.problem(self.job, self.world_size, self.rank)
+            if problem is None:
+                out.append(SnapshotInfo(s.header().step, i, s.path))
+            elif why is not None:
+                why[s.path] = problem
+        return sorted(out, key=lambda x: x.step, reverse=True)
+
+    def load(self, slot: int) -> tuple[int, Any]:
+        """(step, state) of own slot ``slot``."""
+        return self.slots[slot].read(self.allowed)
+
+    def close(self, remove: bool = False) -> None:
+        """Stop the background thread (after it finishes), unmap, and with ``remove`` delete the files."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=600)
+        for s in self.slots:
+            s.unmap()
+            if remove:
+                try:
+                    os.remove(s.path)
+                except FileNotFoundError:
+                    pass

@@ -1,0 +1,132 @@
+"""Restore order on restart, for any host: own memory snapshot -> a peer's copy -> disk.
+
+Every rank reports what it finds in shared memory (its own verified snapshots and the verified
+copies it keeps for its peer source); :func:`plan_restore` (pure, run identically on every rank
+from the gathered reports) picks the newest step that *every* rank can restore (all ranks must
+resume from the same step), preferring each rank's own snapshot and else a holder's copy.
+:func:`restore_from_memory` carries the plan out: holders send copies to the ranks that lost
+theirs (raw bytes into the receiver's own slot, verified by crc32 before use), and each rank reads
+its state. When no step is common to all ranks, or a disk checkpoint is newer, the memory tier is
+skipped with one log line saying why and the host falls back to its newest verified disk
+checkpoint (:class:`~robust_plugins.checkpoint.disk.DiskCheckpointer`), then older ones.
+
+A host integration (``patches/deepspeed.py``; megatron-core likewise) calls::
+
+    found = restore_from_memory(store, peers, world_size, timeout_s, disk_step=...)
+    if found is None: ...load from disk...
+    else: step, state, source = found; ...apply state...
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from robust_plugins._logging import get_logger
+from robust_plugins.checkpoint import coord
+from robust_plugins.checkpoint.memory import SnapshotStore
+from robust_plugins.checkpoint.peer import PeerBackup, recv_slot, send_slot
+from robust_plugins.errors import CheckpointError
+
+log = get_logger(__name__)
+
+MEMORY, PEER = "memory", "peer"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`plan_restore` decided."""
+
+    step: int | None
+    """The step every rank restores; None when memory cannot serve (see ``reason``)."""
+
+    sources: tuple[tuple[str, int, int], ...] = ()
+    """Per rank: (``memory``, rank, own slot) or (``peer``, holder rank, held slot)."""
+
+    reason: str = ""
+    """Why the memory tier was skipped (``step`` None)."""
+
+
+def plan_restore(reports: Sequence[dict], disk_step: int | None = None) -> Plan:
+    """Choose the step and the source of every rank's state from the gathered reports.
+
+    ``reports[r]`` is ``{"own": [[step, slot], ...], "held": {"<src>": [[step, slot], ...]}}``
+    (verified snapshots only). ``disk_step``: step of the newest committed disk checkpoint; a
+    memory step older than it is not used.
+    """
+    world = len(reports)
+    own = [{s: slot for s, slot in rep.get("own", [])} for rep in reports]
+    held: list[dict[int, tuple[int, int]]] = [{} for _ in range(world)]
+    for holder, rep in enumerate(reports):
+        for src, entries in rep.get("held", {}).items():
+            for step, slot in entries:
+                held[int(src)].setdefault(step, (holder, slot))
+    avail = [set(own[r]) | set(held[r]) for r in range(world)]
+    lacking = [r for r in range(world) if not avail[r]]
+    if lacking:
+        return Plan(None, reason=f"ranks {lacking} have no snapshot in memory and no peer holds one")
+    common = set.intersection(*avail)
+    if not common:
+        have = "; ".join(f"rank {r}: {sorted(avail[r], reverse=True)}" for r in range(world))
+        return Plan(None, reason=f"no step is held for every rank ({have})")
+    step = max(common)
+    if disk_step is not None and disk_step > step:
+        return Plan(None, reason=f"the newest memory step {step} is older than the disk checkpoint of step {disk_step}")
+    sources = tuple((MEMORY, r, own[r][step]) if step in own[r] else (PEER, *held[r][step]) for r in range(world))
+    return Plan(step, sources)
+
+
+def restore_from_memory(store: SnapshotStore, peers: PeerBackup | None, timeout_s: float,
+                        disk_step: int | None = None, device: Any = "cpu") -> tuple[int, Any, str] | None:
+    """Carry out the plan on every rank (a collective); (step, state, source) or None.
+
+    ``source`` is ``memory`` or ``peer:<holder>``. Returns None (every rank alike) when memory
+    cannot serve; the reason is logged once on rank 0, and each rank logs why its own slots
+    were unusable.
+    """
+    rank, world = store.rank, store.world_size
+    why: dict[str, str] = {}
+    own = store.own_snapshots(why)
+    held = peers.held_snapshots(world, why) if peers is not None else []
+    for path, problem in why.items():
+        log.warning("robust_plugins: [rank %d] snapshot %s skipped: %s", rank, path, problem)
+    report = {"own": [[s.step, s.slot] for s in own],
+              "held": {str(peers.source): [[s.step, s.slot] for s in held]} if peers is not None else {}}
+    reports = coord.all_gather_json(report, timeout_s, "restore: gathering in-memory snapshots", device=device)
+    plan = plan_restore(reports, disk_step)
+    if plan.step is None:
+        if rank == 0:
+            log.warning("robust_plugins: in-memory snapshots skipped: %s; trying disk checkpoints", plan.reason)
+        return None
+    group = peers.group if peers is not None else None
+    # A copy coming from a peer lands in one of this rank's own slots: one that holds nothing
+    # usable if there is one, else the older of the two.
+    mine = {s.slot: s.step for s in own}
+    target = min((0, 1), key=lambda i: mine.get(i, -1))
+    for r, (kind, holder, slot) in enumerate(plan.sources):
+        if kind != PEER:
+            continue
+        what = f"restore: rank {holder} sending rank {r}'s step {plan.step}"
+        if rank == holder:
+            send_slot(peers.held[slot], r, group, timeout_s, what)
+        elif rank == r:
+            h = recv_slot(store.slots[target], holder, store.job, group, timeout_s, what)
+            problem = store.slots[target].problem(store.job, world, rank)
+            if problem is not None:
+                raise CheckpointError(f"{what}: the received copy does not verify ({problem}).")
+            if h.step != plan.step:
+                raise CheckpointError(f"{what}: received step {h.step}")
+    kind, holder, slot = plan.sources[rank]
+    if kind == PEER:
+        slot = target
+        log.warning("robust_plugins: [rank %d] own snapshot of step %d is not in memory; restored the "
+                    "copy kept by rank %d", rank, plan.step, holder)
+    step, state = store.load(slot)
+    if step != plan.step:
+        raise CheckpointError(f"restore: rank {rank}'s slot {slot} holds step {step}, the plan says {plan.step}")
+    if rank == 0:
+        n_peer = sum(1 for s in plan.sources if s[0] == PEER)
+        log.warning("robust_plugins: restored step %d from memory (%d rank(s) from their own snapshot, "
+                    "%d from a peer's copy)", step, world - n_peer, n_peer)
+    source = MEMORY if kind == MEMORY else f"{PEER}:{holder}"
+    return step, state, source

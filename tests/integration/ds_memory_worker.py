@@ -1,0 +1,226 @@
+"""One torchrun launch = every in-memory snapshot scenario for one ZeRO stage (2 CPU ranks).
+
+Run as ``torchrun --nproc-per-node 2 ds_memory_worker.py --stage S --out DIR``. Rank 0 writes
+``DIR/results.json``; ``test_deepspeed_memory.py`` asserts on it. A "restart" here is a fresh
+engine built from a differently seeded model in the same processes: it sees only what the
+previous engine left in /dev/shm (and on disk), exactly what a restarted process would see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import uuid
+
+import robust_plugins  # noqa: F401  (must precede deepspeed.initialize: installs the patch)
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from robust_plugins.checkpoint import memory
+from robust_plugins.workloads.gpt import build_gpt
+from robust_plugins.workloads.text import get_batch, load_corpus
+
+SEED = 1234
+MICRO_BATCH = 4
+SEQ_LEN = 64
+STEPS = 8
+
+
+class Records(logging.Handler):
+    """Collects robust_plugins log lines of this rank."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+    def take(self) -> list[str]:
+        out, self.lines = self.lines, []
+        return out
+
+
+def make_engine(stage, block, seed=SEED):
+    model = build_gpt("tiny", seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
+                                                       "warmup_num_steps": 5}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6},
+    }
+    if block is not None:
+        cfg["robust_plugins"] = block
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
+class DataPosition:
+    """A stand-in for a data loader position the script registers (a tensor and an int)."""
+
+    def __init__(self):
+        self.seen = 0
+        self.order = torch.zeros(4, dtype=torch.int64)
+
+    def get(self):
+        return {"seen": self.seen, "order": self.order}
+
+    def set(self, v):
+        self.seen, self.order = v["seen"], v["order"].clone()
+
+
+def train(engine, until, corpus, data=None) -> list[float]:
+    losses = []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    while engine.global_steps < until:
+        x, y = get_batch(corpus, "train", seed=SEED, step=engine.global_steps, rank=rank, world_size=world,
+                         micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
+        # A random draw consumed every step: a resumed run matches only if RNG state came back.
+        noise = torch.rand(()) * 0
+        loss = engine(x, y) + noise
+        engine.backward(loss)
+        if data is not None:  # the position after this step's batch, as a loader would hold it
+            data.seen += 1
+            data.order += 1
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def digests(engine) -> list[str]:
+    h = hashlib.sha256()
+    for p in engine.module.parameters():
+        h.update(p.detach().float().contiguous().numpy().tobytes())
+    opt_sd = engine.optimizer.state_dict()
+    base = opt_sd.get("base_optimizer_state", opt_sd)
+    for st in base["state"].values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                h.update(v.float().contiguous().numpy().tobytes())
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, h.hexdigest())
+    return out
+
+
+def gather(x):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, x)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stage", type=int, required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    records = Records()
+    logging.getLogger("robust_plugins").addHandler(records)
+    logging.getLogger("robust_plugins").setLevel(logging.INFO)
+    out = pathlib.Path(args.out)
+    root = str(out / "ckpt")
+    corpus = load_corpus(max_bytes=200_000)
+    res: dict = {}
+    job = gather(uuid.uuid4().hex)[0]
+    os.environ[memory.ENV_JOB] = job
+    key = memory.job_key()
+    block = {"checkpoint": {"dir": root, "memory_every": 1, "peer_backup": True},
+             "compression": {"codec": "int8", "block_size": 256}}
+
+    # Reference: uninterrupted, same block (snapshots every step, disk save at 4).
+    torch.manual_seed(7)
+    ref = make_engine(args.stage, {"compression": block["compression"]})
+    res["reference"] = {"losses": train(ref, STEPS, corpus), "digests": digests(ref)}
+
+    # Main: snapshots every step + a disk checkpoint at step 4; stop at 5 (the "crash").
+    os.environ[memory.ENV_JOB] = job
+    torch.manual_seed(7)
+    data = DataPosition()
+    eng = make_engine(args.stage, block)
+    eng.robust_plugins.memory.register("data", data.get, data.set)
+    losses = train(eng, 4, corpus, data)
+    eng.save_checkpoint(root)
+    losses += train(eng, 5, corpus, data)
+    eng.robust_plugins.memory.store.flush()
+    res["main"] = {"losses": losses, "blocking_s": eng.robust_plugins.memory.blocking_s,
+                   "files": sorted(os.path.basename(f) for f in memory.job_files(key)),
+                   "holders": eng.robust_plugins.memory.peers.holders}
+    records.take()
+
+    def restart(seed, until):
+        torch.manual_seed(999)  # a different RNG state: only the snapshot can make it right
+        d = DataPosition()
+        e = make_engine(args.stage, block, seed=seed)
+        e.robust_plugins.memory.register("data", d.get, d.set)
+        load_path, client = e.load_checkpoint(root)
+        info = {"load_path": load_path, "resumed_at": e.global_steps, "data_seen": d.seen,
+                "data_order": d.order.tolist()}
+        info["log"] = records.take()
+        info["losses"] = train(e, until, corpus, d)
+        info["digests"] = digests(e)
+        info["restored"] = gather(e.robust_plugins.memory.restored)
+        e.robust_plugins.memory.store.flush()
+        return e, info
+
+    # 1. own memory: resume at 5, train to 6.
+    e1, res["own"] = restart(seed=5, until=6)
+    # 2. rank 1's shared memory is wiped (its node "lost"): rank 1 restores from its peer (rank 0).
+    dist.barrier()
+    if rank == 1:
+        for f in memory.job_files(key):
+            if ".r00001.s" in f:
+                os.remove(f)
+    dist.barrier()
+    e2, res["peer"] = restart(seed=6, until=7)
+    # 3. rank 0's newest slot (step 7) is corrupted: restored from rank 1's copy of it.
+    def corrupt_newest(slots):
+        newest = max((s for s in slots if s.header() is not None), key=lambda s: s.header().step)
+        with open(newest.path, "r+b") as f:
+            f.seek(newest.header().data_off + 100)
+            b = f.read(1)
+            f.seek(newest.header().data_off + 100)
+            f.write(bytes([b[0] ^ 0xFF]))
+        return os.path.basename(newest.path)
+
+    dist.barrier()
+    if rank == 0:
+        res["corrupted_file"] = corrupt_newest(e2.robust_plugins.memory.store.slots)
+    dist.barrier()
+    e3, res["corrupt"] = restart(seed=7, until=STEPS)
+    # 4. after one more "crash" at 8: rank 0's newest snapshot is corrupt and so is rank 1's copy
+    # of it; step 7 is the newest every rank has: both go back to it (rank 0 from its older slot).
+    dist.barrier()
+    if rank == 0:
+        corrupt_newest(e3.robust_plugins.memory.store.slots)
+    else:
+        corrupt_newest(e3.robust_plugins.memory.peers.held)
+    dist.barrier()
+    e4, res["common"] = restart(seed=8, until=STEPS)
+    # 5. every snapshot is gone: the newest verified disk checkpoint (step 4) is used.
+    dist.barrier()
+    if rank == 0:
+        memory.remove_job(key)
+    dist.barrier()
+    e5, res["disk"] = restart(seed=9, until=STEPS)
+    res["files_before_end"] = sorted(os.path.basename(f) for f in memory.job_files(key))
+    res["job_key"] = key
+    if rank == 0:
+        (out / "results.json").write_text(json.dumps(res, indent=1))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""In-memory snapshots (``checkpoint.memory_every`` + ``peer_backup``), ZeRO 0/1/2 on 2 CPU ranks.
+
+Per stage, one launch of ``ds_memory_worker.py`` (about 25 s) runs every scenario; a "restart" is a
+fresh engine from a differently seeded model and RNG, so only restored state can make it right:
+
+* snapshots every step leave training bitwise unchanged (vs the same job without them);
+* restart -> own memory snapshot (step 5) -> continues bitwise as the reference;
+* rank 1's shared memory wiped -> rank 1 restores from the copy its peer (rank 0) keeps;
+* rank 0's newest slot corrupted -> skipped with a log line naming the crc mismatch, rank 0
+  restores the same step from its peer's copy;
+* rank 0's newest slot and rank 1's copy of it corrupted -> both ranks go back one step (the
+  newest step every rank has), rank 0 from its other slot (the double buffer);
+* every snapshot gone -> newest verified disk checkpoint (step 4), with a log line saying why;
+  every path ends bitwise equal (weights and optimizer state on every rank) to the reference.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from robust_plugins.launch import run_torchrun
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+WORKER = str(Path(__file__).with_name("ds_memory_worker.py"))
+
+
+@pytest.fixture(scope="module", params=[0, 1, 2], ids=lambda s: f"zero{s}")
+def run(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"mem_zero{request.param}")
+    run_torchrun(WORKER, ["--stage", str(request.param), "--out", str(out)], nproc=2, timeout_s=240,
+                 log_path=out / "launch.log")
+    return request.param, out, json.loads((out / "results.json").read_text())
+
+
+def _sources(x):
+    return [(r or {}).get("source") for r in x["restored"]]
+
+
+def test_snapshots_leave_training_unchanged_and_live_in_shared_memory(run):
+    _, _, r = run
+    ref = r["reference"]["losses"]
+    assert r["main"]["losses"] == ref[:5]
+    key = r["job_key"]
+    # two own slots and two held slots per rank, named per job, rank and slot
+    assert r["main"]["files"] == sorted(
+        [f"robust_plugins.{key}.r0000{i}.s{s}" for i in (0, 1) for s in (0, 1)]
+        + [f"robust_plugins.{key}.r0000{i}.at0000{1 - i}.s{s}" for i in (0, 1) for s in (0, 1)])
+    assert r["main"]["holders"] == [1, 0]
+    assert len(r["main"]["blocking_s"]) == 5 and all(b > 0 for b in r["main"]["blocking_s"])
+
+
+def test_restart_restores_own_memory_snapshot_and_continues_exactly(run):
+    _, _, r = run
+    own = r["own"]
+    assert own["resumed_at"] == 5 and own["load_path"] == "memory://step5/memory"
+    assert _sources(own) == ["memory", "memory"]
+    assert own["data_seen"] == 5 and own["data_order"] == [5] * 4  # registered data position
+    assert own["losses"] == r["reference"]["losses"][5:6]
+
+
+def test_wiped_rank_restores_from_its_peer(run):
+    _, _, r = run
+    peer = r["peer"]
+    assert peer["resumed_at"] == 6 and _sources(peer) == ["memory", "peer:0"]
+    assert "1 from a peer's copy" in " ".join(peer["log"])
+    assert peer["losses"] == r["reference"]["losses"][6:7]
+
+
+def test_corrupt_snapshot_is_skipped_with_a_reason_and_replaced_by_the_peer_copy(run):
+    _, _, r = run
+    c = r["corrupt"]
+    assert c["resumed_at"] == 7 and _sources(c) == ["peer:1", "memory"]
+    (skip,) = [ln for ln in c["log"] if "skipped" in ln]
+    assert r["corrupted_file"] in skip and "step 7" in skip and "corrupted" in skip
+    assert c["losses"] == r["reference"]["losses"][7:8]
+    assert c["digests"] == r["reference"]["digests"]
+
+
+def test_without_a_usable_newest_copy_every_rank_goes_back_to_the_common_step(run):
+    _, _, r = run
+    c = r["common"]
+    assert c["resumed_at"] == 7 and _sources(c) == ["memory", "memory"]
+    assert any("step 8" in ln and "corrupted" in ln for ln in c["log"])
+    assert c["losses"] == r["reference"]["losses"][7:8]
+    assert c["digests"] == r["reference"]["digests"]
+
+
+def test_no_snapshot_falls_back_to_the_newest_verified_disk_checkpoint(run):
+    _, _, r = run
+    d = r["disk"]
+    assert d["resumed_at"] == 4 and d["load_path"].endswith("global_step4/mp_rank_00_model_states.pt")
+    assert any("in-memory snapshots skipped" in ln and "no snapshot in memory" in ln for ln in d["log"])
+    assert d["losses"] == r["reference"]["losses"][4:8]
+    assert d["digests"] == r["reference"]["digests"]

@@ -1,0 +1,200 @@
+"""In-memory snapshot core: flat serializer, shared-memory slots, peer and restore planners."""
+
+from __future__ import annotations
+
+import enum
+import os
+import random
+import struct
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from robust_plugins.checkpoint import flat, memory
+from robust_plugins.checkpoint.peer import plan_peers
+from robust_plugins.checkpoint.restore import MEMORY, PEER, plan_restore
+from robust_plugins.errors import CheckpointError
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+class Scaler:
+    def __init__(self):
+        self.cur_scale, self.history = 2.0**16, [1, 2]
+
+
+def _state():
+    return {
+        "w": torch.randn(7, 3), 5: [torch.arange(4, dtype=torch.int64), (1, 2.5, float("nan"), float("-inf"))],
+        "bf16": torch.ones(3, dtype=torch.bfloat16), "empty": torch.zeros(0), "flag": torch.tensor([True, False]),
+        "np": np.random.RandomState(3).get_state(), "py": random.Random(4).getstate(), "dtype": torch.float16,
+        "enum": Color.RED, "obj": Scaler(), "none": None, "s": "x",
+    }
+
+
+def test_flat_round_trip_keeps_types_values_and_int_keys():
+    state = _state()
+    allowed = flat.allow(Color, Scaler)
+    schema, tensors = flat.flatten(state, allowed)
+    back = flat.unflatten(schema, [t.clone() for t in tensors], allowed)
+    assert torch.equal(back["w"], state["w"]) and back["bf16"].dtype == torch.bfloat16
+    assert back[5][1][:2] == (1, 2.5) and np.isnan(back[5][1][2]) and back[5][1][3] == float("-inf")
+    assert back["np"][0] == "MT19937" and back["np"][1].dtype == np.uint32
+    assert np.array_equal(back["np"][1], state["np"][1])
+    r = random.Random()
+    r.setstate(back["py"])
+    assert r.random() == random.Random(4).random()
+    assert back["enum"] is Color.RED and isinstance(back["obj"], Scaler) and back["obj"].history == [1, 2]
+    assert back["dtype"] == torch.float16 and back["none"] is None and back["s"] == "x"
+
+
+def test_flat_refuses_unknown_objects_both_ways_naming_the_path():
+    with pytest.raises(CheckpointError, match=r"state\['obj'\].*Scaler.*allowlisted"):
+        flat.flatten({"obj": Scaler()})
+    schema, tensors = flat.flatten({"obj": Scaler()}, flat.allow(Scaler))
+    with pytest.raises(CheckpointError, match=r"does not allow.*not loaded"):
+        flat.unflatten(schema, tensors, {})
+    schema["tensors"].append(["os.system", [1]])
+    with pytest.raises(CheckpointError, match="not a torch dtype"):
+        flat.tensor_specs(schema)
+
+
+@pytest.fixture
+def job():
+    key = "t" + uuid.uuid4().hex[:12]
+    yield key
+    memory.remove_job(key)
+
+
+def test_store_round_trip_double_buffer_and_survival_in_a_new_store(job):
+    st = memory.SnapshotStore(job, 0, 2, allowed=flat.allow(Color, Scaler))
+    state = _state()
+    st.save(1, state)
+    state["w"].add_(1)
+    st.save(2, state)
+    st.flush()
+    st.close()  # like a process that died: files stay
+    fresh = memory.SnapshotStore(job, 0, 2, allowed=flat.allow(Color, Scaler))
+    snaps = fresh.own_snapshots()
+    assert [s.step for s in snaps] == [2, 1] and {s.slot for s in snaps} == {0, 1}
+    step, back = fresh.load(snaps[0].slot)
+    assert step == 2 and torch.equal(back["w"], state["w"])
+    back["w"].zero_()  # a clone, not a view of shared memory
+    assert fresh.load(snaps[0].slot)[1]["w"].abs().sum() > 0
+    # the next save overwrites the older slot (step 1) and keeps step 2 restorable
+    fresh.save(3, state)
+    fresh.flush()
+    assert [s.step for s in fresh.own_snapshots()] == [3, 2]
+    fresh.close(remove=True)
+    assert memory.job_files(job) == []
+
+
+def test_a_copy_interrupted_before_commit_leaves_the_other_slot(job):
+    st = memory.SnapshotStore(job, 0, 1)
+    st.save(1, {"w": torch.ones(1000)})
+    st.save(2, {"w": torch.ones(1000) * 2})
+    st.flush()
+    # What a SIGKILL mid-copy leaves: the slot being written has committed = 0.
+    newest = max(st.slots, key=lambda s: s.header().step)
+    newest.set_committed(False)
+    why = {}
+    assert [s.step for s in st.own_snapshots(why)] == [1]
+    assert why == {newest.path: "step 2 was never committed (the process died while writing it)"}
+    st.close()
+
+
+def test_corruption_and_mismatches_are_named(job):
+    st = memory.SnapshotStore(job, 1, 4)
+    st.save(9, {"w": torch.ones(100)})
+    st.flush()
+    slot = st.slots[0]
+    assert slot.problem(job, 4, 1) is None
+    assert "world size 4, this job has 8" in slot.problem(job, 8, 1)
+    assert "rank 1's state, not rank 0's" in slot.problem(job, 4, 0)
+    assert "belongs to job" in slot.problem("other", 4, 1)
+    h = slot.header()
+    slot.buf[h.data_off + 3] ^= 0x01
+    assert "crc32" in slot.problem(job, 4, 1) and "corrupted" in slot.problem(job, 4, 1)
+    st.close()
+
+
+def test_changing_layout_regrows_the_slot(job):
+    st = memory.SnapshotStore(job, 0, 1)
+    st.save(1, {"w": torch.ones(10)})
+    st.save(2, {"w": torch.ones(10)})
+    st.save(3, {"w": torch.arange(100_000, dtype=torch.float32), "extra": {"k": list(range(5000))}})
+    st.flush()
+    step, back = st.load(st.own_snapshots()[0].slot)
+    assert step == 3 and torch.equal(back["w"], torch.arange(100_000, dtype=torch.float32))
+    assert back["extra"]["k"] == list(range(5000))
+    st.close()
+
+
+def test_job_key_needs_a_stable_id():
+    assert memory.job_key(env={"ROBUST_JOB_ID": "a"}) == memory.job_key(env={"ROBUST_JOB_ID": "a"})
+    assert memory.job_key(env={"ROBUST_JOB_ID": "a"}) != memory.job_key(env={"TORCHELASTIC_RUN_ID": "b"})
+    with pytest.raises(CheckpointError, match="ROBUST_JOB_ID"):
+        memory.job_key(env={"TORCHELASTIC_RUN_ID": "none"})
+
+
+def test_full_shm_is_a_clear_error(tmp_path, monkeypatch):
+    def enospc(fd, off, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", enospc)
+    st = memory.SnapshotStore("tfull", 0, 1, root=str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"Cannot reserve .* /dev/shm is full.*memory_every"):
+        st.save(1, {"w": torch.ones(10)})
+    st.close()
+
+
+@pytest.mark.parametrize("nodes, per_node", [(2, 4), (4, 8), (3, 2), (128, 8)])
+def test_peers_are_on_another_node_and_form_a_permutation(nodes, per_node):
+    hosts = [f"n{r // per_node}" for r in range(nodes * per_node)]
+    holder = plan_peers(hosts)
+    assert sorted(holder) == list(range(len(hosts)))
+    assert all(hosts[r] != hosts[holder[r]] for r in range(len(hosts)))
+
+
+def test_peers_leave_the_model_parallel_group_when_the_layout_allows():
+    # 2 nodes x 4 ranks; TP groups of 2 inside a node; PP pairs across nodes (r, r+4).
+    hosts = [f"n{r // 4}" for r in range(8)]
+    tp = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    pp = [[0, 4], [1, 5], [2, 6], [3, 7]]
+    holder = plan_peers(hosts, tp + pp)
+    for r in range(8):
+        assert hosts[holder[r]] != hosts[r]
+        assert not any(r in g and holder[r] in g for g in tp + pp)
+    with pytest.raises(CheckpointError, match="at least 2 ranks"):
+        plan_peers(["n0"])
+    # one node: the copy is on another rank (the best that layout allows)
+    assert all(h != r for r, h in enumerate(plan_peers(["n0"] * 4)))
+
+
+def test_restore_plan_prefers_own_then_peer_and_needs_a_common_step():
+    reports = [{"own": [[8, 0], [7, 1]], "held": {"1": [[8, 1], [7, 0]]}},
+               {"own": [], "held": {"0": [[8, 0]]}}]
+    plan = plan_restore(reports)
+    assert plan.step == 8 and plan.sources == ((MEMORY, 0, 0), (PEER, 0, 1))
+    # rank 1 died before committing 8: everyone goes back to 7
+    reports = [{"own": [[8, 0], [7, 1]], "held": {}}, {"own": [[7, 0], [6, 1]], "held": {}}]
+    assert plan_restore(reports).step == 7 and plan_restore(reports).sources[0] == (MEMORY, 0, 1)
+    none = plan_restore([{"own": [[8, 0]]}, {"own": []}])
+    assert none.step is None and "ranks [1] have no snapshot" in none.reason
+    apart = plan_restore([{"own": [[8, 0]]}, {"own": [[6, 0]]}])
+    assert apart.step is None and "no step is held for every rank" in apart.reason
+    stale = plan_restore([{"own": [[8, 0]]}, {"own": [[8, 0]]}], disk_step=10)
+    assert stale.step is None and "older than the disk checkpoint of step 10" in stale.reason
+
+
+def test_header_layout_is_fixed():
+    assert memory._FIELDS.size == 60 and memory.HEADER_SIZE == 4096
+    buf = bytearray(memory.HEADER_SIZE)
+    memory._FIELDS.pack_into(buf, 0, memory.MAGIC, 1, memory.FORMAT, 5, 2, 4, 10, 8192, 64, 123)
+    h = memory.read_header(buf)
+    assert (h.committed, h.step, h.rank, h.world_size, h.total, h.crc) == (True, 5, 2, 4, 8256, 123)
+    assert struct.unpack_from("<I", buf, memory._COMMITTED_OFF)[0] == 1
