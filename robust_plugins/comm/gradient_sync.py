@@ -10,18 +10,27 @@ current optimizer step began. Hosts bucket gradients deterministically (same par
 backward order, same bucket sizes every step), so the n-th bucket of a step is the same gradient
 slice each step, which is what error feedback needs. A key whose size changes is reported by
 :class:`~robust_plugins.comm.state.CompressionState`.
+
+With ``topology.hierarchical`` every routed bucket (``codec: none`` included) goes through
+:func:`~robust_plugins.topology.hierarchical_all_reduce`: the groups are discovered and built at the
+first bucket (a collective over the whole job, which is why the data-parallel group must be the
+whole job). With ``codec: auto`` an :class:`~robust_plugins.comm.autocodec.AutoCodec` picks the
+codec per bucket size (for the rail step, per shard size) and each codec keeps its own residuals;
+when a bucket's codec changes (at a re-check) its old residuals are dropped, with a log line.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import dataclasses
 from typing import Callable, Optional
 
 import torch
 
-from robust_plugins._logging import get_logger
-from robust_plugins.config import CompressionConfig
+from robust_plugins._logging import get_logger, log_rank0, warn_once
+from robust_plugins.config import AUTO_CODEC, CompressionConfig, TopologyConfig
+from robust_plugins.errors import CheckpointError, UnsupportedError
 
 log = get_logger(__name__)
 
@@ -40,6 +49,13 @@ class SyncStats:
     """Elements by reduction site (which host code path handed them over)."""
     step_elements: int = 0
     """Elements (compressed or not) handed to the plugin since the current step began."""
+    hierarchical_elements: int = 0
+    """Elements reduced by the hierarchical all-reduce (``topology.hierarchical``)."""
+    by_codec: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Elements by the wire codec the plugin's own collective used (``none`` included)."""
+    auto_decisions: list = dataclasses.field(default_factory=list)
+    """``codec: auto`` only: the decisions in force, one dict per (group, bucket size), with the
+    predicted time of every candidate and the reason (see ``robust_plugins.comm.autocodec``)."""
 
 
 class GradientSync:
@@ -49,22 +65,59 @@ class GradientSync:
         config: the validated ``compression`` sub-block.
         step_fn: returns the number of completed optimizer steps (the host's counter, which the
             host restores from its checkpoints, so warm-up survives a resume).
+        topology: the validated ``topology`` sub-block, or ``None`` (flat).
     """
 
-    def __init__(self, config: CompressionConfig, step_fn: Callable[[], int]):
+    def __init__(self, config: CompressionConfig, step_fn: Callable[[], int],
+                 topology: Optional[TopologyConfig] = None):
         from robust_plugins.comm.state import CompressionState
 
         self.config = config
+        self.topology = topology
+        self.hierarchical = topology is not None and topology.hierarchical
         self._step_fn = step_fn
-        self.state = CompressionState.from_config(config)
+        self.auto = None
+        if config.codec == AUTO_CODEC:
+            from robust_plugins.comm.autocodec import AutoCodec
+
+            self.auto = AutoCodec(
+                candidates=config.auto_candidates, block_size=config.block_size, min_gain=config.auto_min_gain,
+                max_error=config.auto_max_error, link_gbit=config.auto_link_gbit,
+                recheck_steps=config.auto_recheck_steps, step_fn=step_fn,
+            )
+            codecs = [c for c in self.auto.candidates if c != "none"]
+        else:
+            codecs = [config.codec]
+        self.states = {
+            c: CompressionState(codec=c, block_size=config.block_size, error_feedback=config.error_feedback,
+                                min_numel=config.min_numel if self.auto is None else 0)
+            for c in codecs
+        }
+        """One error-feedback state per codec this sync may send with."""
         self.stats = SyncStats()
         self._key_step: Optional[int] = None
         self._site_calls: collections.Counter = collections.Counter()
+        self._groups = None
+        self._last_codec: dict = {}
+
+    @property
+    def state(self):
+        """The :class:`~robust_plugins.comm.state.CompressionState` of a fixed codec.
+
+        ``codec: auto`` has one state per candidate (:attr:`states`) and chooses per bucket, so a
+        host that reduces buckets itself must go through :meth:`all_reduce_sum` instead.
+        """
+        if self.auto is not None:
+            raise UnsupportedError(
+                "compression.codec = 'auto' chooses the codec per bucket inside GradientSync; this host "
+                "integration reduces buckets with one fixed state. Use a fixed codec (none, bf16, int8, int4) here."
+            )
+        return self.states[self.config.codec]
 
     # -- decisions -------------------------------------------------------------------------------
     def decide(self, numel: int) -> Optional[str]:
         """Return ``None`` to compress a bucket of ``numel`` elements, else why it goes uncompressed."""
-        if not self.config.compresses:
+        if not self.config.compresses and not self.hierarchical:
             return "codec none"
         if self._step_fn() < self.config.warmup_steps:
             return "warmup"
@@ -103,23 +156,98 @@ class GradientSync:
         self.stats.compressed_calls += 1
         return key
 
+    def _codec(self, tensor: torch.Tensor, group, numel: int, ef_key) -> str:
+        """The codec for this bucket: the fixed one, or ``auto``'s choice (a collective on ``group``)."""
+        if self.auto is None:
+            codec = self.config.codec
+        else:
+            before = len(self.auto.history)
+            codec = self.auto.codec_for(tensor, group, numel=numel)
+            if len(self.auto.history) != before:
+                self.stats.auto_decisions = self.auto.decisions()
+            last = self._last_codec.get(ef_key)
+            if last is not None and last != codec and last in self.states:
+                # The residual was made by another quantizer; carrying it over would be exact only
+                # for the sender side, so both sides restart from zero (at most one step's error).
+                self.states[last].forget(ef_key)
+                log_rank0(log, logging.INFO, "auto codec: bucket %s switched %s -> %s; its residuals restart", ef_key, last, codec)
+            self._last_codec[ef_key] = codec
+        self.stats.by_codec[codec] += tensor.numel()
+        return codec
+
+    def _hierarchy(self, group):
+        """The topology groups, built once at the first hierarchical bucket (a collective)."""
+        if self._groups is None:
+            import torch.distributed as dist
+
+            from robust_plugins.topology import build_groups, discover
+
+            if group is not None and dist.get_world_size(group) != dist.get_world_size():
+                raise UnsupportedError(
+                    f"topology.hierarchical needs the data-parallel group to span the whole job; it has "
+                    f"{dist.get_world_size(group)} of {dist.get_world_size()} ranks (tensor, pipeline or expert "
+                    f"parallelism). Remove topology.hierarchical or train data-parallel only."
+                )
+            topo = discover(self.topology.file)
+            self._groups = build_groups(topo.records)
+            log_rank0(log, logging.INFO, "hierarchical gradient all-reduce over %s: node of %d ranks, rail of %d ranks%s",
+                      topo.source, len(self._groups.intra_ranks), len(self._groups.rail_ranks),
+                      f" (FLAT fallback: {self._groups.fallback_reason})" if self._groups.plan is None else "")
+        return self._groups
+
     def all_reduce_sum(self, tensor: torch.Tensor, group, key: str) -> torch.Tensor:
-        """Compressed in-place sum of ``tensor`` over ``group`` (a key from :meth:`route`)."""
+        """In-place sum of ``tensor`` over ``group`` (a key from :meth:`route`): compressed, and
+        hierarchical with ``topology.hierarchical``."""
         from robust_plugins.comm import compressed_all_reduce
 
-        return compressed_all_reduce(tensor, group=group, op="sum", state=self.state, key=key)
+        if self.hierarchical:
+            from robust_plugins.topology import hierarchical_all_reduce
+
+            groups = self._hierarchy(group)
+            per_node = len(groups.intra_ranks) if groups.plan is not None else 1
+            rail = groups.rail if groups.plan is not None else group
+            ef_key = ("hierarchical", key) if groups.plan is not None else key
+            codec = self._codec(tensor, rail, -(-tensor.numel() // per_node), ef_key)
+            state = self.states.get(codec)
+            self.stats.hierarchical_elements += tensor.numel()
+            return hierarchical_all_reduce(tensor, groups, codec=None if state else codec, op="sum",
+                                           state=state, key=key)
+        codec = self._codec(tensor, group, tensor.numel(), key)
+        state = self.states.get(codec)
+        return compressed_all_reduce(tensor, group=group, codec=None if state else codec, op="sum",
+                                     state=state, key=key)
 
     def reduce_sum(self, tensor: torch.Tensor, dst: int, group, key: str) -> torch.Tensor:
         """Compressed sum onto group-local rank ``dst`` (phase one only; others unchanged)."""
         from robust_plugins.comm import compressed_reduce
 
-        return compressed_reduce(tensor, dst, group=group, op="sum", state=self.state, key=key)
+        if self.hierarchical:
+            warn_once(log, "hierarchical-reduce", "topology.hierarchical covers all-reduces only: a reduce "
+                      "to one rank (%s) stays a flat compressed reduce.", key)
+        codec = self._codec(tensor, group, tensor.numel(), key)
+        state = self.states.get(codec)
+        return compressed_reduce(tensor, dst, group=group, codec=None if state else codec, op="sum",
+                                 state=state, key=key)
 
     # -- checkpointing ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything needed to continue exactly: the error-feedback residuals."""
-        return {"compression": self.state.state_dict()}
+        """Everything needed to continue exactly: the error-feedback residuals (per codec for auto)."""
+        if self.auto is None:
+            return {"compression": self.state.state_dict()}
+        return {"compression_auto": {c: st.state_dict() for c, st in self.states.items()}}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore residuals saved by :meth:`state_dict` (checks codec and block size)."""
-        self.state.load_state_dict(sd["compression"])
+        want = "compression" if self.auto is None else "compression_auto"
+        if want not in sd:
+            raise CheckpointError(
+                f"the checkpoint's compression state was written with "
+                f"{'a fixed codec' if 'compression' in sd else 'codec auto'} but this job runs codec "
+                f"{self.config.codec!r}; run with the checkpoint's codec or drop the plugin state file."
+            )
+        if self.auto is None:
+            self.state.load_state_dict(sd["compression"])
+            return
+        for codec, st in sd["compression_auto"].items():
+            if codec in self.states:
+                self.states[codec].load_state_dict(st)

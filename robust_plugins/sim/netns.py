@@ -322,7 +322,6 @@ class SimCluster:
             "MASTER_PORT": str(master_port),
             "GLOO_SOCKET_IFNAME": IFNAME,
             "ROBUST_TOPOLOGY_SIM": f"{self.nodes}x{self.ranks_per_node}",
-            "ROBUST_SIM_LINK_BITS": str(int(self.rate_bits)),
         }
 
     def run(

@@ -1,0 +1,308 @@
+"""The ``auto`` codec: pick, per bucket size, the wire format that minimises all-reduce time.
+
+Compression pays only where the link is slow compared with the CPU/GPU cost of encoding: on the
+netns simulator (../shared/HOSTS.md) hierarchical int8 was 2.2x faster than fp32 at 200 Mbit/s
+and 3.5x slower at 10 Gbit/s. So the choice is made from measurements, in two layers:
+
+* :func:`choose_codec` is pure: given a link estimate (bus bandwidth and per-collective latency of
+  the group), each codec's measured compute cost per element and relative error, and the bucket
+  size, it predicts each candidate's time and picks the fastest one whose error passes the quality
+  guard, keeping ``none`` unless a codec is predicted at least ``min_gain`` faster. Unit tests call
+  it with made-up numbers.
+* :class:`AutoCodec` measures those inputs (:meth:`AutoCodec.probe`): one tiny and one
+  ``probe_bytes`` fp32 all-reduce on the group give latency and bus bandwidth (or the bandwidth is
+  given, ``link_gbit``), and one local encode / reduce / decode of a sample of the real bucket gives
+  each codec's cost and error. Every number is max-reduced over the group, so every rank computes
+  the same decision (ranks that picked different codecs would post mismatched collectives). It
+  probes at the first bucket and again every ``recheck_steps`` steps; every new decision is logged
+  on rank 0 and kept in :meth:`AutoCodec.decisions` for metrics.
+
+Cost model for a bucket of ``n`` fp32 elements on a group of ``W`` ranks (each rank sends and
+receives ``2 (W-1) / W`` of the bucket in a ring all-reduce, and the same share of the compressed
+bucket in the two-phase scheme)::
+
+    none:  latency     + 2 (W-1)/W * n * 4   / bus_bandwidth
+    codec: 2 * latency + 2 (W-1)/W * n * bpe / bus_bandwidth + n * cost_per_element
+
+where ``bpe`` is the codec's bytes per element including its fp32 scale per block.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from robust_plugins._logging import get_logger, log_rank0
+from robust_plugins.errors import ConfigError
+
+_log = get_logger(__name__)
+
+#: Codecs ``auto`` may choose among (``sign`` is left out: it needs error feedback to converge at
+#: all and its loss penalty, +14 % in BENCHMARKS.md, is not a speed trade-off).
+AUTO_CANDIDATES = ("none", "bf16", "int8", "int4")
+
+
+def bytes_per_element(codec: str, block_size: int) -> float:
+    """Wire bytes per gradient element, scales included."""
+    code = {"none": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "sign": 0.125}
+    if codec not in code:
+        raise ConfigError(f"codec {codec!r} has no wire size; allowed: {', '.join(code)}.")
+    scale = 0.0 if codec in ("none", "bf16") else 4.0 / block_size
+    return code[codec] + scale
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """What one all-reduce on the group costs: ``latency_s + bytes_on_bus / bus_bytes_per_s``."""
+
+    bus_bytes_per_s: float
+    latency_s: float
+    group_size: int
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """Compute cost (encode + reduce + decode, seconds per element) and relative error of a codec."""
+
+    seconds_per_element: float
+    rel_error: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The codec chosen for buckets of ``numel`` elements, with the predictions behind it."""
+
+    numel: int
+    codec: str
+    predicted_s: Mapping[str, float]
+    reason: str
+    excluded: Mapping[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form for logs and metrics."""
+        return {"numel": self.numel, "codec": self.codec, "reason": self.reason,
+                "predicted_s": dict(self.predicted_s), "excluded": dict(self.excluded)}
+
+
+def predict_seconds(codec: str, numel: int, link: LinkEstimate, cost: CodecCost | None, block_size: int) -> float:
+    """Predicted all-reduce time of ``numel`` elements with ``codec`` (the module's cost model)."""
+    w = link.group_size
+    if w <= 1:
+        return 0.0 if codec == "none" else numel * (cost.seconds_per_element if cost else 0.0)
+    bus = 2 * (w - 1) / w * numel * bytes_per_element(codec, block_size) / link.bus_bytes_per_s
+    if codec == "none":
+        return link.latency_s + bus
+    if cost is None:
+        raise ConfigError(f"no measured cost for codec {codec!r}: probe it or drop it from the candidates.")
+    return 2 * link.latency_s + bus + numel * cost.seconds_per_element
+
+
+def choose_codec(
+    numel: int,
+    link: LinkEstimate,
+    costs: Mapping[str, CodecCost],
+    *,
+    candidates: Sequence[str] = AUTO_CANDIDATES,
+    block_size: int = 256,
+    min_gain: float = 0.1,
+    max_error: float = 0.1,
+) -> Decision:
+    """Pick the codec for a bucket of ``numel`` elements (pure; see the module docstring).
+
+    ``none`` is always a candidate. A codec whose measured relative error exceeds ``max_error`` is
+    excluded (the quality guard). The fastest remaining codec is chosen only when it is predicted
+    at least ``min_gain`` (a fraction) faster than ``none``; otherwise ``none``.
+    """
+    if not 0 <= min_gain < 1:
+        raise ConfigError(f"min_gain = {min_gain!r} must lie in [0, 1).")
+    if not link.bus_bytes_per_s > 0:
+        raise ConfigError(f"bus bandwidth {link.bus_bytes_per_s!r} must be > 0 (inf for a group of one).")
+    predicted = {"none": predict_seconds("none", numel, link, None, block_size)}
+    excluded: dict[str, str] = {}
+    for codec in candidates:
+        if codec == "none":
+            continue
+        cost = costs.get(codec)
+        if cost is None:
+            excluded[codec] = "not measured"
+        elif cost.rel_error > max_error:
+            excluded[codec] = f"error {cost.rel_error:.3g} > max_error {max_error:g}"
+        else:
+            predicted[codec] = predict_seconds(codec, numel, link, cost, block_size)
+    best = min(predicted, key=lambda c: (predicted[c], c != "none"))
+    if link.group_size <= 1:
+        return Decision(numel, "none", predicted, "group of one: nothing crosses a link", excluded)
+    if best == "none":
+        return Decision(numel, "none", predicted, "none is predicted fastest", excluded)
+    gain = 1 - predicted[best] / predicted["none"]
+    if gain < min_gain:
+        return Decision(numel, "none", predicted,
+                        f"{best} predicted only {gain:.0%} faster than none (< min_gain {min_gain:.0%})", excluded)
+    return Decision(numel, best, predicted, f"{best} predicted {gain:.0%} faster than none", excluded)
+
+
+def _max_over_group(values: list[float], group) -> list[float]:
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def measure_codec(codec: str, sample: torch.Tensor, group_size: int, block_size: int) -> CodecCost:
+    """Time one rank's compute of a two-phase all-reduce of ``sample`` with ``codec``; and its error.
+
+    Runs exactly what a rank computes in :func:`~robust_plugins.comm.compressed_all_reduce`
+    (encode the bucket, decode-sum-requantize its own chunk from ``group_size`` rows, decode every
+    chunk), with this rank's rows standing in for the others'. The error is that of one quantization
+    round trip of ``sample`` (no error feedback), ``||decoded - sample|| / ||sample||``.
+    """
+    from robust_plugins.comm import _twophase
+
+    flat = sample.detach().reshape(-1).float().contiguous()
+    n = flat.numel()
+    layout = _twophase.plan(n, group_size, codec, block_size)
+    elapsed = math.inf
+    for _ in range(2):  # the faster of two: the first pays for allocations the steady state reuses
+        start = time.perf_counter()
+        send = _twophase.encode(flat, layout, None)
+        row = _twophase.reduce_chunk(send, layout, 0, None, 1.0)
+        _twophase.decode(row.reshape(1, -1).expand(group_size, -1).contiguous(), layout)
+        elapsed = min(elapsed, time.perf_counter() - start)
+    roundtrip = _twophase.decode(send, layout)
+    norm = float(flat.norm())
+    err = float((roundtrip - flat).norm()) / norm if norm > 0 else 0.0
+    return CodecCost(elapsed / max(n, 1), err)
+
+
+class AutoCodec:
+    """Measures and decides the ``auto`` codec for one group (see the module docstring).
+
+    Args:
+        candidates: codecs to choose among (``none`` is always one).
+        block_size: scale block of the compressed codecs.
+        min_gain, max_error: as for :func:`choose_codec`.
+        link_gbit: the group's link rate in Gbit/s, if known; then only latency and codec costs
+            are measured (the bus bandwidth is taken as this rate).
+        probe_bytes: size of the fp32 all-reduce that measures bandwidth.
+        sample_numel: at most this many elements of the bucket are encoded to measure codec costs.
+        recheck_steps: probe again when ``step_fn()`` has advanced this many steps (0: never).
+        step_fn: the host's optimizer step counter (default: number of probes-worthy calls made).
+    """
+
+    def __init__(
+        self,
+        *,
+        candidates: Sequence[str] = AUTO_CANDIDATES,
+        block_size: int = 256,
+        min_gain: float = 0.1,
+        max_error: float = 0.1,
+        link_gbit: float | None = None,
+        probe_bytes: int = 4 << 20,
+        sample_numel: int = 1 << 20,
+        recheck_steps: int = 1000,
+        step_fn: Callable[[], int] | None = None,
+    ):
+        bad = [c for c in candidates if c not in AUTO_CANDIDATES]
+        if bad or not candidates:
+            raise ConfigError(f"auto candidates {list(candidates)!r}: allowed are {', '.join(AUTO_CANDIDATES)}.")
+        self.candidates = tuple(dict.fromkeys(("none", *candidates)))
+        self.block_size = block_size
+        self.min_gain = min_gain
+        self.max_error = max_error
+        self.link_gbit = link_gbit
+        self.probe_bytes = probe_bytes
+        self.sample_numel = sample_numel
+        self.recheck_steps = recheck_steps
+        self._calls = 0
+        self._step_fn = step_fn or (lambda: self._calls)
+        self._probes: dict[Any, tuple[int, LinkEstimate, dict[str, CodecCost]]] = {}
+        self._decisions: dict[tuple[Any, int], Decision] = {}
+        self.history: list[dict[str, Any]] = []
+        """Every decision made, in order, as dicts (step, group, numel, codec, reason, predictions)."""
+
+    def _group_key(self, group) -> Any:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return ("none",)
+        return tuple(dist.get_process_group_ranks(group)) if group is not None else ("world",)
+
+    def probe(self, sample: torch.Tensor, group=None) -> tuple[LinkEstimate, dict[str, CodecCost]]:
+        """Measure the group's link and each candidate's cost (a collective: every rank calls it)."""
+        import torch.distributed as dist
+
+        w = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        costs = {c: measure_codec(c, sample[: self.sample_numel], w, self.block_size)
+                 for c in self.candidates if c != "none"}
+        latency, seconds_per_byte = 0.0, 0.0
+        if w > 1:
+            tiny = torch.zeros(1)
+            lat = []
+            for _ in range(3):
+                start = time.perf_counter()
+                dist.all_reduce(tiny, group=group)
+                lat.append(time.perf_counter() - start)
+            latency = min(lat)
+            if self.link_gbit is None:
+                buf = torch.zeros(max(self.probe_bytes // 4, 1))
+                start = time.perf_counter()
+                dist.all_reduce(buf, group=group)
+                elapsed = max(time.perf_counter() - start - latency, 1e-9)
+                seconds_per_byte = elapsed / (2 * (w - 1) / w * buf.numel() * 4)
+            else:
+                seconds_per_byte = 8 / (self.link_gbit * 1e9)
+        names = sorted(costs)
+        # Max over the group (the slowest rank's view): identical inputs on every rank, so every
+        # rank makes the same decision.
+        agreed = _max_over_group(
+            [latency, seconds_per_byte] + [costs[c].seconds_per_element for c in names]
+            + [costs[c].rel_error for c in names], group)
+        latency, seconds_per_byte = agreed[0], agreed[1]
+        k = len(names)
+        costs = {c: CodecCost(agreed[2 + i], agreed[2 + k + i]) for i, c in enumerate(names)}
+        bandwidth = 1 / seconds_per_byte if seconds_per_byte > 0 else math.inf
+        return LinkEstimate(bandwidth, latency, w), costs
+
+    def codec_for(self, tensor: torch.Tensor, group=None, numel: int | None = None) -> str:
+        """The codec for reducing ``tensor`` (or a bucket of ``numel`` of its elements) over ``group``.
+
+        Probes first when this group was never probed or ``recheck_steps`` steps have passed (a
+        collective: call it on every rank of the group, in the same order as the reductions).
+        """
+        self._calls += 1
+        numel = tensor.numel() if numel is None else numel
+        gkey = self._group_key(group)
+        step = self._step_fn()
+        probed = self._probes.get(gkey)
+        if probed is None or (self.recheck_steps and step - probed[0] >= self.recheck_steps):
+            link, costs = self.probe(tensor.reshape(-1), group)
+            self._probes[gkey] = probed = (step, link, costs)
+            self._decisions = {k: v for k, v in self._decisions.items() if k[0] != gkey}
+        decision = self._decisions.get((gkey, numel))
+        if decision is None:
+            _, link, costs = probed
+            decision = choose_codec(numel, link, costs, candidates=self.candidates, block_size=self.block_size,
+                                    min_gain=self.min_gain, max_error=self.max_error)
+            self._decisions[(gkey, numel)] = decision
+            record = {"step": step, "group": list(gkey), "link_bytes_per_s": link.bus_bytes_per_s,
+                      "latency_s": link.latency_s, **decision.to_dict()}
+            self.history.append(record)
+            log_rank0(
+                _log, logging.INFO,
+                "auto codec: %d elements over %d ranks -> %s (%s; predicted %s; link %.3g MB/s, latency %.2g ms)",
+                numel, link.group_size, decision.codec, decision.reason,
+                ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in decision.predicted_s.items()),
+                link.bus_bytes_per_s / 1e6, link.latency_s * 1e3,
+            )
+        return decision.codec
+
+    def decisions(self) -> list[dict[str, Any]]:
+        """The decisions now in force, as dicts (for metrics)."""
+        return [{"group": list(g), **d.to_dict()} for (g, _), d in self._decisions.items()]

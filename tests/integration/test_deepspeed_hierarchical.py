@@ -1,0 +1,91 @@
+"""DeepSpeed ZeRO 0/1 on 4 CPU ranks laid out as 2 simulated nodes x 2 ranks, with
+``"topology": {"hierarchical": true}`` and the ``auto`` codec (one launch of ``ds_hier_worker.py``).
+
+Asserted: the hierarchy really runs (groups {0,1},{2,3} inside nodes and rails {0,2},{1,3}; the
+intra-node reduce-scatter and all-gather and the rail all-reduce carry the bytes); codec none
+through the hierarchy equals DeepSpeed's flat fp32 gradient up to summation order; int8 across
+nodes sends about a quarter of the rail bytes of fp32 with ~1 % error; ``auto`` told a slow link
+picks int8 (and says why), told a fast link picks none (bitwise the hierarchical fp32 result);
+every rank agrees; ZeRO-1 training with the hierarchy keeps replicas identical and tracks vanilla.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from robust_plugins.launch import run_torchrun
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+WORKER = str(Path(__file__).with_name("ds_hier_worker.py"))
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hier")
+    run_torchrun(WORKER, ["--out", str(out), "--steps", str(STEPS)], nproc=4, timeout_s=400,
+                 env={"ROBUST_TOPOLOGY_SIM": "2x2"}, log_path=out / "launch.log")
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_hierarchy_runs_on_the_planned_groups_and_none_matches_flat_fp32(results, stage):
+    r = results[f"zero{stage}"]
+    n = r["n_params"]
+    ranks = r["hier_none"]["ranks"]
+    assert [x["intra_ranks"] for x in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [x["rail_ranks"] for x in ranks] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    for x in ranks:
+        assert x["stats"]["hierarchical_elements"] == n and x["stats"]["by_codec"] == {"none": n}
+        # fp32 rail all-reduce of this rank's half: 2 (W-1)/W * n/2 * 4 bytes with W = 2 (+ padding).
+        assert n * 2 <= x["bytes"]["rail"] <= n * 2 * 1.01, x["bytes"]
+        assert x["calls"]["intra"].get("reduce_scatter_tensor") and x["calls"]["intra"].get("all_gather_into_tensor")
+    # Same sum in another order: fp32 rounding only.
+    assert r["hier_none"]["max_abs"] <= 1e-5 * r["hier_none"]["max_ref"], r["hier_none"]
+    assert r["hier_none"]["rel_error"] < 1e-5
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_hierarchical_int8_sends_a_quarter_of_the_rail_bytes(results, stage):
+    r = results[f"zero{stage}"]
+    n = r["n_params"]
+    for none, int8 in zip(r["hier_none"]["ranks"], r["hier_int8"]["ranks"]):
+        ratio = int8["bytes"]["rail"] / none["bytes"]["rail"]
+        assert 0.24 < ratio < 0.28, ratio  # 1 byte + 4/256 of a scale per element vs 4 bytes
+        assert int8["stats"]["by_codec"] == {"int8": n} and int8["stats"]["compressed_elements"] == n
+    assert 1e-3 < r["hier_int8"]["rel_error"] < 3e-2, r["hier_int8"]["rel_error"]
+    # Flat int8 crosses nodes with the whole bucket; the hierarchy with half of it per rank.
+    flat_rail = [x["bytes"]["all"] for x in r["flat_int8"]["ranks"]]
+    hier_rail = [x["bytes"]["rail"] for x in r["hier_int8"]["ranks"]]
+    assert max(hier_rail) < 0.5 * min(flat_rail)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_auto_picks_int8_on_a_slow_link_and_none_on_a_fast_one(results, stage):
+    r = results[f"zero{stage}"]
+    n = r["n_params"]
+    slow = [x["stats"] for x in r["auto_slow"]["ranks"]]
+    fast = [x["stats"] for x in r["auto_fast"]["ranks"]]
+    for s in slow:
+        assert s["by_codec"] == {"int8": n}
+        assert s["auto_decisions"] and {d["codec"] for d in s["auto_decisions"]} == {"int8"}
+        d = s["auto_decisions"][0]
+        assert "int8 predicted" in d["reason"] and d["predicted_s"]["int8"] < d["predicted_s"]["none"]
+        assert "int4" in d["excluded"] or "int4" not in d["predicted_s"]  # the quality guard
+    # Every member of a rail made the same decisions (they post the same collectives).
+    assert slow[0]["auto_decisions"] == slow[2]["auto_decisions"] and slow[1]["auto_decisions"] == slow[3]["auto_decisions"]
+    for s in fast:
+        assert s["by_codec"] == {"none": n} and {d["codec"] for d in s["auto_decisions"]} == {"none"}
+    assert r["auto_fast_equals_hier_none"]
+    assert 1e-3 < r["auto_slow"]["rel_error"] < 3e-2
+
+
+def test_zero1_training_with_the_hierarchy_keeps_replicas_identical_and_tracks_vanilla(results):
+    van = results["train_vanilla"]
+    for name in ("train_hier_int8", "train_auto_slow"):
+        run = results[name]
+        assert len(run["losses"]) == STEPS and len(set(run["digests"])) == 1, name
+        assert abs(run["val_loss"] / van["val_loss"] - 1) < 0.02, (name, run["val_loss"], van["val_loss"])
+    assert van["losses"][-1] < van["losses"][0]

@@ -1,0 +1,130 @@
+"""The ``auto`` codec's pure decision function with made-up numbers, and its measurements in one process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from robust_plugins.comm.autocodec import (
+    AutoCodec, CodecCost, LinkEstimate, bytes_per_element, choose_codec, measure_codec, predict_seconds,
+)
+from robust_plugins.config import CompressionConfig, PluginConfig
+from robust_plugins.errors import ConfigError
+
+# Costs of the order measured on this machine's CPU (plain-torch codecs): seconds per element of
+# one rank's encode + reduce + decode, and one round trip's relative error on a gradient.
+COSTS = {"bf16": CodecCost(3e-9, 0.003), "int8": CodecCost(12e-9, 0.01), "int4": CodecCost(15e-9, 0.15)}
+N = 16 * 2**20  # 64 MB of fp32
+
+
+def link(gbit: float, w: int = 2, latency: float = 2e-4) -> LinkEstimate:
+    return LinkEstimate(gbit * 1e9 / 8, latency, w)
+
+
+def test_bytes_per_element_include_the_scales():
+    assert bytes_per_element("none", 256) == 4 and bytes_per_element("bf16", 256) == 2
+    assert bytes_per_element("int8", 256) == 1 + 4 / 256 and bytes_per_element("int4", 128) == 0.5 + 4 / 128
+    with pytest.raises(ConfigError, match="allowed: none"):
+        bytes_per_element("fp8", 256)
+
+
+def test_prediction_follows_the_cost_model():
+    lk = link(0.2, w=4)
+    # none: one all-reduce: latency + 2 (W-1)/W n 4 / bandwidth.
+    assert predict_seconds("none", N, lk, None, 256) == pytest.approx(2e-4 + 1.5 * N * 4 / 25e6)
+    assert predict_seconds("int8", N, lk, COSTS["int8"], 256) == pytest.approx(
+        4e-4 + 1.5 * N * (1 + 4 / 256) / 25e6 + N * 12e-9)
+
+
+def test_fast_link_keeps_none():
+    d = choose_codec(N, link(10), COSTS)
+    assert d.codec == "none" and d.reason == "none is predicted fastest"
+    assert d.predicted_s["none"] < d.predicted_s["bf16"] < d.predicted_s["int8"]
+
+
+def test_slow_link_picks_int8_and_the_guard_excludes_int4():
+    d = choose_codec(N, link(0.2), COSTS)
+    assert d.codec == "int8", d
+    assert d.excluded == {"int4": "error 0.15 > max_error 0.1"}
+    assert d.predicted_s["int8"] < d.predicted_s["bf16"] < d.predicted_s["none"]
+    # A looser guard lets int4 (even fewer bytes) win.
+    assert choose_codec(N, link(0.2), COSTS, max_error=0.2).codec == "int4"
+    assert choose_codec(N, link(0.2), COSTS, candidates=("none", "bf16")).codec == "bf16"
+
+
+def test_per_bucket_size_small_buckets_stay_uncompressed():
+    # Two collectives' latency outweigh the bytes saved on a tiny bucket, not on a big one.
+    lk = link(1, latency=1e-3)
+    assert choose_codec(1_000, lk, COSTS).codec == "none"
+    assert choose_codec(N, link(0.2, latency=1e-3), COSTS).codec == "int8"
+
+
+def test_min_gain_hysteresis():
+    # Find a rate where int8 is predicted a little faster than none: min_gain keeps none.
+    for gbit in (x / 100 for x in range(100, 1000)):
+        d = choose_codec(N, link(gbit), COSTS, min_gain=0.0)
+        if d.codec == "none":
+            break
+        last = gbit
+    near = choose_codec(N, link(last), COSTS, min_gain=0.0)
+    assert near.codec != "none"
+    kept = choose_codec(N, link(last), COSTS, min_gain=0.1)
+    assert kept.codec == "none" and "< min_gain 10%" in kept.reason
+
+
+def test_group_of_one_and_bad_inputs():
+    assert choose_codec(N, LinkEstimate(math.inf, 0.0, 1), COSTS).codec == "none"
+    with pytest.raises(ConfigError, match="min_gain"):
+        choose_codec(N, link(1), COSTS, min_gain=1.0)
+    with pytest.raises(ConfigError, match="must be > 0"):
+        choose_codec(N, LinkEstimate(0.0, 0.0, 2), COSTS)
+    with pytest.raises(ConfigError, match="allowed are none, bf16, int8, int4"):
+        AutoCodec(candidates=("sign",))
+
+
+def test_measure_codec_on_a_real_tensor():
+    g = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
+    int8, int4, bf16 = (measure_codec(c, g, 4, 256) for c in ("int8", "int4", "bf16"))
+    assert 0.002 < int8.rel_error < 0.02 and 0.05 < int4.rel_error < 0.3 and bf16.rel_error < 0.005
+    assert all(c.seconds_per_element > 0 for c in (int8, int4, bf16))
+
+
+def test_auto_codec_without_a_process_group_decides_none_and_records_it():
+    auto = AutoCodec(recheck_steps=2)
+    t = torch.randn(4096)
+    assert auto.codec_for(t) == "none"
+    assert auto.decisions()[0]["reason"] == "group of one: nothing crosses a link"
+    assert len(auto.history) == 1 and auto.history[0]["numel"] == 4096
+    auto.codec_for(t)
+    assert len(auto.history) == 1  # cached until the re-check
+    auto.codec_for(t)
+    assert len(auto.history) == 2  # step (call count) advanced by recheck_steps: probed again
+
+
+def test_config_accepts_auto_and_checks_its_keys():
+    cfg = PluginConfig.from_dict({"compression": {"codec": "auto", "auto_candidates": ["none", "int8"],
+                                                  "auto_link_gbit": 0.2}}).compression
+    assert cfg.auto_candidates == ("none", "int8") and cfg.compresses
+    assert "auto_link_gbit=0.2" in cfg.describe()
+    for bad, match in ((dict(auto_candidates="int8"), "non-empty list"), (dict(auto_link_gbit=0), "> 0"),
+                       (dict(auto_recheck_steps=-1), ">= 0"), (dict(auto_max_error=1.5), r"\[0, 1\)")):
+        with pytest.raises(ConfigError, match=match):
+            CompressionConfig(codec="auto", **bad)
+
+
+def test_gradient_sync_auto_keeps_one_state_per_codec_and_refuses_the_single_state():
+    from robust_plugins.comm.gradient_sync import GradientSync
+    from robust_plugins.errors import UnsupportedError
+
+    sync = GradientSync(CompressionConfig(codec="auto"), step_fn=lambda: 0)
+    assert sorted(sync.states) == ["bf16", "int4", "int8"]
+    with pytest.raises(UnsupportedError, match="chooses the codec per bucket"):
+        sync.state  # noqa: B018
+    t = torch.randn(1000)
+    want = t.clone()
+    sync.all_reduce_sum(t, None, sync.route("site", t.numel()))
+    assert torch.equal(t, want) and sync.stats.by_codec == {"none": 1000}  # world of one: none
+    assert sync.stats.auto_decisions[0]["codec"] == "none"
+    assert set(sync.state_dict()["compression_auto"]) == {"bf16", "int4", "int8"}
