@@ -532,11 +532,36 @@ class TopologyConfig:
 
     file: str | None = None
     """Topology file (JSON, or YAML with PyYAML) keyed by host name; ``None``: discovered
-    (``ROBUST_TOPOLOGY_SIM``, SLURM, host names, in that order)."""
+    (``ROBUST_TOPOLOGY_SIM``, NVML, SLURM, Kubernetes labels, host names, in that order)."""
+
+    k8s_node_env: str | None = None
+    """Environment variable holding the Kubernetes node name (downward API ``spec.nodeName``);
+    setting it turns the Kubernetes source on. Untested on a real cluster."""
+
+    k8s_switch_envs: tuple = ()
+    """Environment variables holding switch-tier node labels, lowest tier first (e.g. rack, then
+    spine); each must be set on every rank when ``k8s_node_env`` is."""
+
+    k8s_domain_env: str | None = None
+    """Environment variable holding an NVLink-domain label, if the cluster labels one."""
 
     def __post_init__(self) -> None:
         where = f"{BLOCK_KEY}.topology"
         _expect_type(f"{where}.hierarchical", self.hierarchical, (bool,), "true or false")
+        for name in ("k8s_node_env", "k8s_domain_env"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"{where}.{name} = {value!r} must be an environment variable name or null.")
+        envs = self.k8s_switch_envs
+        if isinstance(envs, str) or not isinstance(envs, (list, tuple)) or not all(
+                isinstance(v, str) and v for v in envs):
+            raise ConfigError(f"{where}.k8s_switch_envs = {envs!r} must be a list of environment variable names.")
+        object.__setattr__(self, "k8s_switch_envs", tuple(envs))
+        if (envs or self.k8s_domain_env) and not self.k8s_node_env:
+            raise ConfigError(
+                f"{where}.k8s_switch_envs / k8s_domain_env need {where}.k8s_node_env (the variable holding "
+                f"the node name), which turns the Kubernetes source on."
+            )
         if self.file is not None:
             if isinstance(self.file, os.PathLike):
                 object.__setattr__(self, "file", os.fspath(self.file))

@@ -188,7 +188,11 @@ class GradientSync:
                     f"{dist.get_world_size(group)} of {dist.get_world_size()} ranks (tensor, pipeline or expert "
                     f"parallelism). Remove topology.hierarchical or train data-parallel only."
                 )
-            topo = discover(self.topology.file)
+            from robust_plugins.topology.sources import K8sEnv
+
+            t = self.topology
+            k8s = K8sEnv(t.k8s_node_env, t.k8s_switch_envs, t.k8s_domain_env) if t.k8s_node_env else None
+            topo = discover(t.file, k8s=k8s)
             self._groups = build_groups(topo.records)
             log_rank0(log, logging.INFO, "hierarchical gradient all-reduce over %s: node of %d ranks, rail of %d ranks%s",
                       topo.source, len(self._groups.intra_ranks), len(self._groups.rail_ranks),

@@ -4,12 +4,16 @@ Sources, in the order :func:`discover` tries them:
 
 1. an explicit topology file (JSON, or YAML when PyYAML is installed), keyed by host name;
 2. ``ROBUST_TOPOLOGY_SIM=NxM``: a simulated layout of N nodes x M ranks, node-major (tests, CLI);
-3. ``SLURM_TOPOLOGY_ADDR`` with ``SLURM_TOPOLOGY_ADDR_PATTERN`` (switch tiers and host);
-4. the host name of every rank (with ``LOCAL_RANK`` as its rail when set), gathered over the
+3. NVML fabric info (cluster UUID + clique) for the NVLink domain, when ``pynvml`` and GPUs with
+   multi-host NVLink are present (:mod:`robust_plugins.topology.sources`; untested on hardware);
+4. ``SLURM_TOPOLOGY_ADDR`` with ``SLURM_TOPOLOGY_ADDR_PATTERN`` (switch tiers and host);
+5. Kubernetes labels passed in as environment variables whose names the caller gives
+   (:class:`~robust_plugins.topology.sources.K8sEnv`; untested on a real cluster);
+6. the host name of every rank (with ``LOCAL_RANK`` as its rail when set), gathered over the
    process group.
 
-Not implemented yet: NVML (fabric cluster UUID / clique for multi-node NVLink) and Kubernetes
-topology labels; they would sit between 2 and 3.
+Sources 3-6 are per rank and combine: NVML (or a Kubernetes domain label) names the NVLink domain,
+SLURM or else Kubernetes names the host and switch tiers, the host name fills in the rest.
 
 Every rank ends with the same table: the per-rank facts are exchanged once with
 ``all_gather_object`` and the table is computed from the gathered list by pure functions.
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from robust_plugins.topology.records import RankRecord, TopologyError
+from robust_plugins.topology.sources import K8sEnv, k8s_info, nvml_info
 
 SIM_ENV = "ROBUST_TOPOLOGY_SIM"
 _HOST_KEYS = ("nvlink_domain", "switches", "ranks")
@@ -39,7 +44,8 @@ class Topology:
     records: tuple[RankRecord, ...]
     """One record per rank, index = rank."""
     source: str
-    """``file:<path>``, ``sim:<NxM>``, ``slurm`` or ``hostname``."""
+    """``file:<path>``, ``sim:<NxM>``, ``slurm``, ``k8s`` or ``hostname``; ``+nvml`` when NVML named
+    NVLink domains."""
 
 
 def parse_sim(spec: str) -> tuple[RankRecord, ...]:
@@ -191,7 +197,7 @@ def records_from_gathered(infos: Sequence[Mapping], table: Mapping[str, dict] | 
         if local is None:
             local = seen.get(host, 0)
         seen[host] = seen.get(host, 0) + 1
-        domain, switches = host, tuple(info.get("switches", ()))
+        domain, switches = info.get("nvlink_domain") or host, tuple(info.get("switches", ()))
         if table is not None:
             if host not in table:
                 raise TopologyError(
@@ -204,21 +210,40 @@ def records_from_gathered(infos: Sequence[Mapping], table: Mapping[str, dict] | 
     return tuple(records)
 
 
-def local_info(env: Mapping[str, str] | None = None) -> dict:
-    """What this rank knows about itself: host, ``LOCAL_RANK``, SLURM switch tiers."""
+def local_info(env: Mapping[str, str] | None = None, *, k8s: K8sEnv | None = None, nvml: Any = None,
+               use_nvml: bool = True) -> dict:
+    """What this rank knows about itself: host, ``LOCAL_RANK``, SLURM or Kubernetes switch tiers,
+    and an NVLink domain from NVML or a Kubernetes label (``None``: the host is the domain).
+
+    ``nvml`` is a ``pynvml``-like module (imported when ``None``); ``use_nvml=False`` skips NVML.
+    """
     env = os.environ if env is None else env
     host = socket.gethostname()
     switches: tuple[str, ...] = ()
+    domain = None
     addr, pattern = env.get("SLURM_TOPOLOGY_ADDR"), env.get("SLURM_TOPOLOGY_ADDR_PATTERN")
+    from_k8s = k8s_info(k8s, env) if k8s is not None else None
     if addr and pattern:
         host, switches = parse_slurm_topology_addr(addr, pattern)
+    elif from_k8s is not None:
+        host, switches = from_k8s["host"], from_k8s["switches"]
+    if from_k8s is not None:
+        domain = from_k8s.get("nvlink_domain")
     local = env.get("LOCAL_RANK")
-    return {"host": host, "local_rank": int(local) if local not in (None, "") else None, "switches": switches,
-            "slurm": bool(addr and pattern)}
+    local_rank = int(local) if local not in (None, "") else None
+    from_nvml = nvml_info(local_rank or 0, env, nvml) if use_nvml else None
+    if from_nvml is not None:
+        domain = from_nvml["nvlink_domain"]
+    return {"host": host, "local_rank": local_rank, "switches": switches, "nvlink_domain": domain,
+            "slurm": bool(addr and pattern), "k8s": from_k8s is not None, "nvml": from_nvml is not None}
 
 
-def discover(file: str | None = None, *, group: Any = None, env: Mapping[str, str] | None = None) -> Topology:
+def discover(file: str | None = None, *, group: Any = None, env: Mapping[str, str] | None = None,
+             k8s: K8sEnv | None = None, nvml: Any = None, use_nvml: bool = True) -> Topology:
     """Discover the table (see the module docstring for the order of sources).
+
+    ``k8s`` names the environment variables carrying Kubernetes labels (``None``: not used);
+    ``nvml`` / ``use_nvml`` as for :func:`local_info`.
 
     With ``torch.distributed`` initialized this is a collective over ``group`` (every rank must
     call it); without it, only a file that lists ranks, ``ROBUST_TOPOLOGY_SIM`` or this one host
@@ -237,19 +262,25 @@ def discover(file: str | None = None, *, group: Any = None, env: Mapping[str, st
         topo = Topology(parse_sim(env[SIM_ENV]), f"sim:{env[SIM_ENV].strip()}")
     elif initialized:
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, local_info(env), group=group)
-        source = f"file:{file}" if table is not None else ("slurm" if gathered[0]["slurm"] else "hostname")
-        topo = Topology(records_from_gathered(gathered, table), source)
+        dist.all_gather_object(gathered, local_info(env, k8s=k8s, nvml=nvml, use_nvml=use_nvml), group=group)
+        topo = Topology(records_from_gathered(gathered, table), _source(gathered, file if table is not None else None))
     elif table is not None:
         raise TopologyError(
             f"topology file {file!r} does not list ranks and torch.distributed is not initialized: "
             f"add 'ranks' to every host or run under a process group."
         )
     else:
-        topo = Topology(records_from_gathered([local_info(env)]), "hostname")
+        info = local_info(env, k8s=k8s, nvml=nvml, use_nvml=use_nvml)
+        topo = Topology(records_from_gathered([info]), _source([info], None))
     if world is not None and len(topo.records) != world:
         raise TopologyError(
             f"the topology ({topo.source}) describes {len(topo.records)} ranks but the process group "
             f"has {world}; fix the layout or the launch."
         )
     return topo
+
+
+def _source(gathered: Sequence[Mapping], file: str | None) -> str:
+    base = f"file:{file}" if file else ("slurm" if gathered[0].get("slurm") else
+                                        "k8s" if gathered[0].get("k8s") else "hostname")
+    return base + ("+nvml" if any(g.get("nvml") for g in gathered) else "")
