@@ -30,7 +30,11 @@ _STORE_KEY = "robust_run/worker_store/{round}"
 
 
 def _agent_class():
-    # torch.distributed.elastic is imported only when a job is launched.
+    # torch.distributed.elastic is imported only when a job is launched. The overrides below rely
+    # on private members of torch's agent: refuse a torch whose members moved (patches/torch_elastic.py).
+    from robust_plugins.patches import torch_elastic
+
+    torch_elastic.check()
     import torch.distributed as dist
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent

@@ -1,0 +1,102 @@
+"""Guard for the private torch.distributed.elastic members that ``robust run``'s agent overrides.
+
+``robust_plugins/watchdog/agent.py`` subclasses torchrun's ``LocalElasticAgent`` and overrides
+three private methods (``_rendezvous``, ``_start_workers``, ``_monitor_workers``), reads the
+private counter ``_remaining_restarts`` and the ``WorkerGroup`` fields the rendezvous fills
+(``store``, ``group_rank``, ``master_addr``, ``master_port``). None of that is public API: a
+torch release may rename or re-sign any of it, and an override that no longer matches would be
+skipped or called wrongly without an error. This module is the check, in the style of every host
+patch here (``_guard.py``): a supported version range, then the parameter names of each
+overridden method and the presence of each field, raising :class:`HostVersionError` naming what
+changed and the supported versions before any rank is started.
+
+Why it lives in ``patches/``: it encodes knowledge of torch internals, and ``patches/`` is where a
+reader looks for every place robust_plugins depends on a host's internals. The subclass itself
+stays beside the monitor it drives (``watchdog/agent.py``) and calls :func:`check` first.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from robust_plugins.errors import HostVersionError
+from robust_plugins.patches import _guard
+
+#: torch 2.4 is the package's floor (pyproject ``torch>=2.4``); ``LocalElasticAgent`` has taken
+#: ``logs_specs`` since 2.3. Below 2.14 because each release can move these private members;
+#: exercised by the tests on 2.13 (CPU); the signature checks below also run on every launch.
+SUPPORTED_MIN = (2, 4, 0)
+SUPPORTED_BELOW = (2, 14, 0)
+SUPPORTED = "torch >=2.4,<2.14"
+
+#: method name -> parameter names of the torch method the agent overrides (or calls).
+OVERRIDDEN = {
+    "_rendezvous": ["self", "worker_group"],
+    "_start_workers": ["self", "worker_group"],
+    "_monitor_workers": ["self", "worker_group"],
+}
+
+#: Fields of ``WorkerGroup`` the agent reads or rewrites after the rendezvous.
+WORKER_GROUP_FIELDS = ("spec", "workers", "store", "group_rank", "master_addr", "master_port")
+
+#: Attributes ``SimpleElasticAgent.__init__`` sets that the agent reads.
+AGENT_FIELDS = ("_remaining_restarts", "_worker_group")
+
+#: ``torch.distributed.run`` functions ``robust run`` calls with torchrun's parsed arguments.
+RUN_FUNCTIONS = {"config_from_args": ["args"], "get_args_parser": []}
+
+
+def check(torch_version: str | None = None) -> None:
+    """Raise :class:`HostVersionError` unless the installed torch elastic agent has every private
+    member ``robust run`` relies on, with the expected signature. ``torch_version`` overrides the
+    installed version string (tests)."""
+    import torch
+    import torch.distributed.run as torch_run
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerGroup
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    installed = torch_version or torch.__version__
+    try:
+        _guard.check_version("torch", installed, SUPPORTED_MIN, SUPPORTED_BELOW)
+    except HostVersionError as exc:
+        raise HostVersionError(
+            f"robust run's elastic agent overrides private methods of torch's LocalElasticAgent and "
+            f"supports {SUPPORTED}; found torch {installed}. Launch with a supported torch, or use "
+            f"plain torchrun (no watchdog, no gloo restarts)."
+        ) from exc
+    for name, params in OVERRIDDEN.items():
+        target = getattr(LocalElasticAgent, name, None)
+        if target is None:
+            raise HostVersionError(
+                f"torch {torch.__version__}: LocalElasticAgent.{name} no longer exists; robust run "
+                f"overrides it. Supported: {SUPPORTED}."
+            )
+        _guard.check_signature("torch", target, params, SUPPORTED)
+    for name, params in RUN_FUNCTIONS.items():
+        target = getattr(torch_run, name, None)
+        if target is None:
+            raise HostVersionError(
+                f"torch {torch.__version__}: torch.distributed.run.{name} no longer exists; robust "
+                f"run parses torchrun's options with it. Supported: {SUPPORTED}."
+            )
+        _guard.check_signature("torch", target, params, SUPPORTED)
+    # WorkerGroup fills its fields in __init__; read them from the source rather than building a
+    # WorkerSpec (that needs a rendezvous handler).
+    _check_fields("WorkerGroup", WorkerGroup.__init__, WORKER_GROUP_FIELDS)
+    _check_fields("SimpleElasticAgent", SimpleElasticAgent.__init__, AGENT_FIELDS)
+
+
+def _check_fields(owner: str, init, fields: tuple[str, ...]) -> None:
+    try:
+        source = inspect.getsource(init)
+    except (OSError, TypeError):
+        return  # no source (a frozen build): the signature checks above still ran
+    missing = [f for f in fields if f"self.{f} " not in source and f"self.{f}:" not in source
+               and f"self.{f}=" not in source]
+    if missing:
+        import torch
+
+        raise HostVersionError(
+            f"torch {torch.__version__}: {owner}.__init__ no longer sets {', '.join(missing)}, which "
+            f"robust run reads. Supported: {SUPPORTED}."
+        )

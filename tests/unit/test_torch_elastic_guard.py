@@ -1,0 +1,64 @@
+"""The guard on torch elastic's private members that robust run's agent overrides."""
+
+import pytest
+
+from robust_plugins.errors import HostVersionError
+from robust_plugins.patches import torch_elastic
+
+
+def test_installed_torch_passes():
+    torch_elastic.check()
+
+
+@pytest.mark.parametrize("version", ["2.14.0", "3.0.0", "2.3.1"])
+def test_unsupported_version_refused_naming_the_range(version):
+    with pytest.raises(HostVersionError) as info:
+        torch_elastic.check(version)
+    msg = str(info.value)
+    assert f"torch {version}" in msg and torch_elastic.SUPPORTED in msg and "torchrun" in msg
+
+
+def test_renamed_parameter_of_an_overridden_method_refused(monkeypatch):
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    def _monitor_workers(self, group):  # torch renamed worker_group -> group
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(LocalElasticAgent, "_monitor_workers", _monitor_workers)
+    with pytest.raises(HostVersionError, match=r"_monitor_workers.*self, worker_group"):
+        torch_elastic.check()
+
+
+def test_removed_method_refused(monkeypatch):
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monkeypatch.delattr(SimpleElasticAgent, "_rendezvous")
+    assert not hasattr(LocalElasticAgent, "_rendezvous")
+    with pytest.raises(HostVersionError, match="LocalElasticAgent._rendezvous no longer exists"):
+        torch_elastic.check()
+
+
+def test_worker_group_field_gone_refused(monkeypatch):
+    from torch.distributed.elastic.agent.server.api import WorkerGroup
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.workers = []
+        self.rendezvous_store = None  # renamed from store
+        self.group_rank = None
+        self.master_addr = None
+        self.master_port = None
+
+    monkeypatch.setattr(WorkerGroup, "__init__", __init__)
+    with pytest.raises(HostVersionError, match="WorkerGroup.__init__ no longer sets store"):
+        torch_elastic.check()
+
+
+def test_agent_is_not_built_on_a_mismatching_torch(monkeypatch):
+    from robust_plugins.watchdog import agent
+
+    monkeypatch.setattr(torch_elastic, "SUPPORTED_BELOW", (2, 0, 0))
+    monkeypatch.setattr(torch_elastic, "SUPPORTED_MIN", (1, 0, 0))
+    with pytest.raises(HostVersionError, match="elastic agent"):
+        agent._agent_class()
