@@ -232,8 +232,10 @@ class MemorySnapshots:
             self.peers.close(remove=remove)
 
     def _at_exit(self) -> None:
-        # A normal end of the script: the job is over, the snapshots are no longer needed.
-        self.close(remove=not _CRASHED)
+        # Under `robust run` the launcher removes the job's files once the whole job completed: a
+        # rank that exits normally while a peer died must not take the restart's source with it.
+        # Outside it, a normal end of the script ends the job; an unhandled exception does not.
+        self.close(remove=not _CRASHED and not os.environ.get("ROBUST_RUN_DIR"))
 
 
 def record_restore(step: int, source: str, seconds: float) -> None:

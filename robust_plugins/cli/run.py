@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 import uuid
@@ -112,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import config_from_args
 
+    from robust_plugins.checkpoint.memory import ENV_JOB, job_files, job_key, remove_job
     from robust_plugins.watchdog import inject as _inject
     from robust_plugins.watchdog.agent import launch
     from robust_plugins.watchdog.monitor import Monitor
@@ -136,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
     }, indent=1) + "\n")
     print(f"robust run: run directory {run_dir} ({cfg.describe()})", flush=True)
 
+    # One id for every incarnation of this job: names the ranks' in-memory snapshots
+    # (checkpoint.memory_every), which a restarted rank restores from.
+    os.environ.setdefault(ENV_JOB, str(run_dir.resolve()))
     monitor = Monitor(cfg, run_dir, injections)
     try:
         result = launch(config, cmd, cmd_args, monitor)
@@ -156,7 +161,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"robust run: job FAILED: {what}{f' (exit codes {failed})' if failed else ''}; "
               f"restart budget exhausted (--max-restarts {config.max_restarts}). "
               f"Faults: {run_dir / 'faults.jsonl'}", file=sys.stderr, flush=True)
+        kept = job_files(job_key())
+        if kept:
+            print(f"robust run: {len(kept)} in-memory snapshot file(s) of this job are kept in /dev/shm "
+                  f"({os.path.basename(kept[0]).rsplit('.r', 1)[0]}.*): relaunching with the same --run-dir "
+                  f"restores from them; delete them if you will not.", file=sys.stderr, flush=True)
         return 1
+    removed = remove_job(job_key())  # the ranks' snapshots: the job is done, they are not needed
+    if removed:
+        print(f"robust run: removed {removed} in-memory snapshot file(s) from /dev/shm", flush=True)
     print(f"robust run: training completed; {len(faults)} fault(s) recovered. "
           f"Faults: {run_dir / 'faults.jsonl'}", flush=True)
     return 0

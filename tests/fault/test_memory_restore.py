@@ -1,0 +1,60 @@
+"""``robust run`` + DeepSpeed with ``memory_every: 1`` and ``peer_backup``: a rank SIGKILLed at a
+random step resumes from shared memory, loses at most one step, and ends bitwise equal to a
+run that never failed; the job's shared-memory files are gone when it completes."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from conftest import robust_run
+
+from robust_plugins.checkpoint import memory
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
+
+SCRIPT = str(Path(__file__).with_name("ds_memory_train.py"))
+STEPS = 16
+
+
+def _restores(job) -> list[dict]:
+    path = job.run_dir / "restores.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _shm_files(job) -> list[str]:
+    return memory.job_files(memory.job_key(str(job.run_dir.resolve())))
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_random_sigkill_resumes_from_memory_bitwise(tmp_path, nproc):
+    pytest.importorskip("deepspeed")
+    rng = random.Random()
+    rank, step = rng.randrange(nproc), rng.randrange(3, STEPS)
+    where = f"(kill:rank={rank},step={step}, {nproc} ranks)"
+    args = [SCRIPT, "--steps", str(STEPS), "--persist-every", "8"]
+    clean = robust_run(tmp_path / "clean", nproc, "--max-restarts", "0", timeout_s=150, script=args)
+    assert clean.returncode == 0 and clean.faults == [], clean.output[-3000:]
+    job = robust_run(tmp_path / "kill", nproc, "--max-restarts", "1", "--inject", f"kill:rank={rank},step={step}",
+                     timeout_s=150, script=args)
+    assert job.returncode == 0, f"{where}\n{job.output[-3000:]}"
+    (fault,) = job.faults
+    assert (fault["kind"], fault["suspect_ranks"], fault["step"]) == ("crash", [rank], step), where
+    # Every rank of the second incarnation restored one step from memory (its own slot, or a
+    # peer's copy if its own newest was not committed when the kill came).
+    restores = [r for r in _restores(job) if r["incarnation"] > 0]
+    assert sorted(r["rank"] for r in restores) == list(range(nproc)), (where, restores)
+    assert {r["source"].split(":")[0] for r in restores} <= {"memory", "peer"}, (where, restores)
+    (resumed,) = {r["step"] for r in restores}
+    assert resumed in (step - 1, step), (where, restores)  # at most one step lost
+    assert job.result["started_at"] == resumed + 1 and fault["resumed_at_step"] == resumed + 1
+    # Bitwise: loss, parameters and every rank's fp32 optimizer partition.
+    assert job.result["final_loss"] == clean.result["final_loss"], where
+    assert job.result["params_hash"] == clean.result["params_hash"], where
+    assert job.result["fp32_hashes"] == clean.result["fp32_hashes"], where
+    # The first incarnation found nothing and said so; both jobs cleaned /dev/shm at the end.
+    assert "in-memory snapshots skipped" in clean.output
+    assert _shm_files(clean) == [] and _shm_files(job) == []
+    assert "removed" in job.output and "in-memory snapshot file(s)" in job.output
