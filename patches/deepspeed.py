@@ -182,6 +182,8 @@ def _refuse_before_init(arguments: dict[str, Any], plugin_cfg: PluginConfig) -> 
     """Cheap refusals that need no engine: fail before DeepSpeed spends time building one."""
     cfg = _find_ds_config(arguments) or {}
     what = _features(plugin_cfg)
+    if not what:  # telemetry alone observes the engine and changes nothing it could refuse
+        return
     stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
     if stage not in (0, 1, 2):
         raise UnsupportedError(
@@ -280,6 +282,8 @@ class DeepSpeedPlugin:
                 versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
                 device=engine.device,
             )
+        self.telemetry = None
+        """Per-step metrics (``telemetry`` sub-block, ``patches/deepspeed_telemetry.py``); or None."""
         self.persisted_at: int | None = None
         """Step of the last automatic save (``checkpoint.persist_every``)."""
         self.memory = None
@@ -320,6 +324,11 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
     _guard.bind_instance(engine, "load_checkpoint", _load_checkpoint(engine, plugin))
     if config.checkpoint is not None and (config.checkpoint.persist_every or config.checkpoint.memory_every):
         _guard.bind_instance(engine, "step", _step_with_persist(engine, plugin))
+    if config.telemetry is not None:
+        from robust_plugins.patches import deepspeed_telemetry
+
+        deepspeed_telemetry.attach_telemetry(engine, plugin)
+        add_step_observer(engine, deepspeed_telemetry.on_step)
 
     comm_dtype = engine.communication_data_type
     if (config.compression is not None and config.compression.compresses
@@ -340,14 +349,44 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
     return plugin
 
 
+def add_step_observer(engine, observer) -> None:
+    """Call ``observer(engine)`` after every ``engine.step()`` that completed an optimizer step
+    (``global_steps`` moved: at a gradient-accumulation boundary), in registration order.
+
+    The first registration shadows ``engine.step`` on this instance, around whatever is there
+    (DeepSpeed's method or another robust_plugins wrapper such as ``persist_every``'s); adding the
+    same observer twice is a no-op. ``detach`` removes it with the other shadows.
+    """
+    observers = engine.__dict__.get("_robust_step_observers")
+    if observers is None:
+        observers = engine._robust_step_observers = []
+        inner = engine.step
+
+        def step(lr_kwargs=None):
+            before = engine.global_steps
+            result = inner(lr_kwargs)
+            if engine.global_steps != before:
+                for fn in list(observers):
+                    fn(engine)
+            return result
+
+        # Not bind_instance: that skips an attribute robust_plugins already shadowed, and the
+        # observers must also run around persist_every's wrapper.
+        engine.step = _guard.wrap(inner, step)
+    if observer not in observers:
+        observers.append(observer)
+
+
 def detach(engine) -> None:
     """Remove the plugin from ``engine``: its methods fall back to DeepSpeed's."""
     for obj, name in ((engine, "allreduce_bucket"), (engine.optimizer, "allreduce_bucket"),
                       (engine.optimizer, "gradient_reduction_w_predivide"),
-                      (engine, "save_checkpoint"), (engine, "load_checkpoint"), (engine, "step")):
+                      (engine, "save_checkpoint"), (engine, "load_checkpoint"), (engine, "step"),
+                      (engine, "backward")):
         if obj is not None:
             _guard.unbind_instance(obj, name)
     engine.__dict__.pop("robust_plugins", None)
+    engine.__dict__.pop("_robust_step_observers", None)
 
 
 def _ds_version() -> str:

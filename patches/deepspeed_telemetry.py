@@ -38,6 +38,18 @@ def _first_token_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
+def _undecorated(fn):
+    # DeepSpeed 0.19 decorates backward with utils.nvtx.instrument_w_nvtx, which keeps the
+    # function in its closure without functools.wraps (no __wrapped__, signature (*args, **kwargs)).
+    for cell in getattr(fn, "__closure__", None) or ():
+        inner = cell.cell_contents
+        if callable(inner) and getattr(inner, "__name__", None) == fn.__qualname__.split(".")[-1]:
+            return inner
+        if callable(inner) and getattr(inner, "__name__", None) == "backward":
+            return inner
+    return fn
+
+
 def attach_telemetry(engine, plugin) -> Any:
     """Build the recorder for ``engine`` and hook it up; returns it (also ``plugin.telemetry``)."""
     import deepspeed
@@ -45,7 +57,7 @@ def attach_telemetry(engine, plugin) -> Any:
 
     from robust_plugins.telemetry.recorder import Telemetry
 
-    _guard.check_signature("deepspeed", DeepSpeedEngine.backward, _BACKWARD_SIGNATURE,
+    _guard.check_signature("deepspeed", _undecorated(DeepSpeedEngine.backward), _BACKWARD_SIGNATURE,
                            "deepspeed >=0.19.0,<0.20")
     cfg = plugin.config.telemetry
     trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)

@@ -12,6 +12,11 @@ Run under torchrun (or through :func:`robust_plugins.launch.run_torchrun`)::
     #                       "save_dir": "ckpt", "save_at": 20}, ...]}
     ... train --plan plan.json --out-dir runs/plan
 
+Under ``robust run`` a plan entry with ``"resume": true`` and ``"save_every": N`` follows the resume
+contract (``robust_plugins/watchdog/FORMAT.md``): it loads the newest checkpoint in ``save_dir`` if
+there is one, saves there every N steps when the node monitor agrees (``watchdog.ok_to_save``),
+and every step is reported with ``watchdog.step_end`` (a no-op outside ``robust run``).
+
 Each run builds a fresh model, optimizer and engine from its seed (``--seed``, or the plan entry's
 ``seed``), which also orders the training batches. Data are indexed by
 ``engine.global_steps``, so a run started with ``--load-dir`` continues with exactly the batches
@@ -44,6 +49,7 @@ import torch.distributed as dist
 
 import deepspeed
 
+from robust_plugins import watchdog
 from robust_plugins.config import BLOCK_KEY, load_json
 from robust_plugins.errors import ConfigError, RobustPluginsError
 from robust_plugins.workloads import PRESETS, build_gpt, get_batch, load_corpus
@@ -51,7 +57,8 @@ from robust_plugins.workloads import PRESETS, build_gpt, get_batch, load_corpus
 log = logging.getLogger("robust_plugins.recipes.deepspeed_gpt")
 
 #: Keys a plan's run entry may have.
-RUN_KEYS = ("name", "config", "steps", "seed", "save_dir", "save_at", "load_dir", "out", "codec_error")
+RUN_KEYS = ("name", "config", "steps", "seed", "save_dir", "save_at", "load_dir", "out", "codec_error",
+            "save_every", "resume")
 
 #: Validation batches evaluated after training; each is world_size x micro_batch windows, so
 #: 32 x 4 x 8 = 1024 windows of the val split for the benchmark (~2 s for `small` on 2 cores).
@@ -79,6 +86,8 @@ class RunSpec:
     load_dir: str | None = None
     out: str | None = None
     codec_error: bool = False
+    save_every: int | None = None
+    resume: bool = False
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,6 +133,10 @@ def build_specs(args: argparse.Namespace) -> list[RunSpec]:
     else:
         specs = _plan_specs(Path(args.plan), args)
     for s in specs:
+        if (s.save_every is not None or s.resume) and s.save_dir is None:
+            raise ConfigError(f"run {s.name!r}: save_every/resume need a save_dir (where checkpoints go).")
+        if s.save_every is not None and s.save_every < 1:
+            raise ConfigError(f"run {s.name!r}: save_every={s.save_every} must be >= 1.")
         if s.save_at is not None and (s.save_dir is None or not 0 < s.save_at <= s.steps):
             raise ConfigError(f"run {s.name!r}: save_at={s.save_at} needs a save_dir and 0 < save_at <= steps={s.steps}.")
     return specs
@@ -255,7 +268,9 @@ def train_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     del probe
 
     loaded = None
-    if spec.load_dir:
+    if spec.resume and Path(spec.save_dir, "latest").is_file():
+        loaded, _ = engine.load_checkpoint(spec.save_dir)
+    elif spec.load_dir:
         loaded, _ = engine.load_checkpoint(spec.load_dir)
         if loaded is None:
             raise RobustPluginsError(f"run {spec.name!r}: no checkpoint found in {spec.load_dir}.")
@@ -294,6 +309,11 @@ def train_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
         if rank == 0 and args.log_every and (engine.global_steps % args.log_every == 0 or engine.global_steps == spec.steps):
             log.info("[%s rank 0 - step %d] loss %.4f  %.3f s  %.1f KB of gradients sent", spec.name,
                      engine.global_steps, step_loss, step_times[-1], grad_bytes / 1e3)
+        watchdog.step_end(engine.global_steps, loss=step_loss)
+        if (spec.save_every is not None and engine.global_steps % spec.save_every == 0
+                and watchdog.ok_to_save(engine.global_steps)):
+            engine.save_checkpoint(spec.save_dir)
+            saved = str(Path(spec.save_dir) / f"global_step{engine.global_steps}")
         if spec.save_at is not None and engine.global_steps == spec.save_at:
             engine.save_checkpoint(spec.save_dir)
             saved = str(Path(spec.save_dir) / f"global_step{engine.global_steps}")
@@ -318,7 +338,8 @@ def train_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
         "config_path": str(spec.config),
         "robust_plugins_block": block,
         "plugin_active": plugin is not None,
-        "plugin_stats": _jsonable(dataclasses.asdict(plugin.sync.stats)) if plugin is not None and hasattr(plugin, "sync") else None,
+        "plugin_stats": (_jsonable(dataclasses.asdict(plugin.sync.stats))
+                         if getattr(plugin, "sync", None) is not None else None),
         "preset": args.preset,
         "model": dataclasses.asdict(model.cfg) if hasattr(model, "cfg") else None,
         "n_params": sum(p.numel() for p in engine.module.parameters()),
