@@ -19,16 +19,31 @@ import torch
 import torch.distributed as dist
 
 #: Methods in table order. ``flat bf16`` is what DeepSpeed's ``communication_data_type: bf16``
-#: does (cast, all-reduce in bf16, cast back); the others are this package's collectives.
-METHODS = ("flat fp32", "flat bf16", "flat int8", "flat int4", "hier fp32", "hier int8", "hier int4")
+#: does (cast, all-reduce in bf16, cast back); the others are this package's collectives. The
+#: ``auto`` rows are GradientSync with ``codec: auto`` (``hier``: and ``topology.hierarchical``),
+#: what the DeepSpeed integration runs: the untimed first call measures the link and decides.
+METHODS = ("flat fp32", "flat bf16", "flat int8", "flat int4", "flat auto", "hier fp32", "hier int8", "hier int4",
+           "hier auto")
 
 
 def _method(name: str, groups, block_size: int) -> Callable[[torch.Tensor], object]:
+    """The callable that reduces (sums) a tensor in place with method ``name``."""
     from robust_plugins.comm import CompressionState, compressed_all_reduce
     from robust_plugins.topology import hierarchical_all_reduce
 
     if name == "flat fp32":
         return lambda t: dist.all_reduce(t)
+    if name.endswith("auto"):
+        from robust_plugins.comm.gradient_sync import GradientSync
+        from robust_plugins.config import CompressionConfig, TopologyConfig
+
+        sync = GradientSync(CompressionConfig(codec="auto", block_size=block_size, auto_recheck_steps=0),
+                            step_fn=lambda: 0, topology=TopologyConfig(hierarchical=name.startswith("hier")))
+
+        def auto(t: torch.Tensor) -> None:
+            sync.all_reduce_sum(t, None, "bench")
+        auto.sync = sync
+        return auto
     if name == "flat bf16":
         def bf16(t: torch.Tensor) -> None:
             half = t.to(torch.bfloat16)
@@ -78,6 +93,11 @@ def main() -> int:
             else:
                 times.append(time.perf_counter() - start)
         out["methods"][name] = {"times_s": times, "rel_error": err}
+        if hasattr(op, "sync"):
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, op.sync.stats.auto_decisions)
+            out["methods"][name]["choice"] = "/".join(sorted({d["codec"] for ds in everyone for d in ds}))
+            out["methods"][name]["decisions"] = everyone
     if rank == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()

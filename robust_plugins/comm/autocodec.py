@@ -234,8 +234,13 @@ class AutoCodec:
             return ("none",)
         return tuple(dist.get_process_group_ranks(group)) if group is not None else ("world",)
 
-    def probe(self, sample: torch.Tensor, group=None) -> tuple[LinkEstimate, dict[str, CodecCost]]:
-        """Measure the group's link and each candidate's cost (a collective: every rank calls it)."""
+    def probe(self, sample: torch.Tensor, group=None, agree_group=None) -> tuple[LinkEstimate, dict[str, CodecCost]]:
+        """Measure the group's link and each candidate's cost (a collective: every rank calls it).
+
+        The numbers are max-reduced over ``agree_group`` (default: ``group``); a caller whose
+        ``group`` is one of several disjoint groups reducing at the same moment (the rails of a
+        hierarchical all-reduce) passes the group spanning them all, so every rail decides alike.
+        """
         import torch.distributed as dist
 
         w = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
@@ -263,18 +268,19 @@ class AutoCodec:
         # rank makes the same decision.
         agreed = _max_over_group(
             [latency, seconds_per_byte] + [costs[c].seconds_per_element for c in names]
-            + [costs[c].rel_error for c in names], group)
+            + [costs[c].rel_error for c in names], group if agree_group is None else agree_group)
         latency, seconds_per_byte = agreed[0], agreed[1]
         k = len(names)
         costs = {c: CodecCost(agreed[2 + i], agreed[2 + k + i]) for i, c in enumerate(names)}
         bandwidth = 1 / seconds_per_byte if seconds_per_byte > 0 else math.inf
         return LinkEstimate(bandwidth, latency, w), costs
 
-    def codec_for(self, tensor: torch.Tensor, group=None, numel: int | None = None) -> str:
+    def codec_for(self, tensor: torch.Tensor, group=None, numel: int | None = None, agree_group=None) -> str:
         """The codec for reducing ``tensor`` (or a bucket of ``numel`` of its elements) over ``group``.
 
         Probes first when this group was never probed or ``recheck_steps`` steps have passed (a
-        collective: call it on every rank of the group, in the same order as the reductions).
+        collective: call it on every rank of ``group`` and of ``agree_group``, see :meth:`probe`,
+        in the same order as the reductions).
         """
         self._calls += 1
         numel = tensor.numel() if numel is None else numel
@@ -282,7 +288,7 @@ class AutoCodec:
         step = self._step_fn()
         probed = self._probes.get(gkey)
         if probed is None or (self.recheck_steps and step - probed[0] >= self.recheck_steps):
-            link, costs = self.probe(tensor.reshape(-1), group)
+            link, costs = self.probe(tensor.reshape(-1), group, agree_group)
             self._probes[gkey] = probed = (step, link, costs)
             self._decisions = {k: v for k, v in self._decisions.items() if k[0] != gkey}
         decision = self._decisions.get((gkey, numel))

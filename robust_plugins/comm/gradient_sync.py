@@ -156,13 +156,14 @@ class GradientSync:
         self.stats.compressed_calls += 1
         return key
 
-    def _codec(self, tensor: torch.Tensor, group, numel: int, ef_key) -> str:
-        """The codec for this bucket: the fixed one, or ``auto``'s choice (a collective on ``group``)."""
+    def _codec(self, tensor: torch.Tensor, group, numel: int, ef_key, agree_group=None) -> str:
+        """The codec for this bucket: the fixed one, or ``auto``'s choice (a collective on ``group``
+        and ``agree_group``, see :meth:`AutoCodec.probe`)."""
         if self.auto is None:
             codec = self.config.codec
         else:
             before = len(self.auto.history)
-            codec = self.auto.codec_for(tensor, group, numel=numel)
+            codec = self.auto.codec_for(tensor, group, numel=numel, agree_group=agree_group)
             if len(self.auto.history) != before:
                 self.stats.auto_decisions = self.auto.decisions()
             last = self._last_codec.get(ef_key)
@@ -211,7 +212,9 @@ class GradientSync:
             per_node = len(groups.intra_ranks) if groups.plan is not None else 1
             rail = groups.rail if groups.plan is not None else group
             ef_key = ("hierarchical", key) if groups.plan is not None else key
-            codec = self._codec(tensor, rail, -(-tensor.numel() // per_node), ef_key)
+            # Every rank reduces this bucket now, each on its own rail: agree over the whole
+            # data-parallel group so that all rails pick the same codec.
+            codec = self._codec(tensor, rail, -(-tensor.numel() // per_node), ef_key, agree_group=group)
             state = self.states.get(codec)
             self.stats.hierarchical_elements += tensor.numel()
             return hierarchical_all_reduce(tensor, groups, codec=None if state else codec, op="sum",

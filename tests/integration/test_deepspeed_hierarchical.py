@@ -74,8 +74,10 @@ def test_auto_picks_int8_on_a_slow_link_and_none_on_a_fast_one(results, stage):
         d = s["auto_decisions"][0]
         assert "int8 predicted" in d["reason"] and d["predicted_s"]["int8"] < d["predicted_s"]["none"]
         assert "int4" in d["excluded"] or "int4" not in d["predicted_s"]  # the quality guard
-    # Every member of a rail made the same decisions (they post the same collectives).
-    assert slow[0]["auto_decisions"] == slow[2]["auto_decisions"] and slow[1]["auto_decisions"] == slow[3]["auto_decisions"]
+    # Every rank made the same decision from the same (agreed) numbers: a rail's members must post
+    # the same collectives, and the two rails agree too.
+    same = [[{k: v for k, v in d.items() if k != "group"} for d in s["auto_decisions"]] for s in slow]
+    assert all(x == same[0] for x in same), same
     for s in fast:
         assert s["by_codec"] == {"none": n} and {d["codec"] for d in s["auto_decisions"]} == {"none"}
     assert r["auto_fast_equals_hier_none"]
