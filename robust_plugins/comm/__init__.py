@@ -5,7 +5,7 @@ Nothing here imports DeepSpeed or megatron-core; host integrations live in ``pat
 
 from __future__ import annotations
 
-from robust_plugins.comm.collectives import compressed_all_reduce, compressed_reduce
+from robust_plugins.comm.collectives import compressed_all_reduce, compressed_reduce, compressed_reduce_scatter
 from robust_plugins.comm.ddp_hook import ddp_comm_hook
 from robust_plugins.comm.state import CompressionState
 from robust_plugins.comm.wire import WireCounter
@@ -15,5 +15,6 @@ __all__ = [
     "WireCounter",
     "compressed_all_reduce",
     "compressed_reduce",
+    "compressed_reduce_scatter",
     "ddp_comm_hook",
 ]

@@ -213,3 +213,74 @@ def compressed_reduce(
         scale = 1.0 / world if op == "avg" else 1.0
         tensor.view(-1).copy_(_twophase.decode_sum(received, layout, scale))
     return tensor
+
+
+def compressed_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    codec: str | None = None,
+    group: Any = None,
+    op: str = "sum",
+    state: CompressionState | None = None,
+    key: Hashable | None = None,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Compressed ``reduce_scatter_tensor``: ``output`` = sum over ranks of ``input``'s shard ``rank``.
+
+    ``input`` is contiguous with ``world * output.numel()`` elements, cut into ``world`` equal
+    shards exactly as ``torch.distributed.reduce_scatter_tensor`` cuts it (so a host's own shard
+    boundaries, e.g. megatron-core's distributed-optimizer shards, are kept). This is phase one of
+    the two-phase scheme only: each rank quantizes every shard separately (sender-side error
+    feedback over the whole ``input`` under ``key``), one ``all_to_all_single`` sends shard ``r``
+    to rank ``r``, and rank ``r`` decodes and sums the ``world`` copies in fp32, in rank order, into
+    ``output``. There is no second quantization, so no reducing-side residual. ``output`` may be a
+    view into ``input`` (megatron-core passes its local shard of the bucket). ``codec="none"`` (or
+    an input below the state's ``min_numel``) is ``reduce_scatter_tensor`` itself. Arguments as for
+    :func:`compressed_all_reduce`.
+
+    Returns:
+        ``output``.
+    """
+    codec, block_size = _resolve(codec, block_size, state)
+    _check_call(input, op)
+    _check_call(output, op)
+    rank, world = _world(group)
+    shard = output.numel()
+    if input.numel() != world * shard:
+        raise RobustPluginsError(
+            f"compressed_reduce_scatter: input has {input.numel()} elements, expected world size "
+            f"{world} x output's {shard} = {world * shard}."
+        )
+    if shard == 0:
+        return output
+    if codec == "none" or (state is not None and input.numel() < state.min_numel):
+        if dist.is_available() and dist.is_initialized():
+            dist.reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=group)
+        else:
+            output.copy_(input.view(-1))
+        if op == "avg" and world > 1:
+            output.div_(world)
+        return output
+
+    layout = _twophase.plan(shard, 1, codec, block_size)
+    flat = input.view(-1)
+    sender_res = None
+    if state is not None and state.error_feedback:
+        sender_res = state.sender_residual(("default", flat.numel()) if key is None else key, flat.numel(),
+                                           input.device)
+    # One encode per destination shard: codes never straddle a shard boundary, and each slice of
+    # the residual (a view) is updated in place.
+    send = torch.cat([
+        _twophase.encode(flat[r * shard:(r + 1) * shard], layout,
+                         None if sender_res is None else sender_res[r * shard:(r + 1) * shard])
+        for r in range(world)
+    ])
+    if world > 1:
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+    else:
+        received = send
+    scale = 1.0 / world if op == "avg" else 1.0
+    output.view(-1).copy_(_twophase.decode_sum(received, layout, scale))
+    return output

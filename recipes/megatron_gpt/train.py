@@ -1,0 +1,265 @@
+"""Train a megatron-core ``GPTModel`` with megatron-core DDP and robust_plugins, on CPU or GPU.
+
+Run under torchrun (or ``robust run``, which adds fault detection and restarts)::
+
+    torchrun --nproc-per-node 2 -m robust_plugins.recipes.megatron_gpt.train \\
+        --preset cpu-tiny --steps 100 --codec int8 --ckpt-dir runs/mcore/ckpt --save-every 50
+
+Presets (:data:`PRESETS`): ``cpu-tiny`` (2-4 CPU ranks over gloo, a few seconds of training;
+what CI runs), ``gpu-125m`` and ``gpu-1b`` (NCCL, bf16, megatron-core's own optimizer; configs
+only, never run here: untested on GPU). Data are the byte-level standard-library corpus
+(:mod:`robust_plugins.workloads.text`), indexed by step and data-parallel rank, so a run resumed
+from a checkpoint at step ``k`` sees exactly the batches the uninterrupted run sees.
+
+On CPU the recipe installs the CPU shim (``patches/megatron_cpu.py``), passes an explicit causal
+mask (megatron's default mask is built with ``device="cuda"``) and steps a ``torch.optim.AdamW`` on
+``param.main_grad``: megatron-core 0.16's optimizers (``get_megatron_optimizer``) allocate CUDA
+tensors unconditionally, and its distributed optimizer requires ``torch.cuda`` parameter types,
+so neither runs on CPU. The gradient sync, which is what robust_plugins changes, is megatron's DDP
+in both cases.
+
+With ``--rank-order topology`` each process first joins a plain process group, the topology is
+discovered (hostnames, or ``ROBUST_TOPOLOGY_SIM``), :func:`robust_plugins.topology.megatron_rank_order`
+computes which process should take which megatron rank (TP groups inside a node), and the process
+group is rebuilt with those ranks before megatron's parallel state is initialized.
+"""
+
+# robust_plugins first (cheap, imports nothing heavy); megatron-core is imported in main().
+import robust_plugins  # noqa: F401,I001
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from robust_plugins.errors import ConfigError
+from robust_plugins.workloads import get_batch, load_corpus
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Model, parallel layout and optimizer settings of one recipe preset."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_len: int
+    micro_batch: int
+    tp: int
+    device: str
+    """``cpu`` (gloo, fp32, CPU shim) or ``cuda`` (NCCL, bf16)."""
+    lr: float = 1e-3
+    bucket_size: int | None = None
+    """megatron DDP bucket size in elements (None: megatron's default, 40M, one bucket on small models)."""
+
+
+PRESETS: dict[str, Preset] = {
+    # 0.14M parameters: 200 steps on 2 CPU ranks train in ~10 s; bucket_size splits it into
+    # several buckets so that per-bucket keys, overlap and bucket groups are exercised.
+    "cpu-tiny": Preset(num_layers=2, hidden_size=64, num_attention_heads=2, seq_len=64, micro_batch=4,
+                       tp=1, device="cpu", lr=1e-3, bucket_size=40_000),
+    # GPT-2 small shape (byte vocabulary); TP 1, DP over every GPU. Untested here (no GPU).
+    "gpu-125m": Preset(num_layers=12, hidden_size=768, num_attention_heads=12, seq_len=1024, micro_batch=8,
+                       tp=1, device="cuda", lr=6e-4),
+    # ~1.2B parameters; TP 2 inside a node (rank order from the topology), DP across. Untested here.
+    "gpu-1b": Preset(num_layers=24, hidden_size=2048, num_attention_heads=16, seq_len=2048, micro_batch=4,
+                     tp=2, device="cuda", lr=3e-4),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="cpu-tiny", choices=sorted(PRESETS))
+    p.add_argument("--steps", type=int, default=50, help="total optimizer steps to reach (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="model init and data seed (default 0)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: the preset's)")
+    p.add_argument("--codec", default=None,
+                   help="robust_plugins compression codec (none, bf16, int8, int4, sign); omit for vanilla megatron")
+    p.add_argument("--overlap-grad-reduce", action="store_true", help="megatron DDP overlap_grad_reduce")
+    p.add_argument("--distributed-optimizer", action="store_true",
+                   help="megatron distributed optimizer (GPU presets only)")
+    p.add_argument("--ckpt-dir", help="verified dist_checkpointing saves go here; resumes from the newest valid one")
+    p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
+    p.add_argument("--rank-order", choices=("launcher", "topology"), default="launcher",
+                   help="keep the launcher's ranks, or renumber so TP groups stay inside a node")
+    p.add_argument("--out", help="rank 0 writes the result JSON here")
+    return p.parse_args(argv)
+
+
+def _apply_rank_order(tp: int, timeout_s: float) -> None:
+    """Rebuild the default process group so that megatron ranks follow the topology (TP in a node)."""
+    from robust_plugins.topology import megatron as topo_mcore
+    from robust_plugins.topology.discover import discover
+
+    topo = discover()
+    order = topo_mcore.megatron_rank_order(topo.records, tp=tp)
+    new_rank = topo_mcore.inverse(order)[dist.get_rank()]
+    if tuple(order) == tuple(range(len(order))):
+        return
+    world = dist.get_world_size()
+    port = int(os.environ["MASTER_PORT"]) + 1  # a fresh store: the old one holds the old ranks' keys
+    dist.destroy_process_group()
+    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl",
+                            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}", rank=new_rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: bool, distopt: bool,
+          bucket_size: int | None = None) -> dict[str, Any]:
+    """Initialize megatron's parallel state and build model, DDP, optimizer and plugin.
+
+    Expects an initialized default process group. Returns a dict with ``ddp``, ``optimizer``,
+    ``plugin`` (None without ``codec``), ``config`` and the parallel ``layout``.
+    """
+    cpu = preset.device == "cpu"
+    if cpu:
+        if distopt:
+            raise ConfigError("--distributed-optimizer needs a GPU: megatron-core 0.16's DistributedOptimizer "
+                              "accepts only torch.cuda parameter types. Drop it for CPU presets.")
+        from robust_plugins.patches import megatron_cpu
+
+        megatron_cpu.install()
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import robust_plugins.megatron as rpm
+
+    if dist.get_world_size() % tp:
+        raise ConfigError(f"tp = {tp} does not divide the world size {dist.get_world_size()}.")
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=preset.num_layers, hidden_size=preset.hidden_size,
+        num_attention_heads=preset.num_attention_heads, use_cpu_initialization=cpu,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=not cpu,
+        params_dtype=torch.float32 if cpu else torch.bfloat16, tensor_model_parallel_size=tp,
+    )
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=256,
+                     max_sequence_length=preset.seq_len)
+    if not cpu:
+        model.cuda(torch.cuda.current_device())
+    size = bucket_size if bucket_size is not None else preset.bucket_size
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=overlap, use_distributed_optimizer=distopt, grad_reduce_in_fp32=True,
+        **({"bucket_size": size} if size is not None else {}),
+    )
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    plugin = rpm.enable(ddp, {"compression": {"codec": codec}}) if codec is not None else None
+    if cpu:
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=preset.lr, weight_decay=0.0)
+    else:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=preset.lr, bf16=True, use_distributed_optimizer=distopt,
+                            clip_grad=1.0), [ddp])
+    layout = {"tp": tp, "dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank()}
+    return {"ddp": ddp, "optimizer": optimizer, "plugin": plugin, "config": config, "layout": layout}
+
+
+def train_step(parts: dict[str, Any], preset: Preset, corpus, seed: int, step: int) -> float:
+    """One optimizer step on the batch of ``step``; returns this rank's loss."""
+    ddp, opt, layout = parts["ddp"], parts["optimizer"], parts["layout"]
+    device = "cpu" if preset.device == "cpu" else torch.cuda.current_device()
+    x, y = get_batch(corpus, "train", seed=seed, step=step, rank=layout["dp_rank"], world_size=layout["dp"],
+                     micro_batch=preset.micro_batch, seq_len=preset.seq_len)
+    x, y = x.to(device), y.to(device)
+    s = preset.seq_len
+    position_ids = torch.arange(s, device=device).unsqueeze(0).expand_as(x)
+    causal = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=device), diagonal=1)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    loss = ddp(x, position_ids, causal, labels=y).float().mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    if isinstance(opt, torch.optim.Optimizer):
+        for p in ddp.parameters():
+            p.grad = p.main_grad
+        opt.step()
+    else:
+        opt.step()
+    return float(loss.detach())
+
+
+def param_digest(ddp) -> str:
+    """sha256 of every parameter's bytes, in order (equal digests = bitwise equal models)."""
+    h = hashlib.sha256()
+    for p in ddp.parameters():
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train as ``args`` say in an initialized process group; returns the rank's result dict."""
+    import robust_plugins.megatron as rpm
+
+    preset = PRESETS[args.preset]
+    tp = args.tp if args.tp is not None else preset.tp
+    if args.rank_order == "topology":
+        _apply_rank_order(tp, timeout_s=600)
+    parts = build(preset, tp=tp, seed=args.seed, codec=args.codec, overlap=args.overlap_grad_reduce,
+                  distopt=args.distributed_optimizer)
+    corpus = load_corpus()
+    ckpt = None
+    start = 0
+    if args.ckpt_dir:
+        ckpt = rpm.MegatronCheckpointer(parts["ddp"], parts["optimizer"], {"dir": args.ckpt_dir, "keep": 3},
+                                        plugin=parts["plugin"])
+        start = ckpt.load() or 0
+    losses = []
+    t0 = time.perf_counter()
+    try:
+        for step in range(start + 1, args.steps + 1):
+            loss = train_step(parts, preset, corpus, args.seed, step)
+            losses.append(loss)
+            if ckpt is not None:
+                ckpt.step_end(step, loss=loss)
+                if args.save_every and step % args.save_every == 0:
+                    ckpt.save(step)
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    return {"preset": args.preset, "codec": args.codec, "start": start, "steps": args.steps, "losses": losses,
+            "train_s": time.perf_counter() - t0, "digest": param_digest(parts["ddp"]), **parts["layout"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun entry point."""
+    args = parse_args(argv)
+    if not dist.is_initialized():
+        backend = "nccl" if PRESETS[args.preset].device == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
+    try:
+        result = run(args)
+        if dist.get_rank() == 0:
+            line = json.dumps({k: v for k, v in result.items() if k != "losses"} |
+                              {"first_loss": result["losses"][:1], "last_loss": result["losses"][-1:]})
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""megatron-core users' entry points: one call to route gradient sync, plus loop hooks.
+
+::
+
+    import robust_plugins.megatron as rpm
+
+    ddp = DistributedDataParallel(config, ddp_config, gpt_model)
+    plugin = rpm.enable(ddp, {"compression": {"codec": "int8"}})      # patches/megatron.py
+    ckpt = rpm.MegatronCheckpointer(ddp, optimizer, {"dir": "ckpt", "keep": 3}, plugin=plugin)
+    start = ckpt.load()                       # newest checkpoint that verifies, or None
+    for step in range((start or 0) + 1, total + 1):
+        loss = train_step(step)
+        ckpt.step_end(step, loss=loss)        # watchdog signal; emergency save + exit on SIGTERM
+        if step % save_every == 0:
+            ckpt.save(step)
+
+This module imports megatron-core only when these functions are called. Everything touching
+megatron-core internals lives in ``patches/megatron.py`` (gradient sync) and
+``patches/megatron_cpu.py`` (the CPU shim); checkpoints go through megatron-core's public
+``dist_checkpointing.save`` / ``load``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any, Mapping
+
+import torch
+
+from robust_plugins._logging import get_logger
+from robust_plugins.config import CheckpointConfig, PluginConfig
+from robust_plugins.errors import CheckpointError, ConfigError
+
+log = get_logger(__name__)
+
+#: Per-rank file written into every checkpoint next to megatron's dist_checkpointing files.
+STATE_FILE = "robust_plugins_rank{rank:05d}.pt"
+
+
+def enable(ddp, config: Any = None):
+    """Route ``ddp``'s gradient sync through robust_plugins; see :func:`robust_plugins.patches.megatron.enable`."""
+    from robust_plugins.patches import megatron as patch
+
+    return patch.enable(ddp, config)
+
+
+def disable(ddp) -> None:
+    """Undo :func:`enable`."""
+    from robust_plugins.patches import megatron as patch
+
+    patch.disable(ddp)
+
+
+def _checkpoint_config(config: Any) -> CheckpointConfig:
+    if isinstance(config, CheckpointConfig):
+        return config
+    if isinstance(config, PluginConfig):
+        if config.checkpoint is None:
+            raise ConfigError("MegatronCheckpointer: the PluginConfig has no checkpoint sub-block; add "
+                              "{'checkpoint': {'dir': ...}} to the robust_plugins block.")
+        return config.checkpoint
+    if isinstance(config, Mapping):
+        return PluginConfig.from_dict({"checkpoint": dict(config)}).checkpoint
+    raise ConfigError(f"MegatronCheckpointer: config must be a CheckpointConfig, a PluginConfig or the "
+                      f"checkpoint sub-block as a dict, got {type(config).__name__}.")
+
+
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
+
+
+class MegatronCheckpointer:
+    """Verified, atomic ``dist_checkpointing`` saves and newest-valid resume for a megatron-core loop.
+
+    A save writes megatron-core's sharded checkpoint (model and optimizer, every rank its shards)
+    and one small file per rank (:data:`STATE_FILE`: the step, the plugin's error-feedback
+    residuals, the CPU and model-parallel RNG states, and ``extra``) into ``<dir>/.tmp-<tag>``,
+    hashes every file, writes ``robust_manifest.json`` and renames the directory to ``<tag>``
+    (``robust_plugins.checkpoint``, the same protocol as the DeepSpeed integration). ``load``
+    picks the newest checkpoint that verifies, skipping corrupt, truncated or partial ones.
+
+    Args:
+        ddp: the megatron-core ``DistributedDataParallel`` model (its ``module`` provides
+            ``sharded_state_dict``).
+        optimizer: a ``torch.optim`` optimizer over ``ddp.parameters()`` (what the CPU recipe uses)
+            or a megatron-core ``MegatronOptimizer`` (anything with ``sharded_state_dict``); None
+            saves the model only.
+        config: the ``checkpoint`` sub-block (dict / CheckpointConfig) or a PluginConfig holding one.
+        plugin: the :class:`~robust_plugins.patches.megatron.MegatronPlugin` from :func:`enable`,
+            whose residuals are saved (default: ``ddp.robust_plugins`` if present).
+        emergency_save: install a SIGTERM handler; :meth:`step_end` then saves and exits when
+            any rank was asked to stop.
+    """
+
+    def __init__(self, ddp, optimizer=None, config: Any = None, plugin=None, emergency_save: bool = True):
+        import torch.distributed as dist
+
+        from robust_plugins.checkpoint import DiskCheckpointer
+        from robust_plugins.patches.megatron import check_megatron_version, megatron_version
+
+        check_megatron_version()
+        self.ddp = ddp
+        self.optimizer = optimizer
+        self.config = _checkpoint_config(config)
+        self.plugin = plugin if plugin is not None else ddp.__dict__.get("robust_plugins")
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.disk = DiskCheckpointer(
+            self.config, rank=self.rank, world_size=self.world_size, layout=_layout(),
+            versions={"megatron-core": megatron_version(), "torch": torch.__version__}, device="cpu",
+        )
+        self._term = False
+        self._previous_handler = None
+        if emergency_save:
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.emergency_tag: str | None = None
+        """Tag of the emergency checkpoint written after SIGTERM (None before)."""
+
+    # ----------------------------------------------------------------------------- state
+    def _optimizer_sharded(self, model_sd: dict, is_loading: bool) -> Any:
+        opt = self.optimizer
+        if opt is None:
+            return None
+        if hasattr(opt, "sharded_state_dict"):
+            return opt.sharded_state_dict(model_sd, is_loading=is_loading)
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map, optim_state_to_sharding_state,
+        )
+
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if is_loading:
+            # The load template needs every state tensor to exist; shapes are what matter.
+            for p in params:
+                if p not in opt.state or not opt.state[p]:
+                    opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                    "exp_avg_sq": torch.zeros_like(p)}
+        state = opt.state_dict()
+        id_map = get_param_id_to_sharded_param_map(model_sd, params)
+        optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+        return state
+
+    def sharded_state_dict(self, is_loading: bool = False) -> dict:
+        """megatron-core sharded state dict of the model (and optimizer) this checkpointer saves."""
+        model_sd = self.ddp.module.sharded_state_dict(prefix="model.")
+        out = {"model": model_sd}
+        opt = self._optimizer_sharded(self.ddp.module.sharded_state_dict(prefix="model."), is_loading)
+        if opt is not None:
+            out["optimizer"] = opt
+        return out
+
+    def _rank_state(self, step: int, extra: Any) -> dict:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        return {"format": 1, "step": int(step), "extra": extra,
+                "plugin": None if self.plugin is None else self.plugin.state_dict(),
+                "cpu_rng": torch.get_rng_state(), "tracker_rng": get_cuda_rng_tracker().get_states()}
+
+    # ------------------------------------------------------------------------------ save
+    def _root(self, root: str | os.PathLike | None) -> str:
+        if root is not None:
+            return os.fspath(root)
+        if self.config.dir is None:
+            raise CheckpointError("MegatronCheckpointer: no directory given and checkpoint.dir is not set; pass "
+                                  "root= or set dir in the checkpoint sub-block.")
+        return self.config.dir
+
+    def save(self, step: int, root: str | os.PathLike | None = None, tag: str | None = None, extra: Any = None):
+        """Save on every rank (collective); returns the committed :class:`~robust_plugins.checkpoint.Manifest`.
+
+        ``tag`` defaults to ``iter_<step, 7 digits>`` (megatron's naming). ``extra`` (plain data:
+        dicts, lists, numbers, strings, tensors) is stored per rank and returned by :meth:`load`.
+        A failure on any rank leaves the previous checkpoints and ``latest`` untouched and raises
+        CheckpointError on every rank.
+        """
+        from megatron.core import dist_checkpointing
+
+        root = self._root(root)
+        tag = f"iter_{int(step):07d}" if tag is None else str(tag)
+        staging = self.disk.begin(root, tag)
+        try:
+            dist_checkpointing.save(self.sharded_state_dict(), staging)
+        except Exception as exc:  # reported by every rank's finish(), which cleans up and raises
+            self.disk.fail(exc)
+        path = os.path.join(staging, STATE_FILE.format(rank=self.rank))
+        if not self.disk.failed:
+            try:
+                torch.save(self._rank_state(step, extra), path)
+                self.disk.record(path)
+            except Exception as exc:
+                self.disk.fail(exc, path)
+        return self.disk.finish(root, tag, int(step))
+
+    # ------------------------------------------------------------------------------ load
+    def load(self, root: str | os.PathLike | None = None, tag: str | None = None) -> int | None:
+        """Restore the newest checkpoint that verifies (or ``tag``); return its step, None if none.
+
+        Model, optimizer, plugin residuals and step count, RNG states. Corrupt, truncated or
+        partial checkpoints are skipped with one log line each; an explicit ``tag`` that fails
+        verification raises CheckpointError naming the file. Per-rank files are read with
+        ``torch.load(weights_only=True)``.
+        """
+        from megatron.core import dist_checkpointing
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        root = self._root(root)
+        tag = self.disk.select(root, tag)
+        if tag is None:
+            return None
+        directory = os.path.join(root, tag)
+        loaded = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), directory)
+        self.ddp.module.load_state_dict(loaded["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        path = os.path.join(directory, STATE_FILE.format(rank=self.rank))
+        if not os.path.isfile(path):
+            raise CheckpointError(f"Checkpoint {directory} has no {os.path.basename(path)}: it was written by "
+                                  f"{self.disk.world_size} ranks' layout but not for rank {self.rank}.")
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if self.plugin is not None:
+            if state["plugin"] is None:
+                raise CheckpointError(f"Checkpoint {directory} holds no robust_plugins state, but this job has "
+                                      f"the plugin enabled; load it with the same plugin config it was saved with.")
+            self.plugin.load_state_dict(state["plugin"])
+        torch.set_rng_state(state["cpu_rng"])
+        get_cuda_rng_tracker().set_states(state["tracker_rng"])
+        self.extra = state["extra"]
+        """``extra`` of the loaded checkpoint (this rank's)."""
+        return int(state["step"])
+
+    # ------------------------------------------------------------------------ loop hooks
+    def _on_sigterm(self, signum, frame) -> None:
+        # Only a flag: saving here could start collectives in the middle of another one.
+        self._term = True
+
+    def step_end(self, step: int, loss: Any = None, grad_norm: Any = None, root=None) -> None:
+        """Call once per step on every rank, after the optimizer step.
+
+        Sends the step signal to ``robust run`` (:func:`robust_plugins.watchdog.step_end`; a no-op
+        outside it), then agrees with the other ranks (one tiny all-reduce) on whether any rank
+        received SIGTERM. If one did, every rank writes an emergency checkpoint of ``step`` and
+        raises ``SystemExit(143)`` (128 + SIGTERM), so the launcher sees the usual exit code.
+        """
+        import torch.distributed as dist
+
+        from robust_plugins import watchdog
+
+        watchdog.step_end(step, loss=loss, grad_norm=grad_norm)
+        flag = torch.tensor([1 if self._term else 0], dtype=torch.int32)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            log.warning("robust_plugins: SIGTERM received; writing an emergency checkpoint of step %d", step)
+            self.save(step, root=root)
+            self.emergency_tag = f"iter_{int(step):07d}"
+            raise SystemExit(128 + signal.SIGTERM)
+
+    def close(self) -> None:
+        """Restore the SIGTERM handler that was in place before."""
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            self._previous_handler = None

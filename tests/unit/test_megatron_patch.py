@@ -1,0 +1,72 @@
+"""megatron-core patch guards, in one process: version refusal, CPU-shim refusal on CUDA, undo."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from robust_plugins.errors import ConfigError, HostVersionError, UnsupportedError  # noqa: E402
+from robust_plugins.patches import megatron as patch  # noqa: E402
+from robust_plugins.patches import megatron_cpu  # noqa: E402
+
+
+@pytest.mark.parametrize("version", ["0.15.2", "0.17.0", "1.0.0rc1"])
+def test_enable_refuses_unsupported_megatron_versions(monkeypatch, version):
+    from megatron.core import package_info
+
+    monkeypatch.setattr(package_info, "__version__", version)
+    with pytest.raises(HostVersionError) as err:
+        patch.enable(object(), {"compression": {"codec": "int8"}})
+    msg = str(err.value)
+    assert f"found megatron-core {version}" in msg and ">=0.16.0,<0.17" in msg
+    with pytest.raises(HostVersionError):
+        megatron_cpu.install()
+
+
+def test_enable_refuses_a_changed_signature(monkeypatch):
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    def start_grad_sync(self, force_all_reduce, extra):  # a future megatron-core's new parameter
+        pass
+
+    monkeypatch.setattr(_ParamAndGradBucketGroup, "start_grad_sync", start_grad_sync)
+    with pytest.raises(HostVersionError, match="start_grad_sync"):
+        patch.check_megatron_version()
+
+
+def test_enable_refuses_what_is_not_megatron_ddp():
+    with pytest.raises(ConfigError, match="DistributedDataParallel"):
+        patch.enable(torch.nn.Linear(2, 2), {"compression": {"codec": "int8"}})
+
+
+def test_cpu_shim_refuses_when_cuda_is_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UnsupportedError, match="CUDA is available"):
+        megatron_cpu.install()
+    assert not megatron_cpu.active()
+
+
+def test_cpu_shim_installs_once_and_undoes():
+    from megatron.core.tensor_parallel import random as tp_random
+
+    before = (torch.cuda.current_device, tp_random._get_cuda_rng_state, tp_random.torch)
+    megatron_cpu.install()
+    try:
+        megatron_cpu.install()  # idempotent
+        assert torch.cuda.current_device() == "cpu"
+        assert tp_random._get_cuda_rng_state.__wrapped__ is before[1]
+        # The tracker keeps CPU generator states: forking restores the default stream afterwards.
+        tracker = tp_random.get_cuda_rng_tracker()
+        tracker.reset()
+        tracker.add("model-parallel-rng", 123)
+        torch.manual_seed(7)
+        expected = torch.rand(3)
+        torch.manual_seed(7)
+        with tracker.fork():
+            forked = torch.rand(3)
+        assert torch.equal(torch.rand(3), expected) and not torch.equal(forked, expected)
+    finally:
+        megatron_cpu.undo()
+    assert (torch.cuda.current_device, tp_random._get_cuda_rng_state, tp_random.torch) == before
