@@ -19,7 +19,7 @@ Environment variables (all in one place, all with the ``ROBUST_`` prefix). Set b
 
 Set by ``robust run`` for its ranks (read by ``robust_plugins.watchdog.client``; not for users):
 ``ROBUST_WATCHDOG_SOCKET``, ``ROBUST_RUN_DIR``, ``ROBUST_INJECT``, ``ROBUST_INCARNATION``,
-``ROBUST_SDC_EVERY``.
+``ROBUST_SDC_EVERY``, ``ROBUST_STRAGGLER`` (1: time collectives for the straggler detector).
 """
 
 from __future__ import annotations
@@ -253,6 +253,15 @@ class WatchdogConfig:
     hash, compared across the replicas on a node; a minority hash is silent data corruption).
     0 turns the check off."""
 
+    straggler_factor: float = 2.0
+    """A rank whose median compute time per step (step time minus time inside torch.distributed
+    collectives) over the last ``straggler_window`` steps exceeds this many times the median of
+    its peers' is reported as a straggler (``faults.jsonl``, action ``report``: no restart).
+    0 turns the detector off."""
+
+    straggler_window: int = 20
+    """Steps per rank in the straggler medians; nothing is judged before every rank has this many."""
+
     def __post_init__(self) -> None:
         where = f"{BLOCK_KEY}.watchdog"
         _expect_type(f"{where}.hang_warmup_steps", self.hang_warmup_steps, (int,), "an integer")
@@ -304,6 +313,17 @@ class WatchdogConfig:
         _expect_type(f"{where}.sdc_every_steps", self.sdc_every_steps, (int,), "an integer")
         if self.sdc_every_steps < 0:
             raise ConfigError(f"{where}.sdc_every_steps = {self.sdc_every_steps} must be >= 0 (0: off).")
+        value = _expect_type(f"{where}.straggler_factor", self.straggler_factor, (int, float), "a number")
+        if not (value == 0 or 1 < value < float("inf")):
+            raise ConfigError(
+                f"{where}.straggler_factor = {value!r} must be 0 (off) or a finite number > 1."
+            )
+        _expect_type(f"{where}.straggler_window", self.straggler_window, (int,), "an integer")
+        if self.straggler_window < 3:
+            raise ConfigError(
+                f"{where}.straggler_window = {self.straggler_window} must be >= 3 (a median of fewer "
+                f"steps is one slow step)."
+            )
 
     def describe(self) -> str:
         """One-line summary for logs and ``robust check-config``."""
@@ -312,7 +332,7 @@ class WatchdogConfig:
             f"[{self.hang_min_timeout_s:g}, {self.hang_max_timeout_s:g}] s after "
             f"{self.hang_warmup_steps} steps, {self.hang_initial_timeout_s:g} s before; "
             f"nan_check={self.nan_check}, spike_factor={self.spike_factor:g}, "
-            f"sdc_every_steps={self.sdc_every_steps})"
+            f"sdc_every_steps={self.sdc_every_steps}, straggler_factor={self.straggler_factor:g})"
         )
 
 

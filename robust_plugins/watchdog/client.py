@@ -39,6 +39,7 @@ ENV_RUN_DIR = "ROBUST_RUN_DIR"
 ENV_INJECT = "ROBUST_INJECT"
 ENV_INCARNATION = "ROBUST_INCARNATION"
 ENV_SDC_EVERY = "ROBUST_SDC_EVERY"
+ENV_STRAGGLER = "ROBUST_STRAGGLER"
 
 #: Upper bound of an injected Python hang; the monitor kills the rank long before.
 HANG_INJECT_MAX_S = 3600.0
@@ -56,6 +57,14 @@ class _Client:
         self.param_injections = sorted((i for i in mine if i.kind in _inject.PARAM_KINDS),
                                        key=lambda i: i.step)
         self.sdc_every = int(os.environ.get(ENV_SDC_EVERY, "0") or 0)
+        self.time_comm = os.environ.get(ENV_STRAGGLER, "0") == "1"
+        self.comm = None
+        """A WireCounter open for the process's life (straggler detector on): seconds inside
+        torch.distributed collectives, to split each step into compute and waiting."""
+        self.last_step: int | None = None
+        self.last_end: float | None = None
+        self.last_comm_s = 0.0
+        self.slow_s = 0.0
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         # An abstract address of the kernel's choosing (Linux autobind) so the monitor can answer
         # ok_to_save; elsewhere the socket stays unbound and ok_to_save cannot ask.
@@ -114,6 +123,13 @@ class _Client:
             pass
 
     def step_end(self, step: int, loss: float | None, grad_norm: float | None) -> None:
+        if step == self.last_step:
+            return  # the same step reported twice (the engine's signal and the script's): once
+        self.last_step = step
+        if self.time_comm and self.comm is None:
+            self._open_comm_timer()
+        if self.slow_s:
+            time.sleep(self.slow_s)  # outside any collective: compute time, as a slow GPU's
         fault = self.injections.pop(step, None)
         if fault is not None:
             if fault.kind in ("nan", "spike"):
@@ -131,7 +147,33 @@ class _Client:
                 raise RuntimeError(f"injected {fault.spec()} did not end rank {self.rank}")
             if fault.kind == "hang":
                 (_hang_in_syscall if fault.option == "syscall" else _hang_in_python)(HANG_INJECT_MAX_S)
-        self.send({"k": "end", "s": step, "l": loss, "g": grad_norm})
+            if fault.kind == "slow":
+                self.slow_s = float(fault.option)
+                time.sleep(self.slow_s)
+        now = time.perf_counter()
+        msg: dict[str, Any] = {"k": "end", "s": step, "l": loss, "g": grad_norm}
+        if self.last_end is not None:
+            msg["w"] = now - self.last_end  # wall time since the previous step's end
+            if self.comm is not None:
+                msg["c"] = self.comm.seconds - self.last_comm_s  # of which inside collectives
+        self.last_end = now
+        if self.comm is not None:
+            self.last_comm_s = self.comm.seconds
+        self.send(msg)
+
+    def _open_comm_timer(self) -> None:
+        # Opened at the first step, after the host built its communication backend (DeepSpeed
+        # binds two collectives at start-up, which WireCounter finds only if they exist by then).
+        # Host-side wall time: exact for gloo (blocking calls); with NCCL a call returns at launch
+        # and the wait moves to the next synchronization, so the split is not measured there.
+        try:
+            from robust_plugins.comm.wire import WireCounter
+
+            self.comm = WireCounter().__enter__()
+        except Exception as exc:  # never take training down for a detector
+            self.time_comm = False
+            warn_once(log, "watchdog-comm-timer", "robust watchdog: cannot time collectives (%r); "
+                      "the straggler detector is off for this rank.", exc)
 
 
     def check_params(self, step: int, params: list, group: Any) -> bool:

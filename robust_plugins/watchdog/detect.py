@@ -106,6 +106,40 @@ class RunningMedian:
         return None
 
 
+@dataclass
+class Straggler:
+    """A rank whose compute time per step stays above ``factor`` x its peers' median."""
+
+    rank: int
+    compute_s: float
+    """The rank's median compute time over the window (step time minus collective time)."""
+    peers_s: float
+    """The median of the other ranks' window medians."""
+    ratio: float
+
+
+def stragglers(compute: Mapping[int, Sequence[float]], factor: float, window: int) -> list[Straggler]:
+    """Ranks whose median compute time over their last ``window`` steps exceeds ``factor`` times
+    the median of the other ranks' medians; ``[]`` until every rank has ``window`` values.
+
+    Compute time, not step time: ranks of a data-parallel job wait for each other in every
+    collective, so their step times are equal and only the time *outside* collectives tells the
+    slow rank from those waiting for it. Medians (over steps, then over peers) keep one slow step
+    (garbage collection, a checkpoint save) or one slow peer from deciding. Needs two ranks.
+    """
+    if factor <= 0 or len(compute) < 2:
+        return []
+    if any(len(v) < window for v in compute.values()):
+        return []
+    medians = {r: statistics.median(list(v)[-window:]) for r, v in compute.items()}
+    out = []
+    for r, mine in sorted(medians.items()):
+        peers = statistics.median(m for q, m in medians.items() if q != r)
+        if peers > 0 and mine > factor * peers:
+            out.append(Straggler(r, mine, peers, mine / peers))
+    return out
+
+
 def is_bad_number(value: float | None) -> bool:
     """True for NaN and +-Inf; ``None`` (not reported) is fine."""
     return value is not None and not math.isfinite(value)

@@ -15,6 +15,8 @@ several ``--inject`` flags. A fault fires once per job: when rank ``R`` reports 
 ``spike:rank=1,step=40``   rank 1 reports 1000 x its loss (or ``what=grad_norm``) for step 40
 ``bitflip:rank=2,step=30`` rank 2 flips bit 20 (``bit=N``) of its first parameter's first element
                            in the first ``check_params`` at or after step 30: real corruption
+``slow:rank=1,step=10``    from step 10 on, rank 1 sleeps 0.5 s (``seconds=X``) outside any
+                           collective before reporting each step: a persistent straggler
 =========================  ==================================================================
 """
 
@@ -32,10 +34,17 @@ KINDS: dict[str, dict[str, tuple[str, ...] | None]] = {
     "nan": {"what": ("loss", "grad_norm")},
     "spike": {"what": ("loss", "grad_norm")},
     "bitflip": {"bit": None},
+    "slow": {"seconds": None},
 }
 
 #: Kinds fired by ``check_params`` (the others fire in ``step_end``).
 PARAM_KINDS = ("bitflip",)
+
+#: Default extra seconds a ``slow`` rank spends per step.
+SLOW_DEFAULT_S = 0.5
+
+#: Longest ``slow`` delay accepted: more is a hang, not a straggler.
+SLOW_MAX_S = 60.0
 
 #: A spike multiplies the reported value by this (far above any sensible spike_factor).
 SPIKE_MULTIPLIER = 1000.0
@@ -46,6 +55,7 @@ FORMS = (
     "nan:rank=R,step=S[,what=loss|grad_norm]",
     "spike:rank=R,step=S[,what=loss|grad_norm]",
     "bitflip:rank=R,step=S[,bit=0..31]",
+    "slow:rank=R,step=S[,seconds=X]",
 )
 
 
@@ -54,7 +64,7 @@ class Injection:
     """One fault to inject."""
 
     kind: str
-    """``kill``, ``hang``, ``nan``, ``spike`` or ``bitflip``."""
+    """``kill``, ``hang``, ``nan``, ``spike``, ``bitflip`` or ``slow``."""
 
     rank: int
     """Global rank that misbehaves."""
@@ -64,7 +74,8 @@ class Injection:
 
     option: str = ""
     """The kind's option: signal name for ``kill``, ``python`` or ``syscall`` for ``hang``, ``loss`` or
-    ``grad_norm`` for ``nan`` and ``spike``, the bit index for ``bitflip``."""
+    ``grad_norm`` for ``nan`` and ``spike``, the bit index for ``bitflip``, seconds per step for
+    ``slow``."""
 
     def spec(self) -> str:
         """The canonical text form; ``parse(x.spec()) == [x]``."""
@@ -121,6 +132,15 @@ def _option(part: str, kind: str, values: dict[str, str]) -> str:
         if not bit.isdigit() or not 0 <= int(bit) <= 31:
             raise _error(part, f"bit={bit!r} must be an integer from 0 to 31")
         return str(int(bit))
+    if kind == "slow":
+        text = values.get(key, str(SLOW_DEFAULT_S))
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = float("nan")
+        if not 0 < seconds <= SLOW_MAX_S:
+            raise _error(part, f"seconds={text!r} must be a number in (0, {SLOW_MAX_S:g}]")
+        return repr(seconds)
     if kind == "kill":
         name = values.get(key, "KILL").upper().removeprefix("SIG")
         if not isinstance(getattr(_signal, "SIG" + name, None), _signal.Signals):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import select
+from collections import deque
 import os
 import signal
 import socket
@@ -31,6 +32,7 @@ from robust_plugins.watchdog.detect import (
     is_bad_number,
     localize,
     stalled_ranks,
+    stragglers,
 )
 from robust_plugins.watchdog.faults import Fault, FaultLog
 
@@ -57,6 +59,10 @@ class _RankState:
     """(step, what, value, median, wall time) of the first spike reported in this incarnation."""
     bad_number: tuple[int, str, float | None, float] | None = None
     """(step, what, value, wall time) of the first NaN/Inf reported in this incarnation."""
+    compute: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    """(step, compute seconds, wall time) of the latest steps: step time minus collective time."""
+    straggling: bool = False
+    """Reported as a straggler in this incarnation (once, until it recovers)."""
 
 
 class Monitor:
@@ -73,6 +79,9 @@ class Monitor:
         self.incarnation = -1
         self.ranks: dict[int, _RankState] = {}
         self.all_faults: list[Fault] = []
+        """Faults that stopped the ranks (restart, rollback, or the job's end)."""
+        self.reports: list[Fault] = []
+        """Faults reported without stopping anything (stragglers)."""
         self._pending_resume: Fault | None = None
         self._max_step_before_fault: int | None = None
         self._detected_at: float | None = None
@@ -113,6 +122,7 @@ class Monitor:
             client.ENV_INJECT: _inject.to_env(self.pending_injections),
             client.ENV_INCARNATION: str(self.incarnation + 1),
             client.ENV_SDC_EVERY: str(self.cfg.sdc_every_steps),
+            client.ENV_STRAGGLER: "1" if self.cfg.straggler_factor > 0 else "0",
         }
 
     def begin_incarnation(self, pids: dict[int, int]) -> None:
@@ -209,6 +219,8 @@ class Monitor:
                 step = int(msg["s"])
                 self._note_resume(step)
                 st.progress.on_step(step, now)
+                if msg.get("w") is not None and msg.get("c") is not None:
+                    st.compute.append((step, max(0.0, float(msg["w"]) - float(msg["c"])), msg["t"]))
                 if self.cfg.nan_check and st.bad_number is None:
                     for what, key in (("loss", "l"), ("grad_norm", "g")):
                         if is_bad_number(msg.get(key)):
@@ -388,10 +400,51 @@ class Monitor:
                         "reason": f"{what} = {value:.4g} is {value / median:.1f} x its running "
                                   f"median {median:.4g} at step {step}"},
             ))
+        self._check_stragglers(now_wall)
         stalled, timeout = stalled_ranks(self.cfg, progress, now, finished, history)
         if not stalled:
             return None
         return self._hang(stalled, timeout, will_restart, now)
+
+    def _check_stragglers(self, now_wall: float) -> None:
+        """Report (never restart for) ranks whose compute time stays above its peers'."""
+        window = self.cfg.straggler_window
+        with self._lock:
+            compute = {r: [c for _, c, _ in st.compute] for r, st in self.ranks.items()
+                       if st.registered and not st.finished}
+            found = stragglers(compute, self.cfg.straggler_factor, window)
+            slow = {s.rank for s in found}
+            for r, st in self.ranks.items():
+                if r not in slow:
+                    st.straggling = False  # recovered (or never slow): may be reported again
+            new = [s for s in found if not self.ranks[s.rank].straggling]
+            for s in new:
+                self.ranks[s.rank].straggling = True
+            recent = {s.rank: list(self.ranks[s.rank].compute) for s in new}
+            last_step = self._max_step()
+        for s in new:
+            # Onset: the first step of the latest run of steps above factor x the peers' median.
+            onset, step = recent[s.rank][-1][2], recent[s.rank][-1][0]
+            for st_step, c, t in reversed(recent[s.rank]):
+                if c <= self.cfg.straggler_factor * s.peers_s:
+                    break
+                onset, step = t, st_step
+            fault = Fault(
+                kind="straggler", step=step, suspect_ranks=[s.rank], suspect_hosts=[self.host],
+                detected_after_s=round(max(0.0, now_wall - onset), 3), action="report",
+                incarnation=self.incarnation,
+                detail={"compute_s": round(s.compute_s, 4), "peers_compute_s": round(s.peers_s, 4),
+                        "ratio": round(s.ratio, 2), "factor": self.cfg.straggler_factor,
+                        "window": window, "reported_at_step": last_step,
+                        "reason": f"rank {s.rank} computes {s.compute_s * 1e3:.0f} ms a step, "
+                                  f"{s.ratio:.1f} x its peers' median {s.peers_s * 1e3:.0f} ms "
+                                  f"(median of {window} steps, time in collectives excluded)"},
+            )
+            with self._lock:
+                self.reports.append(fault)
+            self.faults.write(fault)
+            log.warning("robust watchdog: straggler rank %d on %s: %s", s.rank, self.host,
+                        fault.detail["reason"])
 
     def _hang(self, stalled: list[int], timeout: float, will_restart: bool, now: float) -> Fault:
         with self._lock:

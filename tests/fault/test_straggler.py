@@ -1,0 +1,30 @@
+"""``robust run`` end to end: a rank slowed outside its collectives is reported as a straggler
+(rank and host, action ``report``) while training goes on to the fault-free result."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import robust_run
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
+
+
+def test_slow_rank_is_reported_as_a_straggler_and_training_is_not_disturbed(tmp_path, baseline_2):
+    job = robust_run(tmp_path, 2, "--max-restarts", "0", "--inject", "slow:rank=1,step=8,seconds=0.25",
+                     "--watchdog", "straggler_window=8", timeout_s=150)
+    assert job.returncode == 0, job.output[-3000:]
+    (fault,) = job.faults
+    assert (fault["kind"], fault["suspect_ranks"], fault["action"]) == ("straggler", [1], "report")
+    assert fault["suspect_hosts"] and fault["resumed_at_step"] is None
+    # Both ranks take the same time a step (rank 0 waits in the gradient all-reduce); only the
+    # compute time, step time minus time in collectives, names rank 1.
+    detail = fault["detail"]
+    assert detail["ratio"] > 2.0 and detail["compute_s"] > 2.0 * detail["peers_compute_s"]
+    assert detail["peers_compute_s"] < 0.25
+    # Named once the slow steps are the median of the window: after 4 to 8 slow steps.
+    assert 8 <= fault["step"] and 8 + 3 <= detail["reported_at_step"] <= 8 + 8 + 2
+    assert "1 fault(s) recovered" not in job.output and "0 fault(s) recovered" in job.output
+    # A report never restarts: one incarnation, and the result of the run that was never slow.
+    assert len(job.worker_pids()) == 2
+    assert job.result["final_loss"] == baseline_2["final_loss"]
+    assert job.result["params_hash"] == baseline_2["params_hash"]

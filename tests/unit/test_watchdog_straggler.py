@@ -1,0 +1,178 @@
+"""Straggler detection without processes: the pure detector, the settings, ``slow`` injection,
+the client's compute/collective split and the monitor's report (never a restart)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from robust_plugins.config import PluginConfig, WatchdogConfig
+from robust_plugins.errors import ConfigError
+from robust_plugins.watchdog import client, detect, inject
+from robust_plugins.watchdog.faults import read_faults
+
+
+def test_detector_names_the_rank_whose_median_compute_exceeds_factor_times_its_peers():
+    compute = {0: [0.10] * 20, 1: [0.10] * 19 + [0.9], 2: [0.35] * 20, 3: [0.11] * 20}
+    (s,) = detect.stragglers(compute, factor=2.0, window=20)
+    assert s.rank == 2 and s.compute_s == pytest.approx(0.35)
+    assert s.peers_s == pytest.approx(0.10) and s.ratio == pytest.approx(3.5)
+
+
+def test_detector_waits_for_a_full_window_and_ignores_isolated_slow_steps():
+    assert detect.stragglers({0: [0.1] * 5, 1: [1.0] * 4}, 2.0, 5) == []  # rank 1 lacks a window
+    noisy = {0: [0.1, 0.1, 0.9, 0.1, 0.1], 1: [0.1] * 5}  # one garbage-collection pause
+    assert detect.stragglers(noisy, 2.0, 5) == []
+    assert detect.stragglers({0: [0.1] * 5, 1: [1.0] * 5}, 0, 5) == []  # factor 0: off
+    assert detect.stragglers({0: [1.0] * 5}, 2.0, 5) == []  # one rank has no peers
+
+
+def test_detector_at_scale_names_exactly_the_slow_ranks():
+    compute = {r: [0.05 + 0.001 * (r % 7)] * 30 for r in range(1024)}
+    for r in (17, 900):
+        compute[r] = [0.2] * 30
+    assert [s.rank for s in detect.stragglers(compute, 2.0, 30)] == [17, 900]
+
+
+@pytest.mark.parametrize("block, bad", [
+    ({"straggler_factor": 1.0}, "straggler_factor = 1.0 must be 0 (off) or a finite number > 1"),
+    ({"straggler_factor": "2"}, "straggler_factor must be a number"),
+    ({"straggler_window": 2}, "straggler_window = 2 must be >= 3"),
+    ({"straggler_windw": 5}, "straggler_window"),  # did you mean
+])
+def test_bad_straggler_settings_are_refused(block, bad):
+    with pytest.raises(ConfigError) as err:
+        PluginConfig.from_dict({"watchdog": block})
+    assert bad in str(err.value)
+
+
+def test_slow_injection_parses_with_default_and_refuses_bad_seconds():
+    (a, b) = inject.parse("slow:rank=1,step=3,seconds=0.25;slow:rank=0,step=2")
+    assert (a.kind, a.option, b.option) == ("slow", "0.25", str(inject.SLOW_DEFAULT_S))
+    assert inject.parse(a.spec()) == [a]
+    for spec, bad in (("slow:rank=1,step=3,seconds=0", "seconds='0' must be a number in (0, 60]"),
+                      ("slow:rank=1,step=3,seconds=x", "seconds='x'"),
+                      ("slow:rank=1,step=3,delay=1", "unknown key 'delay' for slow")):
+        with pytest.raises(ConfigError, match="Allowed forms") as err:
+            inject.parse(spec)
+        assert bad in str(err.value)
+
+
+def _client_with_server(tmp_path, monkeypatch, inject_spec=""):
+    path = str(tmp_path / "m.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    srv.bind(path)
+    srv.settimeout(5)
+    monkeypatch.setenv(client.ENV_SOCKET, path)
+    monkeypatch.setenv(client.ENV_INJECT, inject_spec)
+    monkeypatch.setenv(client.ENV_STRAGGLER, "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv(client.ENV_RUN_DIR, raising=False)
+    monkeypatch.setattr(client, "_client", None)
+    monkeypatch.setattr(client, "_checked", False)
+    monkeypatch.setattr(client, "_die_with_parent", lambda: None)
+    return srv
+
+
+def test_client_splits_each_step_into_compute_and_collective_time_and_slows_from_step_s(
+        tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    srv = _client_with_server(tmp_path, monkeypatch, "slow:rank=0,step=3,seconds=0.2")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        for step in range(1, 6):
+            client.step_end(step, loss=1.0)
+            if step == 1:
+                client.step_end(1, loss=1.0)  # a second report of the same step: ignored
+        msgs = [json.loads(srv.recv(65536)) for _ in range(7)]
+    finally:
+        dist.destroy_process_group()
+        srv.close()
+        c = client.get_client()
+        if c is not None and c.comm is not None:
+            c.comm.__exit__(None, None, None)
+    kinds = [m["k"] for m in msgs]
+    assert kinds == ["hello", "end", "end", "inject", "end", "end", "end"]
+    ends = {m["s"]: m for m in msgs if m["k"] == "end"}
+    assert "w" not in ends[1] and set(ends) == {1, 2, 3, 4, 5}
+    assert all("c" in ends[s] for s in (2, 3, 4, 5))
+    # From step 3 on the rank sleeps 0.2 s a step outside any collective.
+    for s in (4, 5):
+        assert ends[s]["w"] >= 0.2 and ends[s]["w"] - ends[s]["c"] >= 0.2
+
+
+def test_client_counts_time_inside_collectives(tmp_path, monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    srv = _client_with_server(tmp_path, monkeypatch)
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        client.step_end(1)
+        c = client.get_client()
+        assert c.comm is not None
+        t = torch.zeros(4)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dist.all_reduce(t)
+        inside = c.comm.seconds
+        time.sleep(0.1)  # compute
+        client.step_end(2)
+        msgs = [json.loads(srv.recv(65536)) for _ in range(3)]
+    finally:
+        dist.destroy_process_group()
+        srv.close()
+        c = client.get_client()
+        if c is not None and c.comm is not None:
+            c.comm.__exit__(None, None, None)
+    end = msgs[2]
+    assert end["k"] == "end" and end["s"] == 2
+    assert end["c"] == pytest.approx(inside, abs=1e-9) and 0 < end["c"] < time.perf_counter() - t0
+    assert end["w"] - end["c"] >= 0.1
+
+
+def _wait_for(cond, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_monitor_reports_a_straggler_once_without_stopping_the_ranks(tmp_path):
+    from robust_plugins.watchdog.monitor import Monitor
+
+    cfg = WatchdogConfig(straggler_factor=2.0, straggler_window=5)
+    mon = Monitor(cfg, tmp_path, host="node7")
+    assert mon.worker_env()[client.ENV_STRAGGLER] == "1"
+    try:
+        mon.begin_incarnation({0: 100, 1: 101, 2: 102})
+        tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        now = time.time()
+        for step in range(1, 12):
+            for r in (0, 1, 2):
+                # Equal step times (lockstep); rank 2 computes 0.3 s from step 4, the others wait.
+                compute = 0.3 if (r == 2 and step >= 4) else 0.05
+                w = 0.35 if step >= 4 else 0.1
+                tx.sendto(json.dumps({"k": "end", "r": r, "i": 0, "s": step, "t": now + step, "l": 1.0,
+                                      "w": w, "c": w - compute}).encode(), mon.address)
+        assert _wait_for(lambda: all(mon.ranks[r].progress.last_step == 11 for r in (0, 1, 2)))
+        assert mon.check(will_restart=True) is None  # reported, not a reason to restart
+        assert mon.check(will_restart=True) is None  # and reported once
+        tx.close()
+    finally:
+        mon.close()
+    (line,) = read_faults(tmp_path / "faults.jsonl")
+    assert (line["kind"], line["suspect_ranks"], line["suspect_hosts"], line["action"]) == (
+        "straggler", [2], ["node7"], "report")
+    assert line["step"] == 4  # the first step of the slow run
+    assert line["detail"]["ratio"] == pytest.approx(6.0)
+    assert "rank 2 computes 300 ms" in line["detail"]["reason"]
+    assert mon.all_faults == [] and len(mon.reports) == 1
