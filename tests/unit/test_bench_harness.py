@@ -120,7 +120,7 @@ def test_seeds_must_pair_with_vanilla():
 
 
 def test_known_miss_note_only_for_a_loss_miss_of_a_known_codec():
-    assert len(known_miss_notes(["sign: loss"])) == 1 and "1-bit Adam" in known_miss_notes(["sign: bytes, loss"])[0]
+    assert len(known_miss_notes(["sign: loss"])) == 1 and "sign_ablation" in known_miss_notes(["sign: bytes, loss"])[0]
     assert known_miss_notes(["sign: bytes"]) == [] and known_miss_notes(["int8: loss"]) == []
 
 
