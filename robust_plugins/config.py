@@ -667,8 +667,9 @@ class PluginConfig:
     @property
     def active(self) -> bool:
         """True when a feature that hooks the host engine is configured (the watchdog sub-block
-        alone is read by ``robust run`` and hooks nothing)."""
-        return self.compression is not None or self.checkpoint is not None or self.telemetry is not None
+        alone makes the engine report its steps under ``robust run``)."""
+        return (self.compression is not None or self.checkpoint is not None or self.telemetry is not None
+                or self.watchdog is not None)
 
     def describe(self) -> str:
         """One line naming every active feature with its settings."""

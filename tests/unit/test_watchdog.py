@@ -75,10 +75,11 @@ def test_bad_watchdog_settings_are_refused(block, bad):
     assert bad in str(err.value)
 
 
-def test_watchdog_block_alone_does_not_activate_engine_hooks():
+def test_watchdog_block_alone_attaches_step_signals():
     cfg = PluginConfig.from_dict({"watchdog": {"hang_factor": 4}})
     assert cfg.watchdog == WatchdogConfig(hang_factor=4)
-    assert not cfg.active and "watchdog(hang_timeout=4 x p99" in cfg.describe()
+    # Active: deepspeed.initialize attaches the engine's step signals (under robust run only).
+    assert cfg.active and "watchdog(hang_timeout=4 x p99" in cfg.describe()
 
 
 # -- learned timeout ---------------------------------------------------------------------------------
