@@ -122,6 +122,10 @@ def install() -> None:
         bound = signature.bind_partial(*args, **kwargs)
         plugin_cfg = PluginConfig.from_ds_config(_find_ds_config(bound.arguments))
         if not plugin_cfg.active:
+            if plugin_cfg.watchdog is not None and current_rank() == 0:
+                # Validated above; said aloud so a user does not expect initialize to act on it.
+                log.warning("robust_plugins: the 'watchdog' sub-block is read by `robust run` "
+                            "(--watchdog-config); deepspeed.initialize attaches nothing for it.")
             return original(*args, **kwargs)
         _refuse_before_init(bound.arguments, plugin_cfg)
         result = original(*args, **kwargs)
@@ -284,8 +288,6 @@ class DeepSpeedPlugin:
         """Step of the last automatic save (``checkpoint.persist_every``)."""
         self.memory = None
         """In-memory snapshots (``checkpoint.memory_every``, ``patches/deepspeed_memory.py``); or None."""
-        self.watchdog = None
-        """Step signals to ``robust run`` (``patches/deepspeed_watchdog.py``); None outside it."""
 
     def state_dict(self) -> dict:
         """Per-rank plugin state saved next to DeepSpeed's checkpoint files."""
@@ -327,11 +329,6 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
 
         deepspeed_telemetry.attach_telemetry(engine, plugin)
         add_step_observer(engine, deepspeed_telemetry.on_step)
-    # Under robust run, with any sub-block: the engine reports its steps (no step_end in the
-    # script). Last, because it wraps engine.backward around telemetry's.
-    from robust_plugins.patches import deepspeed_watchdog
-
-    deepspeed_watchdog.attach_watchdog(engine, plugin)
 
     comm_dtype = engine.communication_data_type
     if (config.compression is not None and config.compression.compresses
@@ -352,11 +349,9 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
     return plugin
 
 
-def add_step_observer(engine, observer, first: bool = False) -> None:
+def add_step_observer(engine, observer) -> None:
     """Call ``observer(engine)`` after every ``engine.step()`` that completed an optimizer step
-    (``global_steps`` moved: at a gradient-accumulation boundary), in registration order
-    (``first=True``: before those already registered; the watchdog's step signal uses it so that
-    the other observers can read its numbers with ``deepspeed_watchdog.latest_step``).
+    (``global_steps`` moved: at a gradient-accumulation boundary), in registration order.
 
     The first registration shadows ``engine.step`` on this instance, around whatever is there
     (DeepSpeed's method or another robust_plugins wrapper such as ``persist_every``'s); adding the
@@ -379,7 +374,7 @@ def add_step_observer(engine, observer, first: bool = False) -> None:
         # observers must also run around persist_every's wrapper.
         engine.step = _guard.wrap(inner, step)
     if observer not in observers:
-        observers.insert(0, observer) if first else observers.append(observer)
+        observers.append(observer)
 
 
 def detach(engine) -> None:
@@ -620,6 +615,20 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
             tag = plugin.disk.select(load_dir, tag)
             if tag is None:
                 return None, None  # an empty directory: a fresh start, as DeepSpeed reports it
+            from robust_plugins.checkpoint.persist import is_snapshot_checkpoint
+
+            if is_snapshot_checkpoint(load_dir, tag):
+                # Written by the background saver (memory_every + persist_every): no DeepSpeed files.
+                if plugin.memory is None:
+                    raise CheckpointError(
+                        f"{load_dir}/{tag} was written by robust_plugins' background saver "
+                        f"(checkpoint.memory_every with persist_every); loading it needs memory_every "
+                        f"in this job's checkpoint block too.")
+                plugin.memory.load_from_disk(load_dir, tag)
+                from robust_plugins.patches.deepspeed_memory import record_restore
+
+                record_restore(engine.global_steps, f"disk:{tag}", time.perf_counter() - t0)
+                return os.path.join(load_dir, tag), {}
             with _weights_only_loads(engine):
                 load_path, client_state = original(load_dir, tag, *args, **kwargs)
             if load_path is None:
@@ -685,8 +694,10 @@ def _step_with_persist(engine, plugin: DeepSpeedPlugin):
         if plugin.memory is not None:
             plugin.memory.after_step()
         # global_steps moves only at gradient-accumulation boundaries; save once per such step.
+        # With memory snapshots the snapshot thread writes these saves in the background.
         n = engine.global_steps
-        if every and n % every == 0 and n != plugin.persisted_at:
+        background = plugin.memory is not None and plugin.memory.persister is not None
+        if every and not background and n % every == 0 and n != plugin.persisted_at:
             plugin.persisted_at = n
             engine.save_checkpoint(plugin.config.checkpoint.dir)
         return result

@@ -37,7 +37,10 @@ import torch
 
 from robust_plugins._logging import get_logger
 from robust_plugins.checkpoint import flat, memory
+from robust_plugins.checkpoint.disk import DiskCheckpointer
 from robust_plugins.checkpoint.peer import PeerBackup, plan_peers
+from robust_plugins.checkpoint.persist import FORMAT as PERSIST_FORMAT
+from robust_plugins.checkpoint.persist import SnapshotPersister, load_snapshot_checkpoint
 from robust_plugins.checkpoint.restore import restore_from_memory
 from robust_plugins.errors import CheckpointError, UnsupportedError
 
@@ -118,6 +121,16 @@ class MemorySnapshots:
         self.job = memory.job_key()
         self._user: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self.peers: PeerBackup | None = None
+        self.persister: SnapshotPersister | None = None
+        """Background disk saves of snapshots (``persist_every`` with ``memory_every``)."""
+        self.persist_every = cfg.persist_every
+        group = None
+        if cfg.peer_backup or cfg.persist_every:
+            import torch.distributed as tdist
+
+            # A separate gloo group: the snapshot thread sends and agrees on it while training
+            # uses the default one.
+            group = tdist.new_group(backend="gloo")
         if cfg.peer_backup:
             import torch.distributed as tdist
 
@@ -133,15 +146,18 @@ class MemorySnapshots:
             groups.append(tdist.get_process_group_ranks(engine.seq_data_parallel_group)
                           if getattr(engine, "seq_data_parallel_group", None) is not None else list(range(self.world)))
             holders = plan_peers(hosts, groups)
-            # A separate gloo group: the snapshot thread sends on it while training uses the default one.
-            group = tdist.new_group(backend="gloo")
             self.peers = PeerBackup(self.job, self.rank, holders, group, timeout_s=self.timeout_s)
             if self.rank == 0:
                 log.info("robust_plugins: peer backup holders %s (hosts %s)", holders, sorted(set(hosts)))
-        self.store = memory.SnapshotStore(
-            self.job, self.rank, self.world, allowed=_allowed(),
-            after_commit=(lambda _i, slot: self.peers.exchange(slot)) if self.peers is not None else None,
-        )
+        if cfg.persist_every:
+            disk = plugin.disk
+            self.persister = SnapshotPersister(
+                DiskCheckpointer(cfg, rank=self.rank, world_size=self.world,
+                                 layout={**disk.layout, "format": PERSIST_FORMAT}, versions=disk.versions,
+                                 group=group),
+                cfg.dir)
+        self.store = memory.SnapshotStore(self.job, self.rank, self.world, allowed=_allowed(),
+                                          after_commit=self._after_commit)
         self.taken_at: int | None = None
         self.blocking_s: list[float] = []
         """Seconds each snapshot of this process blocked the training loop."""
@@ -200,10 +216,21 @@ class MemorySnapshots:
             self._user[name][1](value)
 
     # ---------------------------------------------------------------------------------- hooks
+    def _after_commit(self, _index: int, slot) -> None:
+        # On the snapshot thread, in step order on every rank: peer copy, then (every
+        # persist_every steps) the disk checkpoint written from the same committed slot.
+        if self.peers is not None:
+            self.peers.exchange(slot)
+        step = slot.header().step
+        if self.persister is not None and step % self.persist_every == 0:
+            self.persister.persist(slot, step)
+
     def after_step(self) -> None:
-        """Called after ``engine.step()``: snapshot at every ``memory_every``-th optimizer step."""
+        """Called after ``engine.step()``: snapshot at every ``memory_every``-th optimizer step
+        (and at every ``persist_every``-th, which the background save writes from)."""
         n = self.engine.global_steps
-        if n % self.every == 0 and n != self.taken_at:
+        due = n % self.every == 0 or (self.persister is not None and n % self.persist_every == 0)
+        if due and n != self.taken_at:
             self.taken_at = n
             self.blocking_s.append(self.store.save(n, self.capture()))
 
@@ -220,6 +247,12 @@ class MemorySnapshots:
         self.restored = {"step": step, "source": source, "seconds": time.perf_counter() - t0}
         record_restore(step, source, self.restored["seconds"])
         return step, source
+
+    def load_from_disk(self, root: str, tag: str) -> None:
+        """Apply this rank's state from a verified checkpoint written by the background saver."""
+        step, state = load_snapshot_checkpoint(root, tag, self.rank, self.job, self.world, _allowed())
+        self.apply(state)
+        self.taken_at = step
 
     def close(self, remove: bool) -> None:
         """Finish pending hand-offs; with ``remove`` delete this rank's shared-memory files."""

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from robust_plugins.errors import CheckpointError
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def _distributed(group=None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def _wait(work, timeout_s: float, what: str) -> None:
@@ -33,36 +33,37 @@ def _wait(work, timeout_s: float, what: str) -> None:
         ) from exc
 
 
-def all_gather_json(value: Any, timeout_s: float, what: str, device: torch.device | str = "cpu") -> list[Any]:
-    """Every rank's ``value`` (JSON-serializable), in rank order."""
-    if not _distributed():
+def all_gather_json(value: Any, timeout_s: float, what: str, device: torch.device | str = "cpu",
+                    group: Any = None) -> list[Any]:
+    """Every rank's ``value`` (JSON-serializable), in rank order (of ``group``; default: world)."""
+    if not _distributed(group):
         return [json.loads(json.dumps(value))]
     payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     _wait(dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=device),
-                          async_op=True), timeout_s, what)
+                          group=group, async_op=True), timeout_s, what)
     longest = int(max(t.item() for t in lengths))
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     chunks = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    _wait(dist.all_gather(chunks, padded, async_op=True), timeout_s, what)
+    _wait(dist.all_gather(chunks, padded, group=group, async_op=True), timeout_s, what)
     return [json.loads(c[: int(n.item())].cpu().numpy().tobytes().decode()) for c, n in zip(chunks, lengths)]
 
 
 def broadcast_json(value: Any, timeout_s: float, what: str, src: int = 0,
-                   device: torch.device | str = "cpu") -> Any:
-    """Rank ``src``'s ``value`` on every rank (other ranks' ``value`` is ignored)."""
-    if not _distributed():
+                   device: torch.device | str = "cpu", group: Any = None) -> Any:
+    """Global rank ``src``'s ``value`` on every rank of ``group`` (others' ``value`` is ignored)."""
+    if not _distributed(group):
         return json.loads(json.dumps(value))
     is_src = dist.get_rank() == src
     data = json.dumps(value).encode() if is_src else b""
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    _wait(dist.broadcast(length, src, async_op=True), timeout_s, what)
+    _wait(dist.broadcast(length, src, group=group, async_op=True), timeout_s, what)
     buf = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
     if is_src:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    _wait(dist.broadcast(buf, src, async_op=True), timeout_s, what)
+    _wait(dist.broadcast(buf, src, group=group, async_op=True), timeout_s, what)
     return json.loads(buf.cpu().numpy().tobytes().decode())
 
 

@@ -39,8 +39,11 @@ class DiskCheckpointer:
 
     def __init__(self, config: CheckpointConfig, rank: int, world_size: int,
                  layout: Mapping[str, Any] | None = None, versions: Mapping[str, str] | None = None,
-                 device: Any = "cpu") -> None:
+                 device: Any = "cpu", group: Any = None) -> None:
         self.config = config
+        self.group = group
+        """Process group of the save/load agreement (None: the default group). A save from a
+        background thread uses its own group, so it never interleaves with training's collectives."""
         self.rank = rank
         self.world_size = world_size
         self.layout = dict(layout or {})
@@ -82,7 +85,7 @@ class DiskCheckpointer:
             except OSError as exc:
                 setup_error = f"rank 0 cannot create {staging}: {exc}"
         outcome = coord.broadcast_json(setup_error, self.config.timeout_s,
-                                       f"checkpoint {tag}: creating {staging}", device=self.device)
+                                       f"checkpoint {tag}: creating {staging}", device=self.device, group=self.group)
         if outcome is not None:
             raise CheckpointError(f"Checkpoint save of {tag!r} into {root} failed: {outcome}. Nothing was "
                                   f"written; check that the directory is writable.")
@@ -118,14 +121,16 @@ class DiskCheckpointer:
                 self.fail(exc)
         self.last_save = {"hash_s": time.perf_counter() - t0}
         reports = coord.all_gather_json({"error": self._error, "files": entries}, self.config.timeout_s,
-                                        f"checkpoint {tag}: gathering file hashes", device=self.device)
+                                        f"checkpoint {tag}: gathering file hashes", device=self.device,
+                                        group=self.group)
         outcome: dict[str, Any] = {}
         if self.rank == 0:
             t1 = time.perf_counter()
             outcome = self._commit(root, tag, step, save_latest, reports)
             self.last_save["commit_s"] = time.perf_counter() - t1
         outcome = coord.broadcast_json(outcome, self.config.timeout_s,
-                                       f"checkpoint {tag}: waiting for rank 0's commit", device=self.device)
+                                       f"checkpoint {tag}: waiting for rank 0's commit", device=self.device,
+                                       group=self.group)
         self._staging = None
         if outcome.get("error"):
             raise CheckpointError(outcome["error"])
@@ -199,7 +204,8 @@ class DiskCheckpointer:
         if self.rank == 0:
             decision = self._decide(root, tag)
         decision = coord.broadcast_json(decision, self.config.timeout_s,
-                                        f"checkpoint load from {root}: agreeing on the tag", device=self.device)
+                                        f"checkpoint load from {root}: agreeing on the tag", device=self.device,
+                                        group=self.group)
         if decision.get("error"):
             raise CheckpointError(decision["error"])
         return decision.get("tag")

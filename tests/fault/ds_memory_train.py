@@ -13,6 +13,7 @@ import robust_plugins  # noqa: F401,I001  (installs the DeepSpeed patch before d
 import argparse
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import deepspeed
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from robust_plugins import watchdog
+from robust_plugins.checkpoint import memory
 from robust_plugins.workloads import build_gpt, get_batch, load_corpus
 
 MICRO_BATCH = 4
@@ -30,11 +32,23 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--persist-every", type=int, default=8)
     p.add_argument("--stage", type=int, default=1)
+    p.add_argument("--lose-node", default="",
+                   help="comma-separated ranks whose shared memory (own snapshots and the copies they "
+                        "keep) is wiped before a restarted incarnation restores: a lost node")
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    lost = {int(r) for r in args.lose_node.split(",") if r}
+    if int(os.environ.get("ROBUST_INCARNATION", "0")) > 0 and int(os.environ["RANK"]) in lost:
+        # Before anything maps them: each rank deletes only its own files (own slots, and the
+        # copies it keeps), which is what a node that came back empty looks like.
+        job, rank = memory.job_key(), int(os.environ["RANK"])
+        for path in memory.job_files(job):
+            name = os.path.basename(path)
+            if f".r{rank:05d}.s" in name or f".at{rank:05d}." in name:
+                os.remove(path)
     deepspeed.init_distributed(dist_backend="gloo")
     model = build_gpt("tiny", 0)
     config = {
@@ -49,9 +63,9 @@ def main() -> None:
                                           "persist_every": args.persist_every, "timeout_s": 60}},
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    rank, world = dist.get_rank(), dist.get_world_size()
     engine.load_checkpoint(args.ckpt_dir)  # memory -> peer copy -> disk; nothing on a first start
     start = engine.global_steps + 1
-    rank, world = dist.get_rank(), dist.get_world_size()
     corpus = load_corpus(max_bytes=200_000)
     loss_value = None
     for step in range(start, args.steps + 1):

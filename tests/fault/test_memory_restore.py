@@ -58,3 +58,27 @@ def test_random_sigkill_resumes_from_memory_bitwise(tmp_path, nproc):
     assert "in-memory snapshots skipped" in clean.output
     assert _shm_files(clean) == [] and _shm_files(job) == []
     assert "removed" in job.output and "in-memory snapshot file(s)" in job.output
+
+
+def test_a_lost_node_restores_from_the_peers_on_the_other_node(tmp_path):
+    """4 ranks on 2 simulated nodes (2x2): a rank of node 0 is SIGKILLed and, on restart, both
+    node-0 ranks find their shared memory empty; their state comes from node 1's copies."""
+    pytest.importorskip("deepspeed")
+    rng = random.Random()
+    rank, step = rng.randrange(2), rng.randrange(3, STEPS)
+    where = f"(kill:rank={rank},step={step})"
+    env = {"ROBUST_TOPOLOGY_SIM": "2x2"}
+    args = [SCRIPT, "--steps", str(STEPS), "--persist-every", "100", "--lose-node", "0,1"]
+    clean = robust_run(tmp_path / "clean", 4, "--max-restarts", "0", timeout_s=150, script=args, env=env)
+    assert clean.returncode == 0 and clean.faults == [], clean.output[-3000:]
+    job = robust_run(tmp_path / "kill", 4, "--max-restarts", "1", "--inject", f"kill:rank={rank},step={step}",
+                     timeout_s=150, script=args, env=env)
+    assert job.returncode == 0, f"{where}\n{job.output[-3000:]}"
+    restores = {r["rank"]: r for r in _restores(job) if r["incarnation"] > 0}
+    # plan_peers on 2x2: node 0's ranks 0, 1 are kept by node 1's ranks 2, 3 and vice versa
+    assert {r: restores[r]["source"] for r in range(4)} == {0: "peer:2", 1: "peer:3", 2: "memory", 3: "memory"}, where
+    (resumed,) = {r["step"] for r in restores.values()}
+    assert resumed in (step - 1, step), where
+    assert job.result["params_hash"] == clean.result["params_hash"], where
+    assert job.result["fp32_hashes"] == clean.result["fp32_hashes"], where
+    assert _shm_files(job) == []

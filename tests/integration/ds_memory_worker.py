@@ -9,6 +9,7 @@ previous engine left in /dev/shm (and on disk), exactly what a restarted process
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from robust_plugins.checkpoint import memory
+from robust_plugins.checkpoint import memory, persist
 from robust_plugins.workloads.gpt import build_gpt
 from robust_plugins.workloads.text import get_batch, load_corpus
 
@@ -137,7 +138,7 @@ def main() -> None:
     job = gather(uuid.uuid4().hex)[0]
     os.environ[memory.ENV_JOB] = job
     key = memory.job_key()
-    block = {"checkpoint": {"dir": root, "memory_every": 1, "peer_backup": True},
+    block = {"checkpoint": {"dir": root, "memory_every": 1, "peer_backup": True, "persist_every": 3},
              "compression": {"codec": "int8", "block_size": 256}}
 
     # Reference: uninterrupted, same block (snapshots every step, disk save at 4).
@@ -145,13 +146,26 @@ def main() -> None:
     ref = make_engine(args.stage, {"compression": block["compression"]})
     res["reference"] = {"losses": train(ref, STEPS, corpus), "digests": digests(ref)}
 
-    # Main: snapshots every step + a disk checkpoint at step 4; stop at 5 (the "crash").
+    # Main: snapshots every step; the background save of step 3 fails (ENOSPC on rank 1); a
+    # foreground DeepSpeed save at step 4; stop at 5 (the "crash").
     os.environ[memory.ENV_JOB] = job
     torch.manual_seed(7)
     data = DataPosition()
     eng = make_engine(args.stage, block)
     eng.robust_plugins.memory.register("data", data.get, data.set)
+    real_write = persist._write
+
+    def full_disk(slot, path):
+        if rank == 1 and slot.header().step == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        real_write(slot, path)
+
+    persist._write = full_disk
     losses = train(eng, 4, corpus, data)
+    eng.robust_plugins.memory.store.flush()
+    persist._write = real_write
+    res["failed_persist"] = {"log": records.take(), "dirs": sorted(os.listdir(root)) if os.path.isdir(root) else [],
+                             "failures": gather(len(eng.robust_plugins.memory.persister.failures))}
     eng.save_checkpoint(root)
     losses += train(eng, 5, corpus, data)
     eng.robust_plugins.memory.store.flush()
@@ -209,12 +223,25 @@ def main() -> None:
         corrupt_newest(e3.robust_plugins.memory.peers.held)
     dist.barrier()
     e4, res["common"] = restart(seed=8, until=STEPS)
-    # 5. every snapshot is gone: the newest verified disk checkpoint (step 4) is used.
+    res["dirs_after_runs"] = sorted(os.listdir(root))
+    res["persisted"] = e1.robust_plugins.memory.persister.saved
+    # 5. every snapshot is gone: the newest verified disk checkpoint, step 6 written in the
+    # background (snapshot format), is used.
     dist.barrier()
     if rank == 0:
         memory.remove_job(key)
     dist.barrier()
     e5, res["disk"] = restart(seed=9, until=STEPS)
+    # 6. snapshots gone and step 6's file on disk corrupted: skipped, DeepSpeed's own step 4 is used.
+    dist.barrier()
+    if rank == 0:
+        memory.remove_job(key)
+        path = pathlib.Path(root, "global_step6", persist.FILE.format(rank=1))
+        data_ = bytearray(path.read_bytes())
+        data_[-10] ^= 0xFF
+        path.write_bytes(bytes(data_))
+    dist.barrier()
+    e6, res["older_disk"] = restart(seed=10, until=STEPS)
     res["files_before_end"] = sorted(os.path.basename(f) for f in memory.job_files(key))
     res["job_key"] = key
     if rank == 0:

@@ -10,7 +10,10 @@ fresh engine from a differently seeded model and RNG, so only restored state can
   restores the same step from its peer's copy;
 * rank 0's newest slot and rank 1's copy of it corrupted -> both ranks go back one step (the
   newest step every rank has), rank 0 from its other slot (the double buffer);
-* every snapshot gone -> newest verified disk checkpoint (step 4), with a log line saying why;
+* ``persist_every: 3`` saves from the snapshot thread (background): a save that hits ENOSPC on
+  one rank is logged as an error on every rank, commits nothing, and training goes on;
+* every snapshot gone -> newest verified disk checkpoint (step 6, written in the background),
+  with a log line saying why; that one corrupted too -> skipped, DeepSpeed's own step 4 is used;
   every path ends bitwise equal (weights and optimizer state on every rank) to the reference.
 """
 
@@ -87,10 +90,32 @@ def test_without_a_usable_newest_copy_every_rank_goes_back_to_the_common_step(ru
     assert c["digests"] == r["reference"]["digests"]
 
 
-def test_no_snapshot_falls_back_to_the_newest_verified_disk_checkpoint(run):
+def test_failed_background_save_is_reported_and_training_goes_on(run):
+    _, _, r = run
+    f = r["failed_persist"]
+    assert f["failures"] == [1, 1]  # every rank counts it
+    (err,) = [ln for ln in f["log"] if ln.startswith("ERROR") and "background save of step 3" in ln]
+    assert "rank 1" in err and "No space left on device" in err and "was not committed" in err
+    assert "global_step3" not in f["dirs"] and ".tmp-global_step3" not in f["dirs"]
+    assert r["main"]["losses"] == r["reference"]["losses"][:5]  # training went on, unchanged
+
+
+def test_background_saves_are_verified_checkpoints(run):
+    _, _, r = run
+    assert [d for d in r["dirs_after_runs"] if d.startswith("global_step")] == ["global_step4", "global_step6"]
+    assert [p["step"] for p in r["persisted"]] == [6]
+
+
+def test_no_snapshot_falls_back_to_the_newest_verified_disk_checkpoint_then_older(run):
     _, _, r = run
     d = r["disk"]
-    assert d["resumed_at"] == 4 and d["load_path"].endswith("global_step4/mp_rank_00_model_states.pt")
+    assert d["resumed_at"] == 6 and d["load_path"].endswith("global_step6")
     assert any("in-memory snapshots skipped" in ln and "no snapshot in memory" in ln for ln in d["log"])
-    assert d["losses"] == r["reference"]["losses"][4:8]
+    assert d["losses"] == r["reference"]["losses"][6:8]
     assert d["digests"] == r["reference"]["digests"]
+    o = r["older_disk"]
+    assert o["resumed_at"] == 4 and o["load_path"].endswith("global_step4/mp_rank_00_model_states.pt")
+    (skip,) = [ln for ln in o["log"] if "skipped checkpoint" in ln]
+    assert "global_step6" in skip and "robust_snapshot_rank00001.bin" in skip and "corrupted" in skip
+    assert o["losses"] == r["reference"]["losses"][4:8]
+    assert o["digests"] == r["reference"]["digests"]
