@@ -122,10 +122,6 @@ def install() -> None:
         bound = signature.bind_partial(*args, **kwargs)
         plugin_cfg = PluginConfig.from_ds_config(_find_ds_config(bound.arguments))
         if not plugin_cfg.active:
-            if plugin_cfg.watchdog is not None and current_rank() == 0:
-                # Validated above; said aloud so a user does not expect initialize to act on it.
-                log.warning("robust_plugins: the 'watchdog' sub-block is read by `robust run` "
-                            "(--watchdog-config); deepspeed.initialize attaches nothing for it.")
             return original(*args, **kwargs)
         _refuse_before_init(bound.arguments, plugin_cfg)
         result = original(*args, **kwargs)
@@ -288,6 +284,8 @@ class DeepSpeedPlugin:
         """Step of the last automatic save (``checkpoint.persist_every``)."""
         self.memory = None
         """In-memory snapshots (``checkpoint.memory_every``, ``patches/deepspeed_memory.py``); or None."""
+        self.watchdog = None
+        """Step signals to ``robust run`` (``patches/deepspeed_watchdog.py``); None outside it."""
 
     def state_dict(self) -> dict:
         """Per-rank plugin state saved next to DeepSpeed's checkpoint files."""
@@ -329,6 +327,11 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
 
         deepspeed_telemetry.attach_telemetry(engine, plugin)
         add_step_observer(engine, deepspeed_telemetry.on_step)
+    # Under robust run, with any sub-block: the engine reports its steps (no step_end in the
+    # script). Last, because it wraps engine.backward around telemetry's.
+    from robust_plugins.patches import deepspeed_watchdog
+
+    deepspeed_watchdog.attach_watchdog(engine, plugin)
 
     comm_dtype = engine.communication_data_type
     if (config.compression is not None and config.compression.compresses
@@ -349,9 +352,11 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
     return plugin
 
 
-def add_step_observer(engine, observer) -> None:
+def add_step_observer(engine, observer, first: bool = False) -> None:
     """Call ``observer(engine)`` after every ``engine.step()`` that completed an optimizer step
-    (``global_steps`` moved: at a gradient-accumulation boundary), in registration order.
+    (``global_steps`` moved: at a gradient-accumulation boundary), in registration order
+    (``first=True``: before those already registered; the watchdog's step signal uses it so that
+    the other observers can read its numbers with ``deepspeed_watchdog.latest_step``).
 
     The first registration shadows ``engine.step`` on this instance, around whatever is there
     (DeepSpeed's method or another robust_plugins wrapper such as ``persist_every``'s); adding the
@@ -374,7 +379,7 @@ def add_step_observer(engine, observer) -> None:
         # observers must also run around persist_every's wrapper.
         engine.step = _guard.wrap(inner, step)
     if observer not in observers:
-        observers.append(observer)
+        observers.insert(0, observer) if first else observers.append(observer)
 
 
 def detach(engine) -> None:
