@@ -30,7 +30,8 @@ NOTES = (
     "Each number is the median of the timed calls of one method on one bucket, from a barrier "
     "before the call to a barrier after it, on rank 0; every method first runs once untimed. "
     "vs flat fp32 is flat fp32's median divided by the method's (above 1: faster). rel. error is "
-    "||result - flat fp32 result|| / ||flat fp32 result|| of the first call (no error feedback yet); "
+    "||result - flat fp32 result|| / ||flat fp32 result|| of the first call (no error feedback yet), the "
+    "largest over the rates (auto's choice differs by rate); "
     "hier fp32 differs from flat fp32 only by the order of the fp32 additions. The simulator's "
     "inter-node links are veth pairs between network namespaces with `tc tbf` on both ends; ranks "
     "of one node talk over loopback. All ranks share the machine's CPU cores (with other jobs: "
@@ -113,8 +114,8 @@ def rows(results: dict[str, Any], methods: Sequence[str]) -> list[list[str]]:
             med = statistics.median(m["times_s"])
             base = statistics.median(res["methods"]["flat fp32"]["times_s"]) if "flat fp32" in res["methods"] else None
             row += [f"{med * 1e3:.0f}", f"{base / med:.2f}x" if base else "-"]
-        first = next(iter(results.values()))["methods"].get(name)
-        row.append(f"{first['rel_error']:.1e}" if first else "-")
+        errors = [r["methods"][name]["rel_error"] for r in results.values() if name in r["methods"]]
+        row.append(f"{max(errors):.1e}" if errors else "-")
         note = [str(r["methods"][name]["choice"]) for r in results.values()
                 if name in r["methods"] and "choice" in r["methods"][name]]
         row.append(", ".join(note))

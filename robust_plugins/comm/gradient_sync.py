@@ -214,7 +214,10 @@ class GradientSync:
             ef_key = ("hierarchical", key) if groups.plan is not None else key
             # Every rank reduces this bucket now, each on its own rail: agree over the whole
             # data-parallel group so that all rails pick the same codec.
-            codec = self._codec(tensor, rail, -(-tensor.numel() // per_node), ef_key, agree_group=group)
+            import torch.distributed as dist
+
+            world = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
+            codec = self._codec(tensor, rail, -(-tensor.numel() // per_node), ef_key, agree_group=world)
             state = self.states.get(codec)
             self.stats.hierarchical_elements += tensor.numel()
             return hierarchical_all_reduce(tensor, groups, codec=None if state else codec, op="sum",
