@@ -7,7 +7,7 @@ from typing import Any, Hashable
 import torch
 
 from robust_plugins.config import CompressionConfig
-from robust_plugins.errors import CheckpointError, RobustPluginsError
+from robust_plugins.errors import CheckpointError, ConfigError, RobustPluginsError
 
 #: Bumped when the layout of :meth:`CompressionState.state_dict` changes.
 STATE_DICT_VERSION = 1
@@ -63,6 +63,12 @@ class CompressionState:
         *,
         process_group: Any = None,
     ):
+        if codec == "auto":
+            raise ConfigError(
+                "CompressionState needs a fixed codec (none, bf16, int8, int4, sign): codec 'auto' is decided "
+                "per bucket by robust_plugins.comm.gradient_sync.GradientSync (the DeepSpeed integration), "
+                "which keeps one CompressionState per candidate codec."
+            )
         self.config = CompressionConfig(
             codec=codec, block_size=block_size, error_feedback=error_feedback, min_numel=min_numel
         )

@@ -128,3 +128,10 @@ def test_gradient_sync_auto_keeps_one_state_per_codec_and_refuses_the_single_sta
     assert torch.equal(t, want) and sync.stats.by_codec == {"none": 1000}  # world of one: none
     assert sync.stats.auto_decisions[0]["codec"] == "none"
     assert set(sync.state_dict()["compression_auto"]) == {"bf16", "int4", "int8"}
+
+
+def test_a_single_compression_state_refuses_auto():
+    from robust_plugins.comm import CompressionState
+
+    with pytest.raises(ConfigError, match="needs a fixed codec.*decided per bucket by"):
+        CompressionState(codec="auto")
