@@ -320,8 +320,10 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
         _guard.bind_instance(opt, "gradient_reduction_w_predivide", _zero_predivide(opt, plugin))
     _guard.bind_instance(engine, "save_checkpoint", _save_checkpoint(engine, plugin))
     _guard.bind_instance(engine, "load_checkpoint", _load_checkpoint(engine, plugin))
-    if config.checkpoint is not None and (config.checkpoint.persist_every or config.checkpoint.memory_every):
+    if config.checkpoint is not None and config.checkpoint.persist_every:
         _guard.bind_instance(engine, "step", _step_with_persist(engine, plugin))
+    if plugin.memory is not None:
+        add_step_observer(engine, plugin.memory.on_step)
     if config.telemetry is not None:
         from robust_plugins.patches import deepspeed_telemetry
 
@@ -696,8 +698,6 @@ def _step_with_persist(engine, plugin: DeepSpeedPlugin):
 
     def step(lr_kwargs=None):
         result = original(lr_kwargs)
-        if plugin.memory is not None:
-            plugin.memory.after_step()
         # global_steps moves only at gradient-accumulation boundaries; save once per such step.
         # With memory snapshots the snapshot thread writes these saves in the background.
         n = engine.global_steps

@@ -41,7 +41,7 @@ from robust_plugins.checkpoint.disk import DiskCheckpointer
 from robust_plugins.checkpoint.peer import PeerBackup, plan_peers
 from robust_plugins.checkpoint.persist import FORMAT as PERSIST_FORMAT
 from robust_plugins.checkpoint.persist import SnapshotPersister, load_snapshot_checkpoint
-from robust_plugins.checkpoint.restore import restore_from_memory
+from robust_plugins.checkpoint.restore import restore_from_memory, rollback_bound
 from robust_plugins.errors import CheckpointError, UnsupportedError
 
 log = get_logger(__name__)
@@ -225,9 +225,10 @@ class MemorySnapshots:
         if self.persister is not None and step % self.persist_every == 0:
             self.persister.persist(slot, step)
 
-    def after_step(self) -> None:
-        """Called after ``engine.step()``: snapshot at every ``memory_every``-th optimizer step
-        (and at every ``persist_every``-th, which the background save writes from)."""
+    def on_step(self, engine=None) -> None:
+        """Step observer (``add_step_observer``), after every optimizer step: snapshot at every
+        ``memory_every``-th step (and every ``persist_every``-th, which the background save
+        writes from)."""
         n = self.engine.global_steps
         due = n % self.every == 0 or (self.persister is not None and n % self.persist_every == 0)
         if due and n != self.taken_at:
@@ -238,7 +239,7 @@ class MemorySnapshots:
         """Restore from memory (own, then a peer's copy) on every rank; (step, source) or None."""
         t0 = time.perf_counter()
         found = restore_from_memory(self.store, self.peers, self.timeout_s, disk_step=disk_step,
-                                    device=self.engine.device)
+                                    device=self.engine.device, max_step=rollback_bound())
         if found is None:
             return None
         step, state, source = found

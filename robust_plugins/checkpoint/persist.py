@@ -23,6 +23,7 @@ import time
 from typing import Any, Mapping
 
 from robust_plugins._logging import get_logger
+from robust_plugins.checkpoint import coord
 from robust_plugins.checkpoint.disk import DiskCheckpointer
 from robust_plugins.checkpoint.memory import Slot
 from robust_plugins.errors import CheckpointError
@@ -54,6 +55,11 @@ class SnapshotPersister:
         """Write ``slot`` as checkpoint ``tag`` (default ``global_step<step>``); True if committed."""
         tag = tag or f"global_step{step}"
         t0 = time.perf_counter()
+        if not self._agreed_ok(step):
+            log.warning("robust_plugins: [rank %d] background save of step %d skipped: robust run's "
+                        "monitor holds a fault for this step or an earlier one (the job rolls back).",
+                        self.disk.rank, step)
+            return False
         try:
             staging = self.disk.begin(self.root, tag)
             path = os.path.join(staging, FILE.format(rank=self.disk.rank))
@@ -71,6 +77,22 @@ class SnapshotPersister:
             return False
         self.saved.append({"step": step, "tag": tag, "seconds": time.perf_counter() - t0})
         return True
+
+
+    def _agreed_ok(self, step: int) -> bool:
+        # The same rule as a foreground save under `robust run` (watchdog.ok_to_save): a fault
+        # is detected a little after its step, so nothing is written that a rollback would
+        # have to skip. Every rank must agree, or some would wait in the save's collectives alone.
+        import torch
+        import torch.distributed as dist
+
+        from robust_plugins import watchdog
+
+        ok = torch.tensor([1 if watchdog.ok_to_save(step) else 0], dtype=torch.int32)
+        if dist.is_available() and dist.is_initialized():
+            work = dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.disk.group, async_op=True)
+            coord._wait(work, self.disk.config.timeout_s, f"background save of step {step}: agreeing")
+        return bool(ok.item())
 
 
 def is_snapshot_checkpoint(root: str, tag: str) -> bool:

@@ -19,8 +19,10 @@ A host integration (``patches/deepspeed.py``; megatron-core likewise) calls::
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from robust_plugins._logging import get_logger
 from robust_plugins.checkpoint import coord
@@ -47,12 +49,13 @@ class Plan:
     """Why the memory tier was skipped (``step`` None)."""
 
 
-def plan_restore(reports: Sequence[dict], disk_step: int | None = None) -> Plan:
+def plan_restore(reports: Sequence[dict], disk_step: int | None = None, max_step: int | None = None) -> Plan:
     """Choose the step and the source of every rank's state from the gathered reports.
 
     ``reports[r]`` is ``{"own": [[step, slot], ...], "held": {"<src>": [[step, slot], ...]}}``
     (verified snapshots only). ``disk_step``: step of the newest committed disk checkpoint; a
-    memory step older than it is not used.
+    memory step older than it is not used. ``max_step``: newest step known to be good (after a
+    rollback, :func:`rollback_bound`); newer snapshots are not used.
     """
     world = len(reports)
     own = [{s: slot for s, slot in rep.get("own", [])} for rep in reports]
@@ -66,6 +69,11 @@ def plan_restore(reports: Sequence[dict], disk_step: int | None = None) -> Plan:
     if lacking:
         return Plan(None, reason=f"ranks {lacking} have no snapshot in memory and no peer holds one")
     common = set.intersection(*avail)
+    if max_step is not None and common and not any(s <= max_step for s in common):
+        return Plan(None, reason=f"the job rolls back to step {max_step} or earlier and memory holds "
+                                 f"only steps {sorted(common, reverse=True)} for every rank")
+    if max_step is not None:
+        common = {s for s in common if s <= max_step}
     if not common:
         have = "; ".join(f"rank {r}: {sorted(avail[r], reverse=True)}" for r in range(world))
         return Plan(None, reason=f"no step is held for every rank ({have})")
@@ -76,8 +84,41 @@ def plan_restore(reports: Sequence[dict], disk_step: int | None = None) -> Plan:
     return Plan(step, sources)
 
 
+def rollback_bound(env: Mapping[str, str] | None = None) -> int | None:
+    """Newest step a restarted ``robust run`` incarnation may restore, or None (no limit).
+
+    A ``rollback`` (nan, spike, sdc) means the state after some step is bad, and a snapshot taken
+    every step holds it; ``faults.jsonl`` (``robust_plugins/watchdog/FORMAT.md``) of the run
+    directory says which step. For the previous incarnation's rollbacks: ``step - 1`` for nan and
+    spike (the update of the step that tripped the detector is the bad one), ``step -
+    check_every`` for sdc (the corruption happened since the previous check).
+    """
+    env = os.environ if env is None else env
+    run_dir, inc = env.get("ROBUST_RUN_DIR"), env.get("ROBUST_INCARNATION")
+    path = os.path.join(run_dir, "faults.jsonl") if run_dir else None
+    if not path or not inc or not os.path.exists(path):
+        return None
+    bound = None
+    with open(path) as f:
+        for line in f:
+            try:
+                fault = json.loads(line)
+            except ValueError:
+                continue
+            if fault.get("incarnation") != int(inc) - 1 or fault.get("action") != "rollback":
+                continue
+            step = fault.get("step")
+            if not isinstance(step, int):
+                continue
+            back = (fault.get("detail") or {}).get("check_every", 1) if fault.get("kind") == "sdc" else 1
+            limit = step - int(back)
+            bound = limit if bound is None else min(bound, limit)
+    return bound
+
+
 def restore_from_memory(store: SnapshotStore, peers: PeerBackup | None, timeout_s: float,
-                        disk_step: int | None = None, device: Any = "cpu") -> tuple[int, Any, str] | None:
+                        disk_step: int | None = None, device: Any = "cpu",
+                        max_step: int | None = None) -> tuple[int, Any, str] | None:
     """Carry out the plan on every rank (a collective); (step, state, source) or None.
 
     ``source`` is ``memory`` or ``peer:<holder>``. Returns None (every rank alike) when memory
@@ -93,7 +134,7 @@ def restore_from_memory(store: SnapshotStore, peers: PeerBackup | None, timeout_
     report = {"own": [[s.step, s.slot] for s in own],
               "held": {str(peers.source): [[s.step, s.slot] for s in held]} if peers is not None else {}}
     reports = coord.all_gather_json(report, timeout_s, "restore: gathering in-memory snapshots", device=device)
-    plan = plan_restore(reports, disk_step)
+    plan = plan_restore(reports, disk_step, max_step)
     if plan.step is None:
         if rank == 0:
             log.warning("robust_plugins: in-memory snapshots skipped: %s; trying disk checkpoints", plan.reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 import os
 import random
 import struct
@@ -198,3 +199,21 @@ def test_header_layout_is_fixed():
     h = memory.read_header(buf)
     assert (h.committed, h.step, h.rank, h.world_size, h.total, h.crc) == (True, 5, 2, 4, 8256, 123)
     assert struct.unpack_from("<I", buf, memory._COMMITTED_OFF)[0] == 1
+
+
+def test_after_a_rollback_memory_newer_than_the_bad_step_is_not_used(tmp_path):
+    from robust_plugins.checkpoint.restore import rollback_bound
+
+    faults = [{"kind": "crash", "step": 30, "action": "restart", "incarnation": 0},
+              {"kind": "nan", "step": 25, "action": "rollback", "incarnation": 1},
+              {"kind": "sdc", "step": 40, "action": "rollback", "incarnation": 2, "detail": {"check_every": 5}}]
+    (tmp_path / "faults.jsonl").write_text("".join(json.dumps(f) + "\n" for f in faults))
+    env = {"ROBUST_RUN_DIR": str(tmp_path)}
+    assert rollback_bound({**env, "ROBUST_INCARNATION": "1"}) is None  # a crash: no limit
+    assert rollback_bound({**env, "ROBUST_INCARNATION": "2"}) == 24
+    assert rollback_bound({**env, "ROBUST_INCARNATION": "3"}) == 35
+    assert rollback_bound({}) is None
+    reports = [{"own": [[25, 0], [24, 1]]}, {"own": [[25, 1], [24, 0]]}]
+    assert plan_restore(reports, max_step=24).step == 24
+    late = plan_restore(reports, max_step=20)
+    assert late.step is None and "rolls back to step 20" in late.reason
