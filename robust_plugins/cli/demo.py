@@ -1,46 +1,232 @@
-"""``robust demo``: train the small GPT on 4 CPU ranks with vanilla DeepSpeed and with the plugin.
+"""``robust demo``: vanilla DeepSpeed against DeepSpeed with robust_plugins, faults included.
 
-One torchrun launch, two runs (``baseline.json`` and ``plugin.json`` of the deepspeed_gpt recipe,
-identical but for the ``robust_plugins`` block), same seed and data; then a side-by-side table of
-loss, gradient bytes on the wire and step time.
+Two jobs of the deepspeed_gpt recipe on CPU ranks, each under ``robust run``, same seed and data:
+
+1. **baseline**: ``baseline.json`` (plain DeepSpeed) plus only the ``telemetry`` block (metrics,
+   no change to training);
+2. **plugin**: ``plugin.json`` (int8 compressed gradients) plus verified checkpoints and
+   telemetry, with a crash, a hang and a NaN injected; ``robust run`` detects each one, restarts
+   the ranks and the recipe resumes from its newest verified checkpoint.
+
+While they run, a progress bar per job is drawn from the job's own telemetry file and fault log.
+At the end: the comparison table and the path of the HTML report (``robust report``) of both runs;
+both W&B runs (offline) are in one project and group.
+
+The ranks talk over loopback on this one machine (said on screen): ``robust run`` cannot yet
+start a job across the network-namespace simulator's nodes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
-from robust_plugins.cli._runs import (
-    format_table, human_bytes, recipe_config, run_plan, timestamped_dir, wire_bytes,
-)
+from robust_plugins.cli._runs import RECIPE_MODULE, format_table, human_bytes, recipe_config, timestamped_dir
+from robust_plugins.config import load_json
+from robust_plugins.errors import RobustPluginsError
 from robust_plugins.workloads import PRESETS
+
+#: Telemetry window of the demo: the progress bar moves every this many steps.
+LOG_EVERY = 5
+#: Checkpoint interval of the plugin job; a fault costs at most this many steps of rework.
+SAVE_EVERY = 10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``robust demo``."""
-    # 120 steps: the loss has clearly separated from ln(256) and both runs finish in ~2-3 min
-    # on 2 cores with 4 ranks.
-    parser.add_argument("--steps", type=int, default=120, help="optimizer steps a run (default 120)")
+    # tiny GPT, 4 ranks, 300 steps: both jobs, three restarts included, take a few minutes on 2 cores.
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps a run (default 300)")
     parser.add_argument("--nproc", type=int, default=4, help="CPU ranks (default 4)")
-    parser.add_argument("--preset", default="small", choices=sorted(PRESETS), help="GPT size (default small)")
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="GPT size (default tiny)")
+    parser.add_argument("--faults", default="crash,hang,nan",
+                        help="faults injected into the plugin job, comma-separated from crash, hang, nan; "
+                             "'none' for none (default crash,hang,nan)")
     parser.add_argument("--out-dir", help="results directory (default runs/demo/<timestamp>)")
-    parser.add_argument("--timeout", type=float, default=900, help="hard limit for the launch, seconds")
+    parser.add_argument("--timeout", type=float, default=600, help="hard limit for each job, seconds (default 600)")
+
+
+def plan_faults(kinds: str, steps: int, nproc: int) -> list[str]:
+    """``--inject`` specs spreading the faults over the run, each on another rank, each between
+    two checkpoints (so each costs some rework) and after the hang warm-up."""
+    names = [k.strip() for k in kinds.split(",") if k.strip()]
+    if names == ["none"]:
+        return []
+    spec = {"crash": "kill", "hang": "hang", "nan": "nan"}
+    bad = [n for n in names if n not in spec]
+    if bad:
+        raise RobustPluginsError(f"--faults: unknown fault(s) {bad}; allowed: crash, hang, nan (or none).")
+    if steps < 20 * (len(names) + 1):
+        raise RobustPluginsError(f"--steps {steps} is too short for {len(names)} fault(s): use at least "
+                                 f"{20 * (len(names) + 1)} (faults need the hang warm-up and checkpoints).")
+    out = []
+    for i, name in enumerate(names):
+        # Evenly spaced, 5 steps past a checkpoint: each fault loses 5 steps of work.
+        step = (steps * (i + 1) // (len(names) + 1)) // SAVE_EVERY * SAVE_EVERY + 5
+        out.append(f"{spec[name]}:rank={(i + 1) % nproc},step={step}")
+    return out
+
+
+def _write_config(src: str, dest: Path, blocks: dict[str, Any]) -> Path:
+    cfg = load_json(recipe_config(src))
+    cfg.setdefault("robust_plugins", {}).update(blocks)
+    dest.write_text(json.dumps(cfg, indent=1) + "\n")
+    return dest
+
+
+class Progress:
+    """One progress line per job, drawn from ``<run-dir>/telemetry/metrics.jsonl`` and
+    ``faults.jsonl`` (on a terminal the line is redrawn; otherwise a line per change)."""
+
+    WIDTH = 30
+
+    def __init__(self, name: str, run_dir: Path, steps: int) -> None:
+        self.name, self.run_dir, self.steps = name, run_dir, steps
+        self.tty = sys.stdout.isatty()
+        self.shown_faults = 0
+        self.last = ""
+        self.last_state: tuple | None = None
+
+    def _records(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "telemetry" / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line being written
+        return out
+
+    def update(self, t0: float) -> None:
+        """Redraw from the files now."""
+        recs = self._records()
+        steps = [r for r in recs if r.get("kind") == "step"]
+        step = steps[-1]["step"] if steps else 0
+        loss = steps[-1].get("loss") if steps else None
+        faults = self._faults()
+        for f in faults[self.shown_faults:]:
+            self._print_fault(f)
+        self.shown_faults = len(faults)
+        done = int(self.WIDTH * min(step, self.steps) / self.steps)
+        bar = "#" * done + "." * (self.WIDTH - done)
+        what = "starting" if not recs else ("loss n/a" if loss is None else f"loss {loss:.3f}")
+        line = (f"  {self.name:<8} [{bar}] {step:>4}/{self.steps}  {what:<12} "
+                f"{len(faults)} fault(s)  {time.monotonic() - t0:5.0f} s")
+        state = (bool(recs), step, len(faults))
+        if self.tty and line != self.last:
+            print("\r" + line, end="", flush=True)
+        elif not self.tty and state != self.last_state:  # a log file gets a line per change of step
+            print(line, flush=True)
+        self.last, self.last_state = line, state
+
+    def _faults(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "faults.jsonl"
+        if not path.is_file():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+        return out
+
+    def _print_fault(self, f: dict[str, Any]) -> None:
+        msg = (f"  ! {f.get('kind')} at step {f.get('step')} on rank(s) {f.get('suspect_ranks')}: detected after "
+               f"{f.get('detected_after_s') or 0:.1f} s, action {f.get('action')}, resumed at step "
+               f"{f.get('resumed_at_step')} ({f.get('lost_steps')} steps redone)")
+        print(("\n" if self.tty and self.last else "") + msg, flush=True)
+        self.last = ""
+
+    def finish(self, t0: float) -> None:
+        """Final redraw and newline."""
+        self.update(t0)
+        if self.tty:
+            print(flush=True)
+
+
+def run_job(name: str, plan: Path, out_dir: Path, run_dir: Path, args: argparse.Namespace,
+            inject: list[str]) -> dict[str, Any]:
+    """One ``robust run`` job with a progress bar; returns the recipe's result for ``name``."""
+    from robust_plugins.launch import launch_env
+
+    cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--standalone",
+           "--nproc-per-node", str(args.nproc), "--max-restarts", str(len(inject) + 1),
+           "--run-dir", str(run_dir),
+           # Tiny steps take ~0.1 s: a 10 s floor still leaves room for a loaded machine.
+           "--watchdog", "hang_min_timeout_s=10", "--watchdog", "hang_initial_timeout_s=300",
+           *[a for spec in inject for a in ("--inject", spec)],
+           "-m", RECIPE_MODULE, "--plan", str(plan), "--out-dir", str(out_dir), "--steps", str(args.steps),
+           "--preset", args.preset, "--log-every", "0"]
+    log = out_dir / f"{name}.log"
+    progress = Progress(name, run_dir, args.steps)
+    t0 = time.monotonic()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=launch_env(), start_new_session=True)
+        try:
+            while proc.poll() is None:
+                if time.monotonic() - t0 > args.timeout:
+                    raise RobustPluginsError(f"the {name} job ran past --timeout {args.timeout:g} s; "
+                                             f"it was stopped. Log: {log}")
+                progress.update(t0)
+                time.sleep(0.5)
+        finally:
+            from robust_plugins.launch import _kill_group
+
+            _kill_group(proc)  # no rank outlives the demo, whatever happened
+    progress.finish(t0)
+    result_path = out_dir / f"{name}.json"
+    if proc.returncode != 0 or not result_path.is_file():
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
+        raise RobustPluginsError(f"the {name} job failed (exit code {proc.returncode}). Log: {log}\n{tail}")
+    result = json.loads(result_path.read_text())
+    result["job_wall_s"] = time.monotonic() - t0
+    return result
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run both trainings in one launch and print the comparison."""
-    out_dir = Path(args.out_dir) if args.out_dir else timestamped_dir("runs/demo")
-    runs = [
-        {"name": "baseline", "config": str(recipe_config("baseline.json"))},
-        {"name": "plugin", "config": str(recipe_config("plugin.json"))},
-    ]
-    res = run_plan(runs, out_dir, nproc=args.nproc, preset=args.preset, steps=args.steps,
-                   timeout_s=args.timeout)
-    base, plug = res["baseline"], res["plugin"]
+    """Both jobs, then the table and the report."""
+    from robust_plugins.telemetry import read_records
+    from robust_plugins.telemetry.report import build
+
+    inject = plan_faults(args.faults, args.steps, args.nproc)
+    out_dir = (Path(args.out_dir) if args.out_dir else timestamped_dir("runs/demo")).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    group = f"demo-{out_dir.name}"
+    telemetry = {"log_every": LOG_EVERY, "heatmap_at_start": True,
+                 "wandb": {"project": "robust_plugins-demo", "group": group, "mode": "offline"}}
+    base_cfg = _write_config("baseline.json", out_dir / "baseline.ds.json", {"telemetry": telemetry})
+    plug_cfg = _write_config("plugin.json", out_dir / "plugin.ds.json", {
+        "telemetry": telemetry,
+        "checkpoint": {"dir": str(out_dir / "ckpt"), "keep": 2, "verify": "sha256"}})
+    print(f"robust demo: {args.nproc} CPU ranks on this machine, talking over loopback (robust run cannot yet "
+          f"start a job across the network-namespace simulator's nodes); {args.preset} GPT, {args.steps} steps.")
+    print(f"faults injected into the plugin job: {', '.join(inject) if inject else 'none'}")
+    print(f"results: {out_dir}\n")
+    results = {}
+    for name, cfg, faults in (("baseline", base_cfg, []), ("plugin", plug_cfg, inject)):
+        entry = {"name": name, "config": str(cfg)}
+        if name == "plugin":
+            entry.update(save_dir=str(out_dir / "ckpt"), save_every=SAVE_EVERY, resume=True)
+        plan = out_dir / f"{name}.plan.json"
+        plan.write_text(json.dumps({"runs": [entry]}, indent=1) + "\n")
+        print(f"{name}: robust run ... (log {out_dir / (name + '.log')})", flush=True)
+        results[name] = run_job(name, plan, out_dir, out_dir / f"{name}.run", args, faults)
+    runs = {n: read_records(out_dir / f"{n}.run" / "telemetry") for n in results}
+    report = build([out_dir / "baseline.run", out_dir / "plugin.run"], out_dir / "report.html")
     print()
-    print(render(base, plug))
-    print(f"\nresults: {out_dir}/baseline.json, {out_dir}/plugin.json (log: {out_dir}/launch.log)")
-    if not plug["plugin_active"]:
+    print(render(results["baseline"], results["plugin"], runs["baseline"], runs["plugin"]))
+    print(f"\nreport: {report}")
+    print(f"W&B (offline) runs, project robust_plugins-demo, group {group}: "
+          f"wandb sync {out_dir}/*.run/telemetry/wandb/offline-run-*")
+    if not results["plugin"]["plugin_active"]:
         # The table above would compare vanilla with vanilla: say so and fail, never pass quietly.
         print("\nERROR: the plugin run did not attach robust_plugins to its engine, so it ran vanilla "
               "DeepSpeed. Check that `import robust_plugins` works and that patches/deepspeed.py is installed.")
@@ -52,18 +238,32 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.3f}x" if a is not None and b else "n/a"
 
 
-def render(base: dict, plug: dict) -> str:
-    """The side-by-side table of two result dicts."""
+def _last(recs: list[dict[str, Any]], key: str) -> Any:
+    steps = [r for r in recs if r.get("kind") == "step" and r.get(key) is not None]
+    return steps[-1][key] if steps else None
+
+
+def render(base: dict, plug: dict, base_recs: list[dict] | None = None, plug_recs: list[dict] | None = None) -> str:
+    """The side-by-side table of two result dicts (and their telemetry records, when given)."""
     codec = ((plug.get("robust_plugins_block") or {}).get("compression") or {}).get("codec", "?")
     rows = []
     for label, key in (("final train loss (mean of last 10 steps)", "final_loss_last10"),
                        ("validation loss", "val_loss")):
         b, p = base[key], plug[key]
         rows.append([label, f"{b:.4f}", f"{p:.4f}", f"{(p - b) / b * 100:+.2f} %"])
-    b, p = wire_bytes(base), wire_bytes(plug)
-    rows.append(["gradient bytes sent per step (rank 0)", human_bytes(b), human_bytes(p), _ratio(p, b)])
+    wire = [(r.get("wire") or {}).get("rank0_median_grad_bytes_per_step") for r in (base, plug)]
+    rows.append(["gradient bytes sent per step (rank 0)", human_bytes(wire[0]), human_bytes(wire[1]),
+                 _ratio(wire[1], wire[0])])
     b, p = base["median_step_time_s"], plug["median_step_time_s"]
     rows.append(["median step time", f"{b * 1e3:.1f} ms", f"{p * 1e3:.1f} ms", _ratio(p, b)])
+    if base_recs is not None and plug_recs is not None:
+        nf = [sum(1 for r in recs if r.get("kind") == "fault") for recs in (base_recs, plug_recs)]
+        rows.append(["faults detected and recovered", str(nf[0]), str(nf[1]), ""])
+        e = [_last(recs, "ettr") for recs in (base_recs, plug_recs)]
+        rows.append(["ETTR (productive / wall time)", *(f"{x:.3f}" if x is not None else "n/a" for x in e), ""])
+    if "job_wall_s" in base and "job_wall_s" in plug:
+        rows.append(["job wall time (launch to exit)", f"{base['job_wall_s']:.0f} s", f"{plug['job_wall_s']:.0f} s",
+                     _ratio(plug["job_wall_s"], base["job_wall_s"])])
     head = (f"{base['world_size']} ranks, {base['preset']} GPT ({base['n_params'] / 1e6:.2f}M params), "
             f"{base['steps']} steps, ZeRO-{base['zero_stage']}, {base['dtype'].replace('torch.', '')}")
     return head + "\n" + format_table(["", "vanilla DeepSpeed", f"robust_plugins ({codec})", "plugin / vanilla"], rows)

@@ -19,6 +19,8 @@ import contextlib
 import datetime
 import os
 import resource
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -112,6 +114,7 @@ class Telemetry:
         self.hook_handles: list[Any] = []
         """Host hooks to remove on :meth:`close` (e.g. a forward pre-hook)."""
         self._heatmap_done = False
+        self._sigterm: tuple[Any, Any] | None = None
         if self.rank == 0:
             self._open_sinks(run_config)
 
@@ -135,6 +138,27 @@ class Telemetry:
                 name = f"{name}-inc{self.incarnation}"
             self._wandb = WandbSink(self.dir, project=wb.project, group=wb.group, mode=wb.mode,
                                     name=name, config=run_config)
+            self._finish_on_sigterm()
+
+    def _finish_on_sigterm(self) -> None:
+        # W&B's offline writer (wandb-core) holds the run's records until the run finishes: a rank
+        # stopped with SIGTERM (how torch's elastic agent, and so `robust run`, stops the healthy
+        # ranks of a job it restarts) would leave an empty .wandb file. Finish the run first, then
+        # let the previous handler (or the default action) run. Main thread only (Python's rule).
+        if threading.current_thread() is not threading.main_thread():
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            self.close()
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+        self._sigterm = (on_sigterm, previous)
 
     def _emit(self, record: dict[str, Any]) -> None:
         self._history.append(record)
@@ -260,6 +284,10 @@ class Telemetry:
         self._closed = True
         for handle in self.hook_handles:
             handle.remove()
+        if self._sigterm is not None and threading.current_thread() is threading.main_thread():
+            ours, previous = self._sigterm
+            if signal.getsignal(signal.SIGTERM) is ours:
+                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
         if self.rank == 0:
             self._emit({"kind": "end", "time": time.time(), "incarnation": self.incarnation})
             if self._wandb is not None:

@@ -142,3 +142,8 @@ class WandbSink:
         if self.run is not None:
             self.run.finish()
             self.run = None
+            # finish() returns before wandb-core has written the run's file (we saw header-only
+            # .wandb files right after it, filled ~1 s later); teardown() waits for the service.
+            # It is global, so only when no other run (the user's own) is still active.
+            if self._wandb.run is None:
+                self._wandb.teardown()

@@ -77,3 +77,29 @@ def test_faults_from_run_dir_and_wandb(tmp_path, monkeypatch):
     assert wb["project"] == "p" and wb["group"] == "g" and wb["name"] == "run/telemetry"
     rows = {h["_step"]: h for h in wb["history"]}
     assert rows[2]["watchdog/faults/nrows"] == 1 and rows[2]["loss"] == pytest.approx(1.5)
+
+
+def test_sigterm_finishes_the_wandb_run_then_terminates(tmp_path):
+    # How torch's elastic agent stops the healthy ranks of a job that robust run restarts.
+    import signal
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time, torch
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        from test_telemetry_recorder import _tel, _steps
+        from pathlib import Path
+        tel = _tel(Path({str(tmp_path)!r}), wandb={{"project": "p"}})
+        _steps(tel, 4)
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == -signal.SIGTERM  # still dies of the signal
+    recs = read_records(tmp_path / "tel")
+    assert recs[-1]["kind"] == "end"
+    wb = read_run(next((tmp_path / "tel" / "wandb").glob("offline-run-*")))
+    assert [h["_step"] for h in wb["history"] if "loss" in h] == [2, 4]
