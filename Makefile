@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export DS_ACCELERATOR := cpu
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench clean browser
 
 install: $(STAMP)
 
@@ -23,7 +23,14 @@ $(STAMP): requirements/cpu.txt pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/robust demo
 
-test: $(STAMP)
+# The report's browser test (tests/_browser.py) needs Debian's chromium: installed here when it is
+# missing, from the package registry only, bounded; without root or apt the test fails and says so.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  timeout 900 sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium'; } || \
+	  echo "make: chromium is not installed and could not be installed here (needs root + apt-get)."
+
+test: $(STAMP) browser
 	@set +e; $(PY) -m pytest -ra $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests: failing on purpose"; exit 1; fi; \
 	exit $$rc
