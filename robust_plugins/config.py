@@ -19,7 +19,8 @@ Environment variables (all in one place, all with the ``ROBUST_`` prefix). Set b
 
 Set by ``robust run`` for its ranks (read by ``robust_plugins.watchdog.client``; not for users):
 ``ROBUST_WATCHDOG_SOCKET``, ``ROBUST_RUN_DIR``, ``ROBUST_INJECT``, ``ROBUST_INCARNATION``,
-``ROBUST_SDC_EVERY``, ``ROBUST_STRAGGLER`` (1: time collectives for the straggler detector).
+``ROBUST_SDC_EVERY``, ``ROBUST_STRAGGLER`` (1: time collectives for the straggler detector),
+``ROBUST_SKIP_STEPS`` (steps whose batch spiked twice: ``watchdog.skip_batch``).
 """
 
 from __future__ import annotations
@@ -248,6 +249,11 @@ class WatchdogConfig:
     spike_warmup_steps: int = 20
     """Values a rank must have reported before spikes are judged (at most ``spike_window``)."""
 
+    spike_skip_batch: bool = True
+    """A step that spikes again after the rollback (the same step number, in a later incarnation)
+    has a bad batch: it is recorded in ``<run_dir>/skip_steps.json`` and the restarted ranks are
+    told to skip it (``robust_plugins.watchdog.skip_batch(step)`` returns True there)."""
+
     sdc_every_steps: int = 100
     """``robust_plugins.watchdog.check_params`` hashes the parameters every this many steps (64-bit
     hash, compared across the replicas on a node; a minority hash is silent data corruption).
@@ -310,6 +316,7 @@ class WatchdogConfig:
                 f"{where}.spike_warmup_steps ({self.spike_warmup_steps}) must lie between 1 and "
                 f"spike_window ({self.spike_window})."
             )
+        _expect_type(f"{where}.spike_skip_batch", self.spike_skip_batch, (bool,), "true or false")
         _expect_type(f"{where}.sdc_every_steps", self.sdc_every_steps, (int,), "an integer")
         if self.sdc_every_steps < 0:
             raise ConfigError(f"{where}.sdc_every_steps = {self.sdc_every_steps} must be >= 0 (0: off).")

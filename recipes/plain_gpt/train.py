@@ -7,6 +7,8 @@ The recipe is the reference for the resume contract of ``robust run`` (``watchdo
 - on start every rank loads the newest checkpoint, if any, and continues at the step after it;
 - batches are a pure function of the step (:func:`robust_plugins.workloads.get_batch`), so a
   resumed run sees exactly the batches the uninterrupted run would have seen;
+- a step whose batch spiked again after a rollback (``robust_plugins.watchdog.skip_batch``) is
+  skipped: no update, the step numbering goes on;
 - after each optimizer step it calls ``robust_plugins.watchdog.step_end(step, loss, grad_norm)``
   and ``robust_plugins.watchdog.check_params(step, model)``, and saves only when the replicas'
   parameter hashes agree and ``robust_plugins.watchdog.ok_to_save(step)`` says no fault was seen.
@@ -120,6 +122,12 @@ def main(argv: list[str] | None = None) -> None:
     losses: dict[int, float] = {start - 1: state["loss"]} if ckpt is not None else {}
     t0 = time.monotonic()
     for step in range(start, args.steps + 1):
+        if watchdog.skip_batch(step):
+            if rank == 0:
+                print(f"[rank 0] skipping the batch of step {step}: it spiked again after a "
+                      f"rollback (robust run)", flush=True)
+            watchdog.step_end(step)
+            continue
         x, y = get_batch(corpus, "train", seed=args.seed, step=step, rank=rank, world_size=world,
                          micro_batch=args.micro_batch, seq_len=model.cfg.seq_len)
         loss = model(x, y)

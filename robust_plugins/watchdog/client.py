@@ -40,6 +40,7 @@ ENV_INJECT = "ROBUST_INJECT"
 ENV_INCARNATION = "ROBUST_INCARNATION"
 ENV_SDC_EVERY = "ROBUST_SDC_EVERY"
 ENV_STRAGGLER = "ROBUST_STRAGGLER"
+ENV_SKIP = "ROBUST_SKIP_STEPS"
 
 #: Upper bound of an injected Python hang; the monitor kills the rank long before.
 HANG_INJECT_MAX_S = 3600.0
@@ -65,6 +66,7 @@ class _Client:
         self.last_end: float | None = None
         self.last_comm_s = 0.0
         self.slow_s = 0.0
+        self.skip_steps = parse_skip_steps(os.environ.get(ENV_SKIP, ""))
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         # An abstract address of the kernel's choosing (Linux autobind) so the monitor can answer
         # ok_to_save; elsewhere the socket stays unbound and ok_to_save cannot ask.
@@ -131,8 +133,10 @@ class _Client:
         if self.slow_s:
             time.sleep(self.slow_s)  # outside any collective: compute time, as a slow GPU's
         fault = self.injections.pop(step, None)
+        if fault is not None and fault.kind in _inject.RECURRING_KINDS and step in self.skip_steps:
+            fault = None  # the bad batch was skipped: nothing to reproduce the spike
         if fault is not None:
-            if fault.kind in ("nan", "spike"):
+            if fault.kind in ("nan", "spike", "badbatch"):
                 def corrupt(v: float | None) -> float:
                     return math.nan if fault.kind == "nan" else (v or 1.0) * _inject.SPIKE_MULTIPLIER
                 if fault.option == "loss":
@@ -218,6 +222,11 @@ class _Client:
         finally:
             self.sock.setblocking(True)
         return True
+
+
+def parse_skip_steps(text: str) -> frozenset[int]:
+    """``"25,40"`` -> ``{25, 40}`` (the ``ROBUST_SKIP_STEPS`` value ``robust run`` sets)."""
+    return frozenset(int(x) for x in text.split(",") if x.strip())
 
 
 def param_hash(params: list) -> int:
@@ -341,6 +350,23 @@ def check_params(step: int, params: Any, group: Any = None) -> bool:
         return True
     tensors = list(params.parameters()) if hasattr(params, "parameters") else list(params)
     return client.check_params(int(step), tensors, group)
+
+
+def skip_batch(step: int) -> bool:
+    """True when the batch of step ``step`` must be skipped: under ``robust run`` that step spiked
+    again after a rollback (``spike_skip_batch``), so its batch, not a transient fault, is the
+    cause. Every rank gets the same answer. Outside ``robust run`` it returns False.
+
+    Skipping is the script's move, because only it knows its data. A loop that indexes data by step
+    keeps the step numbering and takes no optimizer step for that batch::
+
+        if watchdog.skip_batch(step):
+            watchdog.step_end(step)   # progress, without a loss
+            continue
+    """
+    if os.environ.get(ENV_SOCKET) is None:
+        return False
+    return int(step) in parse_skip_steps(os.environ.get(ENV_SKIP, ""))
 
 
 #: How long ``ok_to_save`` waits for the monitor (it answers within a monitor interval once every

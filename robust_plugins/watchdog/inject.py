@@ -17,6 +17,9 @@ several ``--inject`` flags. A fault fires once per job: when rank ``R`` reports 
                            in the first ``check_params`` at or after step 30: real corruption
 ``slow:rank=1,step=10``    from step 10 on, rank 1 sleeps 0.5 s (``seconds=X``) outside any
                            collective before reporting each step: a persistent straggler
+``badbatch:rank=1,step=40`` a spike (as ``spike``) every time step 40 is trained, in every
+                           incarnation: a batch that reproduces its spike. It does not fire
+                           when the script skips that batch (``watchdog.skip_batch``)
 =========================  ==================================================================
 """
 
@@ -35,7 +38,11 @@ KINDS: dict[str, dict[str, tuple[str, ...] | None]] = {
     "spike": {"what": ("loss", "grad_norm")},
     "bitflip": {"bit": None},
     "slow": {"seconds": None},
+    "badbatch": {"what": ("loss", "grad_norm")},
 }
+
+#: Kinds that fire again in every incarnation that replays their step (not once per job).
+RECURRING_KINDS = ("badbatch",)
 
 #: Kinds fired by ``check_params`` (the others fire in ``step_end``).
 PARAM_KINDS = ("bitflip",)
@@ -56,6 +63,7 @@ FORMS = (
     "spike:rank=R,step=S[,what=loss|grad_norm]",
     "bitflip:rank=R,step=S[,bit=0..31]",
     "slow:rank=R,step=S[,seconds=X]",
+    "badbatch:rank=R,step=S[,what=loss|grad_norm]",
 )
 
 
@@ -64,7 +72,7 @@ class Injection:
     """One fault to inject."""
 
     kind: str
-    """``kill``, ``hang``, ``nan``, ``spike``, ``bitflip`` or ``slow``."""
+    """``kill``, ``hang``, ``nan``, ``spike``, ``bitflip``, ``slow`` or ``badbatch``."""
 
     rank: int
     """Global rank that misbehaves."""
@@ -74,7 +82,7 @@ class Injection:
 
     option: str = ""
     """The kind's option: signal name for ``kill``, ``python`` or ``syscall`` for ``hang``, ``loss`` or
-    ``grad_norm`` for ``nan`` and ``spike``, the bit index for ``bitflip``, seconds per step for
+    ``grad_norm`` for ``nan``, ``spike`` and ``badbatch``, the bit index for ``bitflip``, seconds per step for
     ``slow``."""
 
     def spec(self) -> str:

@@ -82,6 +82,14 @@ class Monitor:
         """Faults that stopped the ranks (restart, rollback, or the job's end)."""
         self.reports: list[Fault] = []
         """Faults reported without stopping anything (stragglers)."""
+        self._spiked: dict[int, int] = {}
+        """Spike faults per step, over every incarnation."""
+        self.skip_path = self.run_dir / "skip_steps.json"
+        self.skip_steps: set[int] = set()
+        """Steps whose batch the ranks skip (spiked twice); kept in the run directory, so a
+        relaunch with the same ``--run-dir`` skips them too."""
+        if self.skip_path.exists():
+            self.skip_steps = {int(x) for x in json.loads(self.skip_path.read_text())["steps"]}
         self._pending_resume: Fault | None = None
         self._max_step_before_fault: int | None = None
         self._detected_at: float | None = None
@@ -123,6 +131,7 @@ class Monitor:
             client.ENV_INCARNATION: str(self.incarnation + 1),
             client.ENV_SDC_EVERY: str(self.cfg.sdc_every_steps),
             client.ENV_STRAGGLER: "1" if self.cfg.straggler_factor > 0 else "0",
+            client.ENV_SKIP: ",".join(str(s) for s in sorted(self.skip_steps)),
         }
 
     def begin_incarnation(self, pids: dict[int, int]) -> None:
@@ -204,8 +213,10 @@ class Monitor:
                 st.injected = msg
                 spec = msg.get("spec")
                 fired = [i for i in self.pending_injections if i.spec() == spec]
-                self.pending_injections = [i for i in self.pending_injections if i.spec() != spec]
-                self._fired += [(self.incarnation, int(msg["s"]), i) for i in fired]
+                if not any(i.kind in _inject.RECURRING_KINDS for i in fired):
+                    # A bad batch stays armed: every replay of its step fires it again.
+                    self.pending_injections = [i for i in self.pending_injections if i.spec() != spec]
+                    self._fired += [(self.incarnation, int(msg["s"]), i) for i in fired]
             elif kind == "exit":
                 st.finished = True
             elif kind == "query":
@@ -391,20 +402,35 @@ class Monitor:
             step = min(sp[0] for sp in spikes.values())
             suspects = sorted(r for r, sp in spikes.items() if sp[0] == step)
             _, what, value, median, t = spikes[suspects[0]]
+            skip = self._note_spike(step)
             return self._record(Fault(
                 kind="spike", step=step, suspect_ranks=suspects, suspect_hosts=[self.host],
                 detected_after_s=round(max(0.0, now_wall - t), 3),
                 action="rollback" if will_restart else "report",
                 detail={"what": what, "value": value, "median": median,
-                        "factor": self.cfg.spike_factor,
+                        "factor": self.cfg.spike_factor, "skip_batch": skip,
                         "reason": f"{what} = {value:.4g} is {value / median:.1f} x its running "
-                                  f"median {median:.4g} at step {step}"},
+                                  f"median {median:.4g} at step {step}"
+                                  + ("; it spiked before the rollback too: the restarted ranks skip "
+                                     "its batch" if skip else "")},
             ))
         self._check_stragglers(now_wall)
         stalled, timeout = stalled_ranks(self.cfg, progress, now, finished, history)
         if not stalled:
             return None
         return self._hang(stalled, timeout, will_restart, now)
+
+    def _note_spike(self, step: int) -> bool:
+        """Count a spike at ``step``; True when its batch is to be skipped from now on."""
+        self._spiked[step] = self._spiked.get(step, 0) + 1
+        if not self.cfg.spike_skip_batch or self._spiked[step] < 2 or step in self.skip_steps:
+            return False
+        self.skip_steps.add(step)
+        tmp = self.skip_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"steps": sorted(self.skip_steps),
+                                   "why": "each step spiked again after a rollback"}) + "\n")
+        os.replace(tmp, self.skip_path)
+        return True
 
     def _check_stragglers(self, now_wall: float) -> None:
         """Report (never restart for) ranks whose compute time stays above its peers'."""
