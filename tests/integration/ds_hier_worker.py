@@ -1,6 +1,6 @@
 """DeepSpeed on 4 CPU ranks as a simulated 2 nodes x 2 ranks (``ROBUST_TOPOLOGY_SIM=2x2``).
 
-Run as ``torchrun --nproc-per-node 4 ds_hier_worker.py --out DIR``. For ZeRO 0 and 1 it takes one
+Run as ``torchrun --nproc-per-node 4 ds_hier_worker.py --out DIR``. For ZeRO 0, 1 and 2 it takes one
 SGD(lr=1) step (the update is the averaged gradient) with plain DeepSpeed and with
 ``"topology": {"hierarchical": true}`` under codecs none, int8 and auto (told a very slow and a
 very fast link), counting the bytes each rank sends on its rail (inter-node) group and its
@@ -71,7 +71,7 @@ def main() -> None:
     corpus = load_corpus()
     rank = dist.get_rank()
     results: dict = {"world_size": dist.get_world_size()}
-    for stage in (0, 1):
+    for stage in (0, 1, 2):
         exact = one_step(stage, None, corpus)
         res = {"n_params": exact["update"].numel(), "vanilla_bytes": exact["bytes"]["all"]}
         updates = {}

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 0/1 on 4 CPU ranks laid out as 2 simulated nodes x 2 ranks, with
+"""DeepSpeed ZeRO 0/1/2 on 4 CPU ranks laid out as 2 simulated nodes x 2 ranks, with
 ``"topology": {"hierarchical": true}`` and the ``auto`` codec (one launch of ``ds_hier_worker.py``).
 
 Asserted: the hierarchy really runs (groups {0,1},{2,3} inside nodes and rails {0,2},{1,3}; the
@@ -30,7 +30,7 @@ def results(tmp_path_factory):
     return json.loads((out / "results.json").read_text())
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_hierarchy_runs_on_the_planned_groups_and_none_matches_flat_fp32(results, stage):
     r = results[f"zero{stage}"]
     n = r["n_params"]
@@ -47,7 +47,7 @@ def test_hierarchy_runs_on_the_planned_groups_and_none_matches_flat_fp32(results
     assert r["hier_none"]["rel_error"] < 1e-5
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_hierarchical_int8_sends_a_quarter_of_the_rail_bytes(results, stage):
     r = results[f"zero{stage}"]
     n = r["n_params"]
@@ -62,7 +62,7 @@ def test_hierarchical_int8_sends_a_quarter_of_the_rail_bytes(results, stage):
     assert max(hier_rail) < 0.5 * min(flat_rail)
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_auto_picks_int8_on_a_slow_link_and_none_on_a_fast_one(results, stage):
     r = results[f"zero{stage}"]
     n = r["n_params"]
