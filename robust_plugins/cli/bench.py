@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from robust_plugins.cli import bench_comm
 
     bench_comm.add_parser(sub)
+    from robust_plugins.cli import bench_checkpoint
+
+    bench_checkpoint.add_parser(sub)
 
 
 def run(args: argparse.Namespace) -> int:
