@@ -365,8 +365,9 @@ class CheckpointConfig:
 
     persist_every: int | None = None
     """Save a disk checkpoint into ``dir`` automatically after every this many optimizer steps
-    (``None``: only when the training script calls ``save_checkpoint``). The save is synchronous;
-    background persistence is not implemented yet."""
+    (``None``: only when the training script calls ``save_checkpoint``). Synchronous, unless
+    ``memory_every`` is set too: then the snapshot thread writes it in the background from the
+    committed in-memory snapshot (``robust_plugins.checkpoint.persist``)."""
 
     keep: int = 3
     """Committed checkpoints kept in a directory: after each save, older ones beyond the ``keep``
