@@ -21,6 +21,12 @@ into the rollback). The ranks agree on the answer with one all-reduce (MIN of on
 every rank enters DeepSpeed's collective save or none does; a refused save logs a warning and
 returns False without writing anything (the job is being rolled back).
 
+Learned timeouts survive a relaunch: ``save_checkpoint`` adds this rank's step times to DeepSpeed's
+``client_state`` under ``"robust_watchdog"`` (rank 0's is the one DeepSpeed keeps; the timeout is
+one for the job), and ``load_checkpoint`` hands them back to the monitor
+(``robust_plugins.watchdog.load_state_dict``), so a new ``robust run`` on the same checkpoints
+needs no second warm-up before it can tell a hang.
+
 The signal is sent by a step observer (``patches/deepspeed.py`` :func:`add_step_observer`)
 registered first, so the other observers (telemetry, memory snapshots) run after it and can read
 the same numbers with :func:`latest_step`. Outside ``robust run`` nothing is attached.
@@ -41,6 +47,9 @@ from robust_plugins.patches import _guard
 log = get_logger(__name__)
 
 _BACKWARD_SIGNATURE = ["self", "loss", "retain_graph", "scale_wrt_gas"]
+
+#: Key of the watchdog's state in DeepSpeed's ``client_state``.
+CLIENT_STATE_KEY = "robust_watchdog"
 
 
 @dataclass(frozen=True)
@@ -106,11 +115,23 @@ def attach_watchdog(engine, plugin) -> StepSignals | None:
             log.warning("robust_plugins: robust run found a fault at or before step %d; this "
                         "checkpoint is not written (the job is being rolled back).", engine.global_steps)
             return False
-        return save(save_dir, tag, client_state=client_state, save_latest=save_latest,
+        state = dict(client_state or {})
+        state[CLIENT_STATE_KEY] = client.state_dict()
+        return save(save_dir, tag, client_state=state, save_latest=save_latest,
                     exclude_frozen_parameters=exclude_frozen_parameters)
 
     # Around the verified/residual save wrapper (patches/deepspeed.py), which is already bound.
     engine.save_checkpoint = _guard.wrap(save, save_checkpoint)
+    load = engine.load_checkpoint
+
+    def load_checkpoint(*args, **kwargs):
+        load_path, client_state = load(*args, **kwargs)
+        if isinstance(client_state, dict) and CLIENT_STATE_KEY in client_state:
+            client_state = dict(client_state)
+            client.load_state_dict(client_state.pop(CLIENT_STATE_KEY))
+        return load_path, client_state
+
+    engine.load_checkpoint = _guard.wrap(load, load_checkpoint)
     add_step_observer(engine, on_step, first=True)
     if current_rank() == 0:
         log.info("robust_plugins: the engine reports every optimizer step to robust run's watchdog "

@@ -4,7 +4,9 @@ The recipe is the reference for the resume contract of ``robust run`` (``watchdo
 
 - every ``--save-every`` steps rank 0 writes ``<ckpt-dir>/step-NNNNNNNN.pt`` atomically (a
   temporary file, fsync, ``os.replace``), so a crash mid-save leaves the previous one intact;
-- on start every rank loads the newest checkpoint, if any, and continues at the step after it;
+- on start every rank loads the newest checkpoint, if any, and continues at the step after it
+  (with the watchdog's step times, ``watchdog.state_dict()``: a relaunch keeps the learned hang
+  timeout);
 - batches are a pure function of the step (:func:`robust_plugins.workloads.get_batch`), so a
   resumed run sees exactly the batches the uninterrupted run would have seen;
 - a step whose batch spiked again after a rollback (``robust_plugins.watchdog.skip_batch``) is
@@ -78,7 +80,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, model, optimizer, loss: float) ->
     tmp = ckpt_dir / f".{final.name}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         torch.save({"step": step, "loss": loss, "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict()}, f)
+                    "optimizer": optimizer.state_dict(), "watchdog": watchdog.state_dict()}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        watchdog.load_state_dict(state.get("watchdog"))  # learned hang timeout, after a relaunch
         start = state["step"] + 1
         if rank == 0:
             print(f"[rank 0] resumed from {ckpt.name}: continuing at step {start}", flush=True)

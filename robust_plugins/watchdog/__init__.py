@@ -19,6 +19,13 @@ detection logic), :mod:`.stacks` (py-spy / faulthandler), :mod:`.monitor` (node 
 
 from __future__ import annotations
 
-from robust_plugins.watchdog.client import check_params, ok_to_save, skip_batch, step_end
+from robust_plugins.watchdog.client import (
+    check_params,
+    load_state_dict,
+    ok_to_save,
+    skip_batch,
+    state_dict,
+    step_end,
+)
 
-__all__ = ["check_params", "ok_to_save", "skip_batch", "step_end"]
+__all__ = ["check_params", "load_state_dict", "ok_to_save", "skip_batch", "state_dict", "step_end"]

@@ -67,6 +67,8 @@ class _Client:
         self.last_comm_s = 0.0
         self.slow_s = 0.0
         self.skip_steps = parse_skip_steps(os.environ.get(ENV_SKIP, ""))
+        self.step_times: list[float] = []
+        """This rank's latest step times (the learned hang timeout's input), for checkpoints."""
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         # An abstract address of the kernel's choosing (Linux autobind) so the monitor can answer
         # ok_to_save; elsewhere the socket stays unbound and ok_to_save cannot ask.
@@ -158,6 +160,8 @@ class _Client:
         msg: dict[str, Any] = {"k": "end", "s": step, "l": loss, "g": grad_norm}
         if self.last_end is not None:
             msg["w"] = now - self.last_end  # wall time since the previous step's end
+            self.step_times.append(msg["w"])
+            del self.step_times[:-STEP_TIMES_KEPT]
             if self.comm is not None:
                 msg["c"] = self.comm.seconds - self.last_comm_s  # of which inside collectives
         self.last_end = now
@@ -222,6 +226,47 @@ class _Client:
         finally:
             self.sock.setblocking(True)
         return True
+
+
+#: Step times a rank keeps for its checkpoints (the monitor's window per rank).
+STEP_TIMES_KEPT = 512
+
+#: ``state_dict`` format version.
+STATE_FORMAT = 1
+
+
+def state_dict() -> dict[str, Any]:
+    """The watchdog's learned state on this rank, to save with a checkpoint: its latest step times,
+    from which the monitor learns the hang timeout. Empty outside ``robust run``.
+
+    A job relaunched by a new ``robust run`` (a new launcher, whose monitor knows nothing) that
+    passes the loaded dict to :func:`load_state_dict` gets its learned timeout back at once instead
+    of the long ``hang_initial_timeout_s`` of a warm-up. Plain data: lists of floats, safe for
+    ``torch.load(weights_only=True)``. DeepSpeed engines with a ``robust_plugins`` block do both
+    calls themselves (in ``client_state`` under ``"robust_watchdog"``).
+    """
+    c = get_client()
+    if c is None:
+        return {}
+    return {"format": STATE_FORMAT, "step_times": list(c.step_times)}
+
+
+def load_state_dict(state: dict[str, Any] | None) -> None:
+    """Hand step times saved by :func:`state_dict` to this rank and to the node monitor, which
+    uses them for the learned hang timeout if it has learned none itself (a fresh launcher).
+    Call it on every rank after loading a checkpoint; a no-op outside ``robust run`` or for an
+    empty dict."""
+    c = get_client()
+    if c is None or not state:
+        return
+    if state.get("format") != STATE_FORMAT:
+        log.warning("robust watchdog: ignoring saved watchdog state of format %r (expected %d).",
+                    state.get("format"), STATE_FORMAT)
+        return
+    times = [float(t) for t in state.get("step_times", [])][-STEP_TIMES_KEPT:]
+    c.step_times = (times + c.step_times)[-STEP_TIMES_KEPT:]
+    # One datagram; 512 floats as JSON fit far below the 64 KiB the monitor reads.
+    c.send({"k": "history", "times": times}, wait=True)
 
 
 def parse_skip_steps(text: str) -> frozenset[int]:

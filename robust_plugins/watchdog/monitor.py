@@ -95,6 +95,8 @@ class Monitor:
         self._detected_at: float | None = None
         self._history: list[float] = []
         """Step times of earlier incarnations (the learned hang timeout survives restarts)."""
+        self._seeded: set[int] = set()
+        """Ranks whose checkpointed step times seeded ``_history`` (a fresh launcher only)."""
         self._incarnation_started = 0.0
         self._warned_unregistered = False
         self._uses_api = False
@@ -219,6 +221,17 @@ class Monitor:
                     self._fired += [(self.incarnation, int(msg["s"]), i) for i in fired]
             elif kind == "exit":
                 st.finished = True
+            elif kind == "history":
+                # Step times a rank loaded from its checkpoint: only a launcher that has learned
+                # nothing yet uses them (its own measurements are newer), once per rank.
+                rank = msg["r"]
+                if self.incarnation == 0 and rank not in self._seeded and not any(
+                        s.progress.step_times for s in self.ranks.values()):
+                    self._seeded.add(rank)
+                    self._history.extend(float(t) for t in msg.get("times", [])[-STEP_WINDOW:])
+                    log.info("robust watchdog: rank %s restored %d step times from its checkpoint "
+                             "(learned hang timeout without a new warm-up)", rank,
+                             len(msg.get("times", [])))
             elif kind == "query":
                 if addr:
                     self._queries.append((int(msg["s"]), addr))
