@@ -218,14 +218,14 @@ def run(args: argparse.Namespace) -> int:
         plan = out_dir / f"{name}.plan.json"
         plan.write_text(json.dumps({"runs": [entry]}, indent=1) + "\n")
         print(f"{name}: robust run ... (log {out_dir / (name + '.log')})", flush=True)
-        results[name] = run_job(name, plan, out_dir, out_dir / f"{name}.run", args, faults)
-    runs = {n: read_records(out_dir / f"{n}.run" / "telemetry") for n in results}
-    report = build([out_dir / "baseline.run", out_dir / "plugin.run"], out_dir / "report.html")
+        results[name] = run_job(name, plan, out_dir, out_dir / name, args, faults)
+    runs = {n: read_records(out_dir / n / "telemetry") for n in results}
+    report = build([out_dir / "baseline", out_dir / "plugin"], out_dir / "report.html")
     print()
     print(render(results["baseline"], results["plugin"], runs["baseline"], runs["plugin"]))
     print(f"\nreport: {report}")
     print(f"W&B (offline) runs, project robust_plugins-demo, group {group}: "
-          f"wandb sync {out_dir}/*.run/telemetry/wandb/offline-run-*")
+          f"wandb sync {out_dir}/*/telemetry/wandb/offline-run-*")
     if not results["plugin"]["plugin_active"]:
         # The table above would compare vanilla with vanilla: say so and fail, never pass quietly.
         print("\nERROR: the plugin run did not attach robust_plugins to its engine, so it ran vanilla "

@@ -127,7 +127,8 @@ def chart_loss(runs: Sequence[RunData], target_step: int) -> tuple[str, list[dic
     for i, run in enumerate(runs):
         xs, ys = _series(run, "loss")
         color = f"C{i}"
-        ax.plot(xs, ys, color=color, label=run.name)
+        # Later runs thinner, so that curves which coincide (a lossless plugin) stay visible.
+        ax.plot(xs, ys, color=color, label=run.name, lw=max(2.6 - 0.8 * i, 0.8))
         fit = fit_power_law(xs, ys)
         fc = {"run": run.name, "target_step": target_step, "forecast": None, "low": None, "high": None}
         if fit is not None and xs:

@@ -33,7 +33,7 @@ def test_demo_recovers_three_faults_and_reports(tmp_path):
     assert re.search(r"faults detected and recovered\s+0\s+3", text), text
     ratio = float(re.search(r"gradient bytes sent per step \(rank 0\).*?([0-9.]+)x", text).group(1))
     assert 0.2 < ratio < 0.3
-    faults = [json.loads(line) for line in (out / "plugin.run" / "faults.jsonl").read_text().splitlines()]
+    faults = [json.loads(line) for line in (out / "plugin" / "faults.jsonl").read_text().splitlines()]
     assert sorted(f["kind"] for f in faults) == ["crash", "hang", "nan"]
     assert all(f["resumed_at_step"] is not None for f in faults)
     result = json.loads((out / "plugin.json").read_text())
@@ -46,6 +46,6 @@ def test_demo_recovers_three_faults_and_reports(tmp_path):
     assert int(expected) == 6 and f'data-charts-ok="{expected}"' in dom  # 4 charts + 2 heat maps
     assert dom.count("<td>crash</td>") == 1 and dom.count("<td>hang</td>") == 1 and dom.count("<td>nan</td>") == 1
     # W&B: baseline and plugin (one run per incarnation) in one project and group.
-    runs = [read_run(d) for d in sorted(out.glob("*.run/telemetry/wandb/offline-run-*"))]
+    runs = [read_run(d) for d in sorted(out.glob("*/telemetry/wandb/offline-run-*"))]
     assert len(runs) == 1 + 4  # baseline + the plugin job's four incarnations
     assert {(r["project"], r["group"]) for r in runs} == {("robust_plugins-demo", f"demo-{out.name}")}
