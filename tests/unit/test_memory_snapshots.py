@@ -217,3 +217,16 @@ def test_after_a_rollback_memory_newer_than_the_bad_step_is_not_used(tmp_path):
     assert plan_restore(reports, max_step=24).step == 24
     late = plan_restore(reports, max_step=20)
     assert late.step is None and "rolls back to step 20" in late.reason
+
+
+def test_bench_checkpoint_table_reports_ratios_from_medians():
+    from robust_plugins.cli.bench_checkpoint import table
+
+    r = {"world_size": 4, "preset": "small", "params": 880_000, "steps": 3, "step_s": [0.2, 0.1, 0.3],
+         "blocking_s": [0.002, 0.004, 0.003], "snapshot_bytes": 6_000_000, "ds_save_s": [0.02, 0.03, 0.04],
+         "verified_save_s": [0.06, 0.05, 0.04], "ds_bytes": 14_000_000, "verified_bytes": 14_010_000,
+         "restore_memory_s": [0.01, 0.02, 0.03], "restore_disk_s": [0.05, 0.04, 0.06]}
+    text = table(r, "robust bench checkpoint --nproc 4")
+    assert "| snapshot blocking (median) | 3.00 ms | 1.5% of a step |" in text
+    assert "1.67x DeepSpeed's time" in text and "0.100x (10x less blocking)" in text
+    assert "memory is 2.5x faster" in text and "Command: `robust bench checkpoint --nproc 4`" in text
