@@ -63,6 +63,14 @@ def attach_telemetry(engine, plugin) -> Any:
     trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
     comm_dtype = engine.communication_data_type or engine.get_data_types()[0]
     state = plugin.sync.state if plugin.sync is not None else None
+    # SyncStats, not the GradientSync: its step function holds the engine, which the recorder must
+    # not keep alive (it is closed when the engine is collected).
+    stats = plugin.sync.stats if plugin.sync is not None else None
+
+    def sync_info() -> dict[str, Any]:
+        total = sum(stats.by_codec.values())
+        return {"codec_share": {k: v / total for k, v in stats.by_codec.items()} if total else {},
+                "auto_decisions": [d.to_dict() if hasattr(d, "to_dict") else d for d in stats.auto_decisions]}
     engine_ref = weakref.ref(engine)  # the recorder must not keep the engine alive
 
     def grad_norm() -> float | None:
@@ -83,7 +91,7 @@ def attach_telemetry(engine, plugin) -> Any:
                     dp_world_size=engine.dp_world_size, device=torch.device(engine.device),
                     flops_per_token=6.0 * trainable,
                     residual_sq_fn=state.residual_sq_norm if state is not None else None,
-                    grad_norm_fn=grad_norm)
+                    grad_norm_fn=grad_norm, info_fn=sync_info if stats is not None else None)
     plugin.telemetry = tel
 
     def count_tokens(module, args, kwargs):

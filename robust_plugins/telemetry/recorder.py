@@ -70,6 +70,9 @@ class Telemetry:
         device: where this rank computes (memory metric; NCCL needs the gathered vector there).
         residual_sq_fn: returns this rank's squared error-feedback residual norm (None: 0).
         grad_norm_fn: returns the host's global gradient norm after a step (None: not logged).
+        info_fn: rank 0 only, at each aggregation: extra record fields (e.g. ``codec_share``, the
+            share of gradient elements each wire codec carried, and the ``auto`` codec's
+            ``auto_decisions``).
         group: process group of the all-gather (None: the default group).
     """
 
@@ -77,7 +80,8 @@ class Telemetry:
                  grad_element_size: int, dp_world_size: int, device: torch.device,
                  flops_per_token: float | None = None,
                  residual_sq_fn: Callable[[], float] | None = None,
-                 grad_norm_fn: Callable[[], float | None] | None = None, group: Any = None) -> None:
+                 grad_norm_fn: Callable[[], float | None] | None = None,
+                 info_fn: Callable[[], Mapping[str, Any]] | None = None, group: Any = None) -> None:
         from robust_plugins.comm.wire import WireCounter
 
         self.cfg = cfg
@@ -90,6 +94,7 @@ class Telemetry:
         self._wire_cls = WireCounter
         self._residual_sq_fn = residual_sq_fn
         self._grad_norm_fn = grad_norm_fn
+        self._info_fn = info_fn
         self._ref_bytes = metrics.ring_allreduce_bytes(n_grad_elements, grad_element_size, dp_world_size)
         self.flops_per_token = cfg.flops_per_token or flops_per_token
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
@@ -233,6 +238,8 @@ class Telemetry:
         record = {"kind": "step", "step": int(step), "time": time.time(), "incarnation": self.incarnation,
                   **metrics.aggregate(matrix, window_s=window_s, flops_per_token=self.flops_per_token,
                                       peak_flops=self.peak_flops)}
+        if self._info_fn is not None:
+            record.update(self._info_fn())
         new_faults = self._new_faults()
         record["faults_total"] = self._faults_seen
         record["ettr"] = metrics.ettr([*self._history, record])["ettr"]

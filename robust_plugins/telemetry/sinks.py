@@ -118,11 +118,21 @@ class WandbSink:
         self.run = wandb.init(project=project, group=group, mode=mode, name=name, dir=str(directory),
                               config=dict(config), reinit="create_new")
         self._faults: list[list[Any]] = []
+        self._decisions: Any = None
 
     def log(self, record: Mapping[str, Any]) -> None:
         """Scalars of one ``step`` record, at its step."""
         data = {k: record[k] for k in WANDB_SCALARS
                 if isinstance(record.get(k), (int, float)) and math.isfinite(record[k])}
+        data.update({f"codec/{k}": v for k, v in (record.get("codec_share") or {}).items()})
+        decisions = record.get("auto_decisions")
+        if decisions and decisions != self._decisions:
+            # The auto codec's choice per (group, bucket size), logged again when it changes.
+            self._decisions = decisions
+            data["compression/auto_decisions"] = self._wandb.Table(
+                columns=["numel", "codec", "reason", "predicted_s"],
+                data=[[d.get("numel"), d.get("codec"), d.get("reason"), json.dumps(d.get("predicted_s"))]
+                      for d in decisions])
         self.run.log(data, step=int(record["step"]))
 
     def faults(self, records: list[Mapping[str, Any]], step: int) -> None:

@@ -77,8 +77,10 @@ def test_metrics_agree_with_the_recipes_own_counts(runs, name):
     if name == "plugin":
         assert all(0.2 < r["compression_ratio"] < 0.3 for r in steps)  # int8 + scales, two-phase
         assert all(r["residual_norm"] > 0 for r in steps)
+        assert all(r["codec_share"] == {"int8": 1.0} for r in steps)
     else:
-        assert all(r["residual_norm"] == 0 for r in steps)
+        assert all(r["residual_norm"] == 0 and "codec_share" not in r for r in steps)
+        assert all(r["compression_ratio"] == pytest.approx(1.0) for r in steps)  # ZeRO-1's own all-reduce
 
 
 def test_wandb_offline_run_carries_config_and_values(runs):

@@ -16,11 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _wandb_offline import read_run  # noqa: E402
 
 
-def _tel(tmp_path, **block):
+def _tel(tmp_path, info_fn=None, **block):
     cfg = PluginConfig.from_dict({"telemetry": {"dir": str(tmp_path / "tel"), "log_every": 2, **block}})
     return Telemetry(cfg.telemetry, run_config={"robust_plugins": dict(cfg.raw)}, n_grad_elements=1000,
                      grad_element_size=4, dp_world_size=1, device=torch.device("cpu"),
-                     flops_per_token=6000.0, residual_sq_fn=lambda: 4.0, grad_norm_fn=lambda: 0.5)
+                     flops_per_token=6000.0, residual_sq_fn=lambda: 4.0, grad_norm_fn=lambda: 0.5,
+                     info_fn=info_fn)
 
 
 def _steps(tel, n, start=1):
@@ -103,3 +104,19 @@ def test_sigterm_finishes_the_wandb_run_then_terminates(tmp_path):
     assert recs[-1]["kind"] == "end"
     wb = read_run(next((tmp_path / "tel" / "wandb").glob("offline-run-*")))
     assert [h["_step"] for h in wb["history"] if "loss" in h] == [2, 4]
+
+
+def test_codec_shares_and_auto_decisions_reach_jsonl_and_wandb(tmp_path):
+    decisions = [{"group": [0, 1], "numel": 4096, "codec": "int8", "reason": "slow link",
+                  "predicted_s": {"none": 0.2, "int8": 0.06}}]
+    info = {"codec_share": {"int8": 0.75, "none": 0.25}, "auto_decisions": decisions}
+    tel = _tel(tmp_path, info_fn=lambda: info, wandb={"project": "p"})
+    _steps(tel, 4)
+    tel.close()
+    steps = [r for r in read_records(tmp_path / "tel") if r["kind"] == "step"]
+    assert steps[-1]["codec_share"] == {"int8": 0.75, "none": 0.25}
+    assert steps[-1]["auto_decisions"][0]["reason"] == "slow link"
+    wb = read_run(next((tmp_path / "tel" / "wandb").glob("offline-run-*")))
+    rows = {h["_step"]: h for h in wb["history"]}
+    assert rows[4]["codec/int8"] == 0.75 and rows[2]["compression/auto_decisions/nrows"] == 1
+    assert "compression/auto_decisions/nrows" not in rows[4]  # logged again only when it changes
