@@ -25,6 +25,19 @@ from typing import Any, Sequence
 
 SECTION = "comm"
 TITLE = "All-reduce on a simulated multi-node cluster"
+TRAIN_SECTION = "comm-train"
+TRAIN_TITLE = "Training steps on a simulated multi-node cluster"
+
+TRAIN_NOTES = (
+    "Each method trains the same GPT (same seed, same batches) under PyTorch DDP over gloo for the "
+    "given steps; step time is the "
+    "median over the steps after the first two (barrier to barrier on rank 0: forward, backward with "
+    "the gradient communication, AdamW step); val loss is the held-out loss after the last step (8 "
+    "fixed windows per rank). `plugin` rows are DDP comm hooks running this package's reductions "
+    "(`plugin hier *` through GradientSync with topology.hierarchical, as the DeepSpeed integration "
+    "does). PyTorch's `powerSGD_hook` is not run: it hung on gloo after its first compressed steps in "
+    "two trials on these machines (../shared/HOSTS.md); `bf16_compress_hook` needs CUDA/NCCL."
+)
 
 NOTES = (
     "Each number is the median of the timed calls of one method on one bucket, from a barrier "
@@ -58,6 +71,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed calls per method and rate (default 3)")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--timeout", type=float, default=300.0, help="bound on each launch, seconds (default 300)")
+    p.add_argument("--train-steps", type=int,
+                   help="instead of one bucket: train the text GPT under DDP for N steps per method "
+                        "(bench_step_worker; section comm-train; --methods and --mbytes do not apply)")
     p.add_argument("--json", metavar="PATH", help="also write the raw results as JSON")
     p.add_argument("--from-json", metavar="PATH",
                    help="do not measure: render the table from a JSON file an earlier run wrote with --json "
@@ -83,8 +99,12 @@ def run_comm(args: argparse.Namespace) -> int:
             raise ConfigError(f"--repeats ({args.repeats}) must be >= 1 and --mbytes ({args.mbytes}) > 0.")
         rates = [parse_rate(r) for r in args.rates]
         results = {}
-        argv = [sys.executable, "-m", "robust_plugins.cli.bench_comm_worker", "--mbytes", str(args.mbytes),
-                "--repeats", str(args.repeats), "--timeout", str(args.timeout), "--methods", *args.methods]
+        if args.train_steps:
+            argv = [sys.executable, "-m", "robust_plugins.cli.bench_step_worker", "--steps", str(args.train_steps),
+                    "--timeout", str(args.timeout)]
+        else:
+            argv = [sys.executable, "-m", "robust_plugins.cli.bench_comm_worker", "--mbytes", str(args.mbytes),
+                    "--repeats", str(args.repeats), "--timeout", str(args.timeout), "--methods", *args.methods]
         with SimCluster(args.sim_nodes, args.ranks_per_node, rates[0]) as cluster:
             for text, bits in zip(args.rates, rates):
                 cluster.set_rate(bits)
@@ -94,18 +114,23 @@ def run_comm(args: argparse.Namespace) -> int:
                 "loadavg": ", ".join(f"{v:.1f}" for v in os.getloadavg())}
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
-    body = render(args, results, meta)
+    body = render_train(args, results, meta) if args.train_steps else render(args, results, meta)
     print(body)
     if args.write:
         from robust_plugins.cli.bench import write_section
 
-        write_section(Path(args.write), SECTION, body, title=TITLE)
-        print(f"wrote section {SECTION!r} of {args.write}")
+        section, title = (TRAIN_SECTION, TRAIN_TITLE) if args.train_steps else (SECTION, TITLE)
+        write_section(Path(args.write), section, body, title=title)
+        print(f"wrote section {section!r} of {args.write}")
     return 0
 
 
 def command_line(args: argparse.Namespace) -> str:
     """The command that reproduces a run with these arguments."""
+    if getattr(args, "train_steps", None):
+        return (f"robust bench comm --sim-nodes {args.sim_nodes} --ranks-per-node {args.ranks_per_node} "
+                f"--rates {' '.join(args.rates)} --train-steps {args.train_steps}"
+                + (f" --write {args.write}" if args.write else ""))
     return (f"robust bench comm --sim-nodes {args.sim_nodes} --ranks-per-node {args.ranks_per_node} "
             f"--rates {' '.join(args.rates)} --mbytes {args.mbytes:g} --repeats {args.repeats}"
             + (f" --methods {' '.join(repr(m) for m in args.methods)}" if args.methods != _default_methods() else "")
@@ -217,4 +242,80 @@ def render(args: argparse.Namespace, results: dict[str, Any], meta: dict[str, st
         *["| " + " | ".join(r) + " |" for r in target_rows(results)],
         "",
         NOTES,
+    ])
+
+
+def train_rows(results: dict[str, Any]) -> list[list[str]]:
+    """One row per method: median step ms, speed-up over DDP fp32, val loss, at each rate; auto's choice."""
+    methods = list(next(iter(results.values()))["methods"])
+    out = []
+    for name in methods:
+        row = [name]
+        for res in results.values():
+            m = res["methods"][name]
+            med = statistics.median(m["times_s"])
+            base = statistics.median(res["methods"]["ddp fp32"]["times_s"])
+            row += [f"{med * 1e3:.0f}", f"{base / med:.2f}x", f"{m['val_loss']:.4f}"]
+        row.append(", ".join(str(r["methods"][name]["choice"]) for r in results.values()
+                             if "choice" in r["methods"][name]))
+        out.append(row)
+    return out
+
+
+def train_target_rows(results: dict[str, Any]) -> list[list[str]]:
+    """Issue 6's training-step targets: auto vs fp16_compress_hook on the slow link, auto on the fast."""
+    from robust_plugins.sim import parse_rate
+
+    rates = sorted(results, key=parse_rate)
+    slow, fast = rates[0], rates[-1]
+    out = []
+    ms = results[slow]["methods"]
+    if "plugin hier auto" in ms and "ddp fp16_compress_hook" in ms:
+        a, f = ms["plugin hier auto"], ms["ddp fp16_compress_hook"]
+        ratio = statistics.median(f["times_s"]) / statistics.median(a["times_s"])
+        loss = a["val_loss"] / f["val_loss"] - 1
+        ok = ratio >= 1.3 and loss <= 0.005
+        out.append([f"{slow}: plugin hier auto >= 1.3x faster than fp16_compress_hook, val loss no worse (+0.5 %)",
+                    f"{ratio:.2f}x, val loss {loss:+.2%}", "ok" if ok else "MISS"])
+    mf = results[fast]["methods"]
+    fixed = {k: statistics.median(v["times_s"]) for k, v in mf.items() if not k.endswith("auto")}
+    if "plugin hier auto" in mf and fixed:
+        best = min(fixed, key=fixed.get)
+        a = statistics.median(mf["plugin hier auto"]["times_s"])
+        out.append([f"{fast}: plugin hier auto within 5 % of the fastest fixed method ({best})",
+                    f"chose {mf['plugin hier auto'].get('choice')}, {a / fixed[best]:.2f}x its time",
+                    "ok" if a <= 1.05 * fixed[best] else "MISS"])
+    return out
+
+
+def render_train(args: argparse.Namespace, results: dict[str, Any], meta: dict[str, str]) -> str:
+    """Markdown of the training-step benchmark."""
+    import torch
+
+    first = next(iter(results.values()))["methods"]
+    params = next(iter(first.values()))["params"]
+    head = ["method"]
+    for rate in results:
+        head += [f"{rate} ms/step", f"{rate} vs ddp fp32", f"{rate} val loss"]
+    head.append("auto chose (per rate)")
+    table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    table += ["| " + " | ".join(r) + " |" for r in train_rows(results)]
+    return "\n".join([
+        f"Command: `{command_line(args)}` (as root)  ",
+        f"Date: {meta['date']}  ",
+        f"Setup: {args.sim_nodes} simulated nodes x {args.ranks_per_node} gloo ranks, byte-level GPT with "
+        f"{params / 1e6:.1f}M parameters (2 layers, width 512, 64-token windows, micro-batch 2 per rank), "
+        f"{args.train_steps} steps per method, AdamW  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores shared by all ranks (load average "
+        f"{meta['loadavg']} at the end), Python {platform.python_version()}, torch {torch.__version__}",
+        "",
+        *table,
+        "",
+        "Targets (issue 6), from the medians above:",
+        "",
+        "| target | measured | verdict |",
+        "|---|---|---|",
+        *["| " + " | ".join(r) + " |" for r in train_target_rows(results)],
+        "",
+        TRAIN_NOTES,
     ])

@@ -58,3 +58,24 @@ def test_target_rows_judge_the_issue_targets():
     assert rows["10gbit: flat auto within 5 % of the fastest fixed method (flat fp32)"] == [
         "chose none, 1.04x its time", "ok"]
     assert rows["hier fp32 equals flat fp32 up to summation order"] == ["rel. error 1.0e-08", "ok"]
+
+
+def test_train_rows_and_targets():
+    def res(times, losses, choice):
+        methods = {k: {"times_s": [v], "val_loss": losses[k], "params": 6_600_704} for k, v in times.items()}
+        methods["plugin hier auto"]["choice"] = choice
+        return {"methods": methods}
+
+    results = {
+        "10gbit": res({"ddp fp32": 0.30, "ddp fp16_compress_hook": 0.32, "plugin hier auto": 0.33},
+                      {"ddp fp32": 3.0, "ddp fp16_compress_hook": 3.0, "plugin hier auto": 3.0}, "none"),
+        "200mbit": res({"ddp fp32": 1.8, "ddp fp16_compress_hook": 1.0, "plugin hier auto": 0.7},
+                       {"ddp fp32": 3.0, "ddp fp16_compress_hook": 3.0, "plugin hier auto": 3.03}, "int8"),
+    }
+    rows = bench_comm.train_rows(results)
+    assert rows[2] == ["plugin hier auto", "330", "0.91x", "3.0000", "700", "2.57x", "3.0300", "none, int8"]
+    targets = {r[0]: r[1:] for r in bench_comm.train_target_rows(results)}
+    slow = targets["200mbit: plugin hier auto >= 1.3x faster than fp16_compress_hook, val loss no worse (+0.5 %)"]
+    assert slow == ["1.43x, val loss +1.00%", "MISS"]  # fast enough, but the loss is 1 % worse
+    fast = targets["10gbit: plugin hier auto within 5 % of the fastest fixed method (ddp fp32)"]
+    assert fast == ["chose none, 1.10x its time", "MISS"]

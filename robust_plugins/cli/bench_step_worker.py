@@ -1,0 +1,131 @@
+"""Rank program of ``robust bench comm --train-steps N``: training steps of the text GPT under DDP.
+
+Started once per rank inside the simulator. Every method trains the same GPT (same seed, same
+batches) for ``--steps`` optimizer steps with PyTorch ``DistributedDataParallel`` over gloo and a
+different gradient communication: DDP's own fp32 all-reduce, PyTorch's ``fp16_compress_hook``,
+and this package's reductions through a DDP comm hook (flat int8 with error feedback, and
+:class:`~robust_plugins.comm.gradient_sync.GradientSync` with ``topology.hierarchical`` and int8 or
+``auto``). PyTorch's ``powerSGD_hook`` is not run: it hung on gloo after its first compressed
+steps in two trials on these machines (../shared/HOSTS.md). Rank 0 prints one JSON line with
+each method's step times (barrier to barrier) and held-out loss after the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+METHODS = ("ddp fp32", "ddp fp16_compress_hook", "plugin flat int8", "plugin hier int8", "plugin hier auto")
+
+
+def _sync_hook(sync, world: int):
+    """A DDP comm hook averaging each bucket through ``sync`` (what a host integration does)."""
+
+    def hook(_state, bucket):
+        buf = bucket.buffer()
+        # DDP rebuilds its buckets after the first iteration; the size in the key keeps a rebuilt
+        # bucket from meeting the residual of a different slice.
+        key = ("ddp", bucket.index(), buf.numel())
+        if sync.route("ddp", buf.numel()) is None:
+            dist.all_reduce(buf)
+        else:
+            sync.all_reduce_sum(buf, None, key)
+        buf.div_(world)
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    return hook
+
+
+def _install(name: str, ddp, world: int, step_ref: list) -> object | None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from robust_plugins.comm import CompressionState, ddp_comm_hook
+    from robust_plugins.comm.gradient_sync import GradientSync
+    from robust_plugins.config import CompressionConfig, TopologyConfig
+
+    if name == "ddp fp32":
+        return None
+    if name == "ddp fp16_compress_hook":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if name == "plugin flat int8":
+        ddp.register_comm_hook(CompressionState(codec="int8"), ddp_comm_hook)
+        return None
+    codec = name.split()[-1]
+    sync = GradientSync(CompressionConfig(codec=codec), step_fn=lambda: step_ref[0],
+                        topology=TopologyConfig(hierarchical=True))
+    ddp.register_comm_hook(None, _sync_hook(sync, world))
+    return sync
+
+
+def main() -> int:
+    """Train each method; rank 0 prints the JSON result."""
+    from robust_plugins.topology import build_groups, discover
+    from robust_plugins.workloads.gpt import build_gpt
+    from robust_plugins.workloads.text import get_batch, load_corpus
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    build_groups(discover().records)  # the hierarchical methods reuse these cached groups
+    corpus = load_corpus()
+    out: dict = {"world_size": world, "methods": {}}
+    for name in args.methods:
+        model = build_gpt("small", seed=0, d_model=args.d_model, n_layer=args.layers, seq_len=args.seq_len)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        step_ref = [0]
+        sync = _install(name, ddp, world, step_ref)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+        times, losses = [], []
+        for step in range(args.steps):
+            x, y = get_batch(corpus, "train", seed=0, step=step, rank=rank, world_size=world,
+                             micro_batch=args.micro_batch, seq_len=args.seq_len)
+            dist.barrier()
+            start = time.perf_counter()
+            loss = ddp(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+            losses.append(float(loss))
+            step_ref[0] += 1
+        with torch.no_grad():
+            total = torch.zeros(1)
+            for i in range(8):
+                x, y = get_batch(corpus, "val", seed=0, step=i, rank=rank, world_size=world,
+                                 micro_batch=args.micro_batch, seq_len=args.seq_len)
+                total += model(x, y).float()
+            dist.all_reduce(total)
+        res = {"times_s": times[2:], "val_loss": float(total) / (8 * world), "train_losses": losses,
+               "params": sum(p.numel() for p in model.parameters())}
+        if sync is not None and sync.auto is not None:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, sync.stats.auto_decisions)
+            res["choice"] = "/".join(sorted({d["codec"] for ds in everyone for d in ds}))
+        out["methods"][name] = res
+        del ddp, opt
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
