@@ -10,10 +10,12 @@ megatron-core 0.16 assumes CUDA in two places that a CPU run reaches (``../share
   states: ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``, and ``CudaRNGStatesTracker.add`` and
   ``model_parallel_cuda_manual_seed`` call ``torch.cuda.get_rng_state`` / ``torch.cuda.manual_seed``.
 
-:func:`install` makes ``torch.cuda.current_device()`` answer ``"cpu"``, and gives the RNG tracker
+:func:`install` makes ``torch.cuda.current_device()`` answer ``"cpu"`` and
+``torch.cuda.synchronize()`` (called by ``dist_checkpointing``'s writer before it copies tensors)
+return at once, and gives the RNG tracker
 CPU generator states (``torch.get_rng_state`` / ``torch.set_rng_state`` / ``torch.manual_seed``,
 through a stand-in for the ``torch`` global of ``tensor_parallel.random`` only). Redirecting
-``current_device`` process-wide is safe exactly because the shim only installs when CUDA is not
+these two process-wide is safe exactly because the shim only installs when CUDA is not
 available: there the original can only raise "Torch not compiled with CUDA enabled" (or "no CUDA
 GPUs"), so no working code path changes; one at a time would mean patching every call site. With
 it a 2-rank (TP 1 or 2) GPT + DDP run over gloo trains with its loss going down, and megatron's
@@ -79,6 +81,10 @@ class _TorchWithCpuRng:
         return getattr(torch, name)
 
 
+def _cpu_synchronize(device=None):
+    """Stand-in for ``torch.cuda.synchronize``: CPU work is already synchronous."""
+
+
 def _cpu_current_device():
     """Stand-in for ``torch.cuda.current_device`` on machines without CUDA (see the docstring)."""
     return "cpu"
@@ -106,6 +112,7 @@ def install() -> None:
         return
     targets = [
         (torch.cuda, "current_device", _cpu_current_device),
+        (torch.cuda, "synchronize", _cpu_synchronize),
         (tp_random, "_get_cuda_rng_state", _cpu_get_rng_state),
         (tp_random, "_set_cuda_rng_state", _cpu_set_rng_state),
     ]
@@ -116,7 +123,7 @@ def install() -> None:
     _installed.append((tp_random, "torch", tp_random.torch))
     tp_random.torch = _TorchWithCpuRng()
     log.info("robust_plugins: megatron CPU shim installed (torch.cuda.current_device -> 'cpu', RNG "
-             "tracker on the CPU generator); replaced torch.cuda.current_device, _get_cuda_rng_state, "
+             "tracker on the CPU generator); replaced torch.cuda.current_device, torch.cuda.synchronize, _get_cuda_rng_state, "
              "_set_cuda_rng_state and tensor_parallel.random's torch.cuda RNG calls")
 
 

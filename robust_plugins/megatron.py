@@ -118,6 +118,8 @@ class MegatronCheckpointer:
         self._previous_handler = None
         if emergency_save:
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            if self._previous_handler is None:  # installed from C: restore the default on close
+                self._previous_handler = signal.SIG_DFL
         self.emergency_tag: str | None = None
         """Tag of the emergency checkpoint written after SIGTERM (None before)."""
 
@@ -140,15 +142,19 @@ class MegatronCheckpointer:
                     opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                     "exp_avg_sq": torch.zeros_like(p)}
         state = opt.state_dict()
+        # megatron's helper drops excluded keys; Adam's per-parameter step counts (scalars, equal
+        # on every rank) travel beside the sharded moments instead, as common state.
+        steps = {pid: s["step"].clone() for pid, s in state["state"].items() if "step" in s}
         id_map = get_param_id_to_sharded_param_map(model_sd, params)
         optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
+        state["param_steps"] = steps
         return state
 
     def sharded_state_dict(self, is_loading: bool = False) -> dict:
         """megatron-core sharded state dict of the model (and optimizer) this checkpointer saves."""
-        model_sd = self.ddp.module.sharded_state_dict(prefix="model.")
+        model_sd = self.ddp.module.sharded_state_dict(prefix="")
         out = {"model": model_sd}
-        opt = self._optimizer_sharded(self.ddp.module.sharded_state_dict(prefix="model."), is_loading)
+        opt = self._optimizer_sharded(self.ddp.module.sharded_state_dict(prefix=""), is_loading)
         if opt is not None:
             out["optimizer"] = opt
         return out
@@ -185,6 +191,7 @@ class MegatronCheckpointer:
         try:
             dist_checkpointing.save(self.sharded_state_dict(), staging)
         except Exception as exc:  # reported by every rank's finish(), which cleans up and raises
+            log.exception("robust_plugins: rank %d: dist_checkpointing.save of %s failed", self.rank, tag)
             self.disk.fail(exc)
         path = os.path.join(staging, STATE_FILE.format(rank=self.rank))
         if not self.disk.failed:
@@ -215,7 +222,11 @@ class MegatronCheckpointer:
         loaded = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), directory)
         self.ddp.module.load_state_dict(loaded["model"])
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(loaded["optimizer"])
+            osd = loaded["optimizer"]
+            if not hasattr(self.optimizer, "sharded_state_dict"):
+                for pid, step in osd.pop("param_steps", {}).items():
+                    osd["state"][pid]["step"] = step
+            self.optimizer.load_state_dict(osd)
         path = os.path.join(directory, STATE_FILE.format(rank=self.rank))
         if not os.path.isfile(path):
             raise CheckpointError(f"Checkpoint {directory} has no {os.path.basename(path)}: it was written by "
@@ -234,7 +245,12 @@ class MegatronCheckpointer:
 
     # ------------------------------------------------------------------------ loop hooks
     def _on_sigterm(self, signum, frame) -> None:
-        # Only a flag: saving here could start collectives in the middle of another one.
+        # Only a flag: saving here could start collectives in the middle of another one. A second
+        # SIGTERM (a rank stuck where step_end is never reached) gets the previous behaviour.
+        if self._term:
+            self.close()
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         self._term = True
 
     def step_end(self, step: int, loss: Any = None, grad_norm: Any = None, root=None) -> None:

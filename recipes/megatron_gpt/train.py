@@ -92,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank-order", choices=("launcher", "topology"), default="launcher",
                    help="keep the launcher's ranks, or renumber so TP groups stay inside a node")
     p.add_argument("--out", help="rank 0 writes the result JSON here")
+    p.add_argument("--log-every", type=int, default=10, help="rank 0 prints the loss every N steps (0: never)")
     return p.parse_args(argv)
 
 
@@ -228,6 +229,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for step in range(start + 1, args.steps + 1):
             loss = train_step(parts, preset, corpus, args.seed, step)
             losses.append(loss)
+            if args.log_every and step % args.log_every == 0 and dist.get_rank() == 0:
+                print(f"step {step} loss {loss:.4f}", flush=True)
             if ckpt is not None:
                 ckpt.step_end(step, loss=loss)
                 if args.save_every and step % args.save_every == 0:
