@@ -119,3 +119,11 @@ def test_no_snapshot_falls_back_to_the_newest_verified_disk_checkpoint_then_olde
     assert "global_step6" in skip and "robust_snapshot_rank00001.bin" in skip and "corrupted" in skip
     assert o["losses"] == r["reference"]["losses"][4:8]
     assert o["digests"] == r["reference"]["digests"]
+
+
+def test_optimizer_wrappers_it_cannot_restore_exactly_are_refused(run):
+    stage, _, r = run
+    if stage != 0:
+        pytest.skip("ZeRO 0 only: its bf16/fp16 optimizer wrappers")
+    assert r["bf16_zero0"].startswith("UnsupportedError: robust_plugins.checkpoint.memory_every supports ZeRO 1/2")
+    assert "FP16_UnfusedOptimizer" in r["bf16_zero0"] and "Remove memory_every or use ZeRO 1/2" in r["bf16_zero0"]

@@ -230,3 +230,27 @@ def test_bench_checkpoint_table_reports_ratios_from_medians():
     assert "| snapshot blocking (median) | 3.00 ms | 1.5% of a step |" in text
     assert "1.67x DeepSpeed's time" in text and "0.100x (10x less blocking)" in text
     assert "memory is 2.5x faster" in text and "Command: `robust bench checkpoint --nproc 4`" in text
+
+
+def test_a_slow_peer_send_or_disk_save_does_not_delay_the_next_commit(job):
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def after_commit(_index, slot):
+        if slot.header().step == 1:
+            release.wait(10)  # a slow background disk save of step 1
+
+    st = memory.SnapshotStore(job, 0, 1, after_commit=after_commit)
+    st.save(1, {"w": torch.ones(10)})
+    st.save(2, {"w": torch.ones(10) * 2})
+    deadline = time.monotonic() + 5
+    while st.committed_step != 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert st.committed_step == 2  # committed while step 1's hand-off still runs
+    assert [s.step for s in st.own_snapshots()] == [2, 1]
+    assert st.slots[0].busy.is_set()  # step 3 would wait for slot 0 (step 1's) to be free
+    release.set()
+    st.flush()
+    st.close()
