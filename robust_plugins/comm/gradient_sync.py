@@ -171,7 +171,8 @@ class GradientSync:
                 # The residual was made by another quantizer; carrying it over would be exact only
                 # for the sender side, so both sides restart from zero (at most one step's error).
                 self.states[last].forget(ef_key)
-                log_rank0(log, logging.INFO, "auto codec: bucket %s switched %s -> %s; its residuals restart", ef_key, last, codec)
+                log_rank0(log, logging.INFO, "auto codec: bucket %s switched %s -> %s; its residuals restart",
+                          ef_key, last, codec)
             self._last_codec[ef_key] = codec
         self.stats.by_codec[codec] += tensor.numel()
         return codec
@@ -195,8 +196,9 @@ class GradientSync:
             k8s = K8sEnv(t.k8s_node_env, t.k8s_switch_envs, t.k8s_domain_env) if t.k8s_node_env else None
             topo = discover(t.file, k8s=k8s)
             self._groups = build_groups(topo.records)
-            log_rank0(log, logging.INFO, "hierarchical gradient all-reduce over %s: node of %d ranks, rail of %d ranks%s",
-                      topo.source, len(self._groups.intra_ranks), len(self._groups.rail_ranks),
+            log_rank0(log, logging.INFO,
+                      "hierarchical gradient all-reduce over %s: node of %d ranks, rail of %d ranks%s", topo.source,
+                      len(self._groups.intra_ranks), len(self._groups.rail_ranks),
                       f" (FLAT fallback: {self._groups.fallback_reason})" if self._groups.plan is None else "")
         return self._groups
 
