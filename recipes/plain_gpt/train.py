@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -124,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     # The checkpoint's own loss: a job resumed from its final checkpoint still reports one.
     losses: dict[int, float] = {start - 1: state["loss"]} if ckpt is not None else {}
     t0 = time.monotonic()
+    step_times: list[float] = []
     for step in range(start, args.steps + 1):
+        t_step = time.perf_counter()
         if watchdog.skip_batch(step):
             if rank == 0:
                 print(f"[rank 0] skipping the batch of step {step}: it spiked again after a "
@@ -156,11 +159,14 @@ def main(argv: list[str] | None = None) -> None:
         # ok_to_save: the monitor has seen every rank's report of this step and no fault in it.
         if step % args.save_every == 0 and rank == 0 and replicas_agree and watchdog.ok_to_save(step):
             save_checkpoint(ckpt_dir, step, model, optimizer, mean_loss)
+        step_times.append(time.perf_counter() - t_step)
     dist.barrier()
     if rank == 0:
         result = {"steps": args.steps, "started_at": start, "final_loss": losses.get(args.steps),
                   "losses": {str(k): v for k, v in losses.items()}, "params_hash": params_hash(model),
-                  "world_size": world, "wall_s": round(time.monotonic() - t0, 3)}
+                  "world_size": world, "wall_s": round(time.monotonic() - t0, 3),
+                  # Rank 0's median wall time of a step in this incarnation (the watchdog benchmark).
+                  "step_time_median_s": statistics.median(step_times) if step_times else None}
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
