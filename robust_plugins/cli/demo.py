@@ -1,19 +1,19 @@
 """``robust demo``: vanilla DeepSpeed against DeepSpeed with robust_plugins, faults included.
 
-Two jobs of the deepspeed_gpt recipe on CPU ranks, each under ``robust run``, same seed and data:
+Two jobs of the deepspeed_gpt recipe on CPU ranks, same seed and data:
 
-1. **baseline**: ``baseline.json`` (plain DeepSpeed) plus only the ``telemetry`` block (metrics,
-   no change to training);
-2. **plugin**: ``plugin.json`` (int8 compressed gradients) plus verified checkpoints and
-   telemetry, with a crash, a hang and a NaN injected; ``robust run`` detects each one, restarts
-   the ranks and the recipe resumes from its newest verified checkpoint.
+1. **comparison** on a simulated 2-node cluster (``robust_plugins.sim``: one network namespace per
+   node, ``--link-rate`` between them; as root, else loopback on this machine, said on screen):
+   ``baseline`` (``baseline.json``, plain DeepSpeed plus only the ``telemetry`` block, which does
+   not change training) and ``plugin`` (``plugin.json``, int8 compressed gradients) in one launch;
+2. **faults**: the plugin again, with verified checkpoints, under ``robust run`` with a crash, a
+   hang and a NaN injected; ``robust run`` detects each one, restarts the ranks and the recipe
+   resumes from its newest verified checkpoint. This job runs over loopback: ``robust run``
+   cannot yet start a job across the simulator's nodes.
 
-While they run, a progress bar per job is drawn from the job's own telemetry file and fault log.
-At the end: the comparison table and the path of the HTML report (``robust report``) of both runs;
-both W&B runs (offline) are in one project and group.
-
-The ranks talk over loopback on this one machine (said on screen): ``robust run`` cannot yet
-start a job across the network-namespace simulator's nodes.
+While they run, progress bars are drawn from the runs' own telemetry files and fault log. At the
+end: the comparison table, the fault job's summary and the path of the HTML report
+(``robust report``) of all three runs; the W&B runs (offline) are in one project and group.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--faults", default="crash,hang,nan",
                         help="faults injected into the plugin job, comma-separated from crash, hang, nan; "
                              "'none' for none (default crash,hang,nan)")
+    parser.add_argument("--cluster", choices=("auto", "sim", "loopback"), default="auto",
+                        help="where the comparison runs: the network-namespace simulator (2 nodes, needs "
+                             "root), loopback, or auto: the simulator when it can run (default auto)")
+    parser.add_argument("--link-rate", default="100mbit",
+                        help="simulated link rate between the 2 nodes (default 100mbit)")
     parser.add_argument("--out-dir", help="results directory (default runs/demo/<timestamp>)")
     parser.add_argument("--timeout", type=float, default=600, help="hard limit for each job, seconds (default 600)")
 
@@ -84,15 +90,16 @@ class Progress:
 
     WIDTH = 30
 
-    def __init__(self, name: str, run_dir: Path, steps: int) -> None:
+    def __init__(self, name: str, run_dir: Path, steps: int, telemetry_dir: Path | None = None) -> None:
         self.name, self.run_dir, self.steps = name, run_dir, steps
+        self.telemetry_dir = telemetry_dir or run_dir / "telemetry"
         self.tty = sys.stdout.isatty()
         self.shown_faults = 0
         self.last = ""
         self.last_state: tuple | None = None
 
     def _records(self) -> list[dict[str, Any]]:
-        path = self.run_dir / "telemetry" / "metrics.jsonl"
+        path = self.telemetry_dir / "metrics.jsonl"
         if not path.is_file():
             return []
         out = []
@@ -124,6 +131,10 @@ class Progress:
         elif not self.tty and state != self.last_state:  # a log file gets a line per change of step
             print(line, flush=True)
         self.last, self.last_state = line, state
+
+    def started(self) -> bool:
+        """True once the run wrote its first telemetry record."""
+        return (self.telemetry_dir / "metrics.jsonl").is_file()
 
     def _faults(self) -> list[dict[str, Any]]:
         path = self.run_dir / "faults.jsonl"
@@ -191,42 +202,116 @@ def run_job(name: str, plan: Path, out_dir: Path, run_dir: Path, args: argparse.
     return result
 
 
+def _cluster(args: argparse.Namespace) -> tuple[str, str]:
+    """("sim" or "loopback", the sentence saying so on screen)."""
+    from robust_plugins.sim.netns import netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if args.cluster == "loopback":
+        return "loopback", f"{args.nproc} CPU ranks on this machine over loopback (--cluster loopback)"
+    if reason is None and args.nproc % 2 == 0:
+        return "sim", (f"a simulated 2-node cluster ({args.nproc // 2} ranks a node, network namespaces, "
+                       f"{args.link_rate} between the nodes, loopback inside a node)")
+    why = reason or f"--nproc {args.nproc} does not split into 2 nodes"
+    if args.cluster == "sim":
+        raise RobustPluginsError(f"--cluster sim: {why}.")
+    return "loopback", f"{args.nproc} CPU ranks on this machine over loopback (no simulator: {why})"
+
+
+def _follow(bars: list[Progress], worker: threading.Thread, t0: float, timeout: float, what: str) -> None:
+    # The runs of one launch go one after another: follow each bar until the next run starts.
+    i = 0
+    while worker.is_alive():
+        if time.monotonic() - t0 > timeout:
+            raise RobustPluginsError(f"{what} ran past --timeout {timeout:g} s.")
+        bars[i].update(t0)
+        if i + 1 < len(bars) and bars[i + 1].started():
+            bars[i].finish(t0)
+            i += 1
+        time.sleep(0.5)
+    for bar in bars[i:]:
+        bar.finish(t0)
+
+
+def run_comparison(out_dir: Path, args: argparse.Namespace, telemetry: dict, kind: str) -> dict[str, Any]:
+    """Baseline and plugin in one launch (simulated cluster or loopback); returns their results."""
+    from robust_plugins.launch import launch_env, run_torchrun
+
+    runs = []
+    for name, src in (("baseline", "baseline.json"), ("plugin", "plugin.json")):
+        cfg = _write_config(src, out_dir / f"{name}.ds.json", {"telemetry": {**telemetry, "dir": str(out_dir / name)}})
+        runs.append({"name": name, "config": str(cfg)})
+    plan = out_dir / "comparison.plan.json"
+    plan.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    recipe_args = ["--plan", str(plan), "--out-dir", str(out_dir), "--steps", str(args.steps),
+                   "--preset", args.preset]
+    log = out_dir / "comparison.log"
+    errors: list[BaseException] = []
+
+    def launch() -> None:
+        try:
+            if kind == "sim":
+                results = cluster.run([sys.executable, "-m", RECIPE_MODULE, *recipe_args], timeout_s=args.timeout,
+                                      env=launch_env())
+                log.write_text("".join(f"--- rank {r.rank} ---\n{r.stdout}{r.stderr}" for r in results))
+            else:
+                run_torchrun(RECIPE_MODULE, recipe_args, nproc=args.nproc, timeout_s=args.timeout, log_path=log)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(exc)
+
+    bars = [Progress(r["name"], out_dir / r["name"], args.steps, telemetry_dir=out_dir / r["name"]) for r in runs]
+    t0 = time.monotonic()
+    if kind == "sim":
+        from robust_plugins.sim import SimCluster
+
+        # Entered in the main thread: the simulator's teardown-on-signal handlers live there.
+        with SimCluster(2, args.nproc // 2, args.link_rate) as cluster:
+            worker = threading.Thread(target=launch, daemon=True)
+            worker.start()
+            _follow(bars, worker, t0, args.timeout + 30, "the comparison")
+    else:
+        worker = threading.Thread(target=launch, daemon=True)
+        worker.start()
+        _follow(bars, worker, t0, args.timeout + 30, "the comparison")
+    if errors:
+        raise RobustPluginsError(f"the comparison launch failed (log: {log}): {errors[0]}")
+    return {r["name"]: json.loads((out_dir / f"{r['name']}.json").read_text()) for r in runs}
+
+
 def run(args: argparse.Namespace) -> int:
     """Both jobs, then the table and the report."""
     from robust_plugins.telemetry import read_records
     from robust_plugins.telemetry.report import build
 
     inject = plan_faults(args.faults, args.steps, args.nproc)
+    kind, where = _cluster(args)
     out_dir = (Path(args.out_dir) if args.out_dir else timestamped_dir("runs/demo")).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     group = f"demo-{out_dir.name}"
     telemetry = {"log_every": LOG_EVERY, "heatmap_at_start": True,
                  "wandb": {"project": "robust_plugins-demo", "group": group, "mode": "offline"}}
-    base_cfg = _write_config("baseline.json", out_dir / "baseline.ds.json", {"telemetry": telemetry})
-    plug_cfg = _write_config("plugin.json", out_dir / "plugin.ds.json", {
-        "telemetry": telemetry,
-        "checkpoint": {"dir": str(out_dir / "ckpt"), "keep": 2, "verify": "sha256"}})
-    print(f"robust demo: {args.nproc} CPU ranks on this machine, talking over loopback (robust run cannot yet "
-          f"start a job across the network-namespace simulator's nodes); {args.preset} GPT, {args.steps} steps.")
-    print(f"faults injected into the plugin job: {', '.join(inject) if inject else 'none'}")
-    print(f"results: {out_dir}\n")
-    results = {}
-    for name, cfg, faults in (("baseline", base_cfg, []), ("plugin", plug_cfg, inject)):
-        entry = {"name": name, "config": str(cfg)}
-        if name == "plugin":
-            entry.update(save_dir=str(out_dir / "ckpt"), save_every=SAVE_EVERY, resume=True)
-        plan = out_dir / f"{name}.plan.json"
-        plan.write_text(json.dumps({"runs": [entry]}, indent=1) + "\n")
-        print(f"{name}: robust run ... (log {out_dir / (name + '.log')})", flush=True)
-        results[name] = run_job(name, plan, out_dir, out_dir / name, args, faults)
-    runs = {n: read_records(out_dir / n / "telemetry") for n in results}
-    report = build([out_dir / "baseline", out_dir / "plugin"], out_dir / "report.html")
+    print(f"robust demo: {args.preset} GPT, {args.steps} steps, results in {out_dir}")
+    print(f"1. baseline vs plugin (int8) on {where}")
+    results = run_comparison(out_dir, args, telemetry, kind)
+    print(f"2. the plugin job with faults under robust run ({args.nproc} ranks over loopback: robust run cannot "
+          f"yet start a job across the simulator's nodes); injected: {', '.join(inject) if inject else 'none'}")
+    cfg = _write_config("plugin.json", out_dir / "plugin-faults.ds.json", {
+        "telemetry": telemetry, "checkpoint": {"dir": str(out_dir / "ckpt"), "keep": 2, "verify": "sha256"}})
+    plan = out_dir / "plugin-faults.plan.json"
+    plan.write_text(json.dumps({"runs": [{"name": "plugin-faults", "config": str(cfg), "save_dir": str(out_dir / "ckpt"),
+                                          "save_every": SAVE_EVERY, "resume": True}]}, indent=1) + "\n")
+    faulted = run_job("plugin-faults", plan, out_dir, out_dir / "plugin-faults", args, inject)
+    recs = {n: read_records(d) for n, d in (("baseline", out_dir / "baseline"), ("plugin", out_dir / "plugin"),
+                                              ("plugin-faults", out_dir / "plugin-faults" / "telemetry"))}
+    report = build([out_dir / "baseline", out_dir / "plugin", out_dir / "plugin-faults"], out_dir / "report.html")
     print()
-    print(render(results["baseline"], results["plugin"], runs["baseline"], runs["plugin"]))
+    print(render(results["baseline"], results["plugin"], recs["baseline"], recs["plugin"], where=where))
+    print()
+    print(render_faults(faulted, recs["plugin-faults"], results["plugin"]))
     print(f"\nreport: {report}")
     print(f"W&B (offline) runs, project robust_plugins-demo, group {group}: "
-          f"wandb sync {out_dir}/*/telemetry/wandb/offline-run-*")
-    if not results["plugin"]["plugin_active"]:
+          f"wandb sync {out_dir}/*/wandb/offline-run-* {out_dir}/*/telemetry/wandb/offline-run-*")
+    if not (results["plugin"]["plugin_active"] and faulted["plugin_active"]):
         # The table above would compare vanilla with vanilla: say so and fail, never pass quietly.
         print("\nERROR: the plugin run did not attach robust_plugins to its engine, so it ran vanilla "
               "DeepSpeed. Check that `import robust_plugins` works and that patches/deepspeed.py is installed.")
@@ -238,12 +323,36 @@ def _ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.3f}x" if a is not None and b else "n/a"
 
 
+def _median_of(recs: list[dict[str, Any]], key: str) -> float | None:
+    vals = sorted(r[key] for r in recs if r.get("kind") == "step" and isinstance(r.get(key), (int, float)))
+    return vals[len(vals) // 2] if vals else None
+
+
+def render_faults(result: dict, recs: list[dict], fault_free: dict) -> str:
+    """What the fault job went through, and how it ended against the fault-free plugin run."""
+    faults = [r for r in recs if r.get("kind") == "fault"]
+    lines = [f"plugin job under robust run: {len(faults)} fault(s) detected and recovered, "
+             f"{sum(1 for r in recs if r.get('kind') == 'start')} incarnation(s), "
+             f"{result['job_wall_s']:.0f} s launch to exit, ETTR {_fmt(_last(recs, 'ettr'), '.3f')}"]
+    for f in faults:
+        lines.append(f"  {f.get('fault_kind'):<6} at step {f.get('step')}, rank(s) {f.get('suspect_ranks')}: detected "
+                     f"after {f.get('detected_after_s') or 0:.1f} s, {f.get('action')}, resumed at step "
+                     f"{f.get('resumed_at_step')} ({f.get('lost_steps')} steps redone)")
+    lines.append(f"  final validation loss {result['val_loss']:.4f} (fault-free plugin run: {fault_free['val_loss']:.4f})")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
 def _last(recs: list[dict[str, Any]], key: str) -> Any:
     steps = [r for r in recs if r.get("kind") == "step" and r.get(key) is not None]
     return steps[-1][key] if steps else None
 
 
-def render(base: dict, plug: dict, base_recs: list[dict] | None = None, plug_recs: list[dict] | None = None) -> str:
+def render(base: dict, plug: dict, base_recs: list[dict] | None = None, plug_recs: list[dict] | None = None,
+           where: str | None = None) -> str:
     """The side-by-side table of two result dicts (and their telemetry records, when given)."""
     codec = ((plug.get("robust_plugins_block") or {}).get("compression") or {}).get("codec", "?")
     rows = []
@@ -257,13 +366,11 @@ def render(base: dict, plug: dict, base_recs: list[dict] | None = None, plug_rec
     b, p = base["median_step_time_s"], plug["median_step_time_s"]
     rows.append(["median step time", f"{b * 1e3:.1f} ms", f"{p * 1e3:.1f} ms", _ratio(p, b)])
     if base_recs is not None and plug_recs is not None:
-        nf = [sum(1 for r in recs if r.get("kind") == "fault") for recs in (base_recs, plug_recs)]
-        rows.append(["faults detected and recovered", str(nf[0]), str(nf[1]), ""])
-        e = [_last(recs, "ettr") for recs in (base_recs, plug_recs)]
-        rows.append(["ETTR (productive / wall time)", *(f"{x:.3f}" if x is not None else "n/a" for x in e), ""])
-    if "job_wall_s" in base and "job_wall_s" in plug:
-        rows.append(["job wall time (launch to exit)", f"{base['job_wall_s']:.0f} s", f"{plug['job_wall_s']:.0f} s",
-                     _ratio(plug["job_wall_s"], base["job_wall_s"])])
+        tps = [_median_of(recs, "tokens_per_s") for recs in (base_recs, plug_recs)]
+        rows.append(["tokens/s (all ranks, median)", *(f"{x:.0f}" if x else "n/a" for x in tps), _ratio(tps[1], tps[0])])
+    rows.append(["training wall time (first to last step)", f"{sum(base['step_time_s']):.1f} s",
+                 f"{sum(plug['step_time_s']):.1f} s", _ratio(sum(plug["step_time_s"]), sum(base["step_time_s"]))])
     head = (f"{base['world_size']} ranks, {base['preset']} GPT ({base['n_params'] / 1e6:.2f}M params), "
-            f"{base['steps']} steps, ZeRO-{base['zero_stage']}, {base['dtype'].replace('torch.', '')}")
+            f"{base['steps']} steps, ZeRO-{base['zero_stage']}, {base['dtype'].replace('torch.', '')}"
+            + (f", on {where}" if where else ""))
     return head + "\n" + format_table(["", "vanilla DeepSpeed", f"robust_plugins ({codec})", "plugin / vanilla"], rows)
