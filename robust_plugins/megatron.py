@@ -245,12 +245,10 @@ class MegatronCheckpointer:
 
     # ------------------------------------------------------------------------ loop hooks
     def _on_sigterm(self, signum, frame) -> None:
-        # Only a flag: saving here could start collectives in the middle of another one. A second
-        # SIGTERM (a rank stuck where step_end is never reached) gets the previous behaviour.
-        if self._term:
-            self.close()
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
+        # Only a flag: saving here could start collectives in the middle of another one. Repeats
+        # are expected (SLURM signals every process of a step and torchrun forwards its own copy);
+        # a rank stuck where step_end is never reached is SIGKILLed by the launcher after its grace
+        # period (torchrun: 30 s).
         self._term = True
 
     def step_end(self, step: int, loss: Any = None, grad_norm: Any = None, root=None) -> None:
