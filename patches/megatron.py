@@ -198,6 +198,7 @@ def enable(ddp, config: Any = None) -> MegatronPlugin:
             "robust_plugins.checkpoint.persist_every is for DeepSpeed engines; megatron-core loops "
             "save through robust_plugins.megatron.MegatronCheckpointer.save(step) (see README)."
         )
+    _refuse_config(cfg)
     if cfg.compression is not None:
         _refuse(ddp)
     plugin = MegatronPlugin(ddp, cfg)
@@ -219,6 +220,22 @@ def disable(ddp) -> None:
     for _, group in plugin.groups:
         _guard.unbind_instance(group, "start_grad_sync")
     _guard.unbind_instance(ddp, "finish_grad_sync")
+
+
+def _refuse_config(cfg: PluginConfig) -> None:
+    """Sub-blocks (or settings) that this integration does not wire: refused, never ignored."""
+    if cfg.compression is not None and cfg.compression.codec == "auto":
+        raise UnsupportedError(
+            "robust_plugins.megatron: compression.codec = 'auto' is not wired for megatron-core yet (it is "
+            "for DeepSpeed). Use a fixed codec: none, bf16, int8, int4 or sign."
+        )
+    for name in ("topology", "telemetry"):
+        if getattr(cfg, name, None) is not None:
+            raise UnsupportedError(
+                f"robust_plugins.megatron: the {name!r} sub-block is not wired for megatron-core yet (it is "
+                f"for DeepSpeed). Remove it from the block passed to enable(); compression and checkpoint "
+                f"(robust_plugins.megatron.MegatronCheckpointer) are supported."
+            )
 
 
 def _refuse(ddp) -> None:

@@ -70,3 +70,13 @@ def test_cpu_shim_installs_once_and_undoes():
     finally:
         megatron_cpu.undo()
     assert (torch.cuda.current_device, tp_random._get_cuda_rng_state, tp_random.torch) == before
+
+
+@pytest.mark.parametrize("block, what", [
+    ({"compression": {"codec": "auto"}}, "codec = 'auto'"),
+    ({"compression": {"codec": "int8"}, "topology": {"hierarchical": True}}, "'topology' sub-block"),
+    ({"telemetry": {"log_every": 10}}, "'telemetry' sub-block"),
+])
+def test_enable_refuses_sub_blocks_it_does_not_wire(block, what):
+    with pytest.raises(UnsupportedError, match=what):
+        patch._refuse_config(patch._as_plugin_config(block))
