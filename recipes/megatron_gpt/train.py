@@ -18,10 +18,10 @@ tensors unconditionally, and its distributed optimizer requires ``torch.cuda`` p
 so neither runs on CPU. The gradient sync, which is what robust_plugins changes, is megatron's DDP
 in both cases.
 
-With ``--rank-order topology`` each process first joins a plain process group, the topology is
-discovered (hostnames, or ``ROBUST_TOPOLOGY_SIM``), :func:`robust_plugins.topology.megatron_rank_order`
-computes which process should take which megatron rank (TP groups inside a node), and the process
-group is rebuilt with those ranks before megatron's parallel state is initialized.
+Rank placement is the launcher's: megatron-core puts TP groups on consecutive ranks, so launch
+node-major (torchrun does), or compute the placement with
+:func:`robust_plugins.topology.megatron_rank_order` and start each process with that ``RANK``.
+The recipe does not renumber ranks itself.
 """
 
 # robust_plugins first (cheap, imports nothing heavy); megatron-core is imported in main().
@@ -89,29 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="megatron distributed optimizer (GPU presets only)")
     p.add_argument("--ckpt-dir", help="verified dist_checkpointing saves go here; resumes from the newest valid one")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
-    p.add_argument("--rank-order", choices=("launcher", "topology"), default="launcher",
-                   help="keep the launcher's ranks, or renumber so TP groups stay inside a node")
     p.add_argument("--out", help="rank 0 writes the result JSON here")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints the loss every N steps (0: never)")
     return p.parse_args(argv)
-
-
-def _apply_rank_order(tp: int, timeout_s: float) -> None:
-    """Rebuild the default process group so that megatron ranks follow the topology (TP in a node)."""
-    from robust_plugins.topology import megatron as topo_mcore
-    from robust_plugins.topology.discover import discover
-
-    topo = discover()
-    order = topo_mcore.megatron_rank_order(topo.records, tp=tp)
-    new_rank = topo_mcore.inverse(order)[dist.get_rank()]
-    if tuple(order) == tuple(range(len(order))):
-        return
-    world = dist.get_world_size()
-    port = int(os.environ["MASTER_PORT"]) + 1  # a fresh store: the old one holds the old ranks' keys
-    dist.destroy_process_group()
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl",
-                            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}", rank=new_rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: bool, distopt: bool,
@@ -212,8 +192,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     preset = PRESETS[args.preset]
     tp = args.tp if args.tp is not None else preset.tp
-    if args.rank_order == "topology":
-        _apply_rank_order(tp, timeout_s=600)
     parts = build(preset, tp=tp, seed=args.seed, codec=args.codec, overlap=args.overlap_grad_reduce,
                   distopt=args.distributed_optimizer)
     corpus = load_corpus()
