@@ -88,12 +88,17 @@ def rollback_bound(env: Mapping[str, str] | None = None) -> int | None:
     """Newest step a restarted ``robust run`` incarnation may restore, or None (no limit).
 
     A ``rollback`` (nan, spike, sdc) means the state after some step is bad, and a snapshot taken
-    every step holds it; ``faults.jsonl`` (``robust_plugins/watchdog/FORMAT.md``) of the run
-    directory says which step. For the previous incarnation's rollbacks: ``step - 1`` for nan and
+    every step holds it. ``robust run`` sets ``ROBUST_ROLLBACK_MAX_STEP`` for the restarted
+    ranks; without it, ``faults.jsonl`` (``robust_plugins/watchdog/FORMAT.md``) of the run
+    directory says which step (a relaunch with the same ``--run-dir``). For the previous incarnation's rollbacks: ``step - 1`` for nan and
     spike (the update of the step that tripped the detector is the bad one), ``step -
     check_every`` for sdc (the corruption happened since the previous check).
     """
     env = os.environ if env is None else env
+    # robust run's monitor says it when it starts a rollback's incarnation (the fault's line in
+    # faults.jsonl is written only once the restarted job reports its first step).
+    if env.get("ROBUST_ROLLBACK_MAX_STEP", "").strip().lstrip("-").isdigit():
+        return int(env["ROBUST_ROLLBACK_MAX_STEP"])
     run_dir, inc = env.get("ROBUST_RUN_DIR"), env.get("ROBUST_INCARNATION")
     path = os.path.join(run_dir, "faults.jsonl") if run_dir else None
     if not path or not inc or not os.path.exists(path):

@@ -65,6 +65,10 @@ class _RankState:
     """Reported as a straggler in this incarnation (once, until it recovers)."""
 
 
+#: Set for the ranks of an incarnation started by a rollback: the newest step they may restore.
+ENV_ROLLBACK_MAX_STEP = "ROBUST_ROLLBACK_MAX_STEP"
+
+
 class Monitor:
     """Fault detection for the ranks of one node."""
 
@@ -134,7 +138,19 @@ class Monitor:
             client.ENV_SDC_EVERY: str(self.cfg.sdc_every_steps),
             client.ENV_STRAGGLER: "1" if self.cfg.straggler_factor > 0 else "0",
             client.ENV_SKIP: ",".join(str(s) for s in sorted(self.skip_steps)),
+            ENV_ROLLBACK_MAX_STEP: self._rollback_max_step(),
         }
+
+    def _rollback_max_step(self) -> str:
+        # For in-memory snapshots (robust_plugins.checkpoint.restore.rollback_bound): a snapshot
+        # taken every step holds the bad state of a rollback; the restarted ranks must not restore
+        # anything newer than the last good step. The fault's record is written only later.
+        with self._lock:
+            fault = self._pending_resume
+        if fault is None or fault.action != "rollback" or fault.step is None:
+            return ""
+        back = fault.detail.get("check_every", 1) if fault.kind == "sdc" else 1
+        return str(fault.step - int(back))
 
     def begin_incarnation(self, pids: dict[int, int]) -> None:
         """New ranks ``{global_rank: pid}`` started; forget the previous incarnation's state."""

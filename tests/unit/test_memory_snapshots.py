@@ -213,6 +213,8 @@ def test_after_a_rollback_memory_newer_than_the_bad_step_is_not_used(tmp_path):
     assert rollback_bound({**env, "ROBUST_INCARNATION": "2"}) == 24
     assert rollback_bound({**env, "ROBUST_INCARNATION": "3"}) == 35
     assert rollback_bound({}) is None
+    assert rollback_bound({**env, "ROBUST_INCARNATION": "1", "ROBUST_ROLLBACK_MAX_STEP": "17"}) == 17
+    assert rollback_bound({**env, "ROBUST_INCARNATION": "1", "ROBUST_ROLLBACK_MAX_STEP": ""}) is None
     reports = [{"own": [[25, 0], [24, 1]]}, {"own": [[25, 1], [24, 0]]}]
     assert plan_restore(reports, max_step=24).step == 24
     late = plan_restore(reports, max_step=20)
