@@ -122,6 +122,8 @@ class MegatronCheckpointer:
                 self._previous_handler = signal.SIG_DFL
         self.emergency_tag: str | None = None
         """Tag of the emergency checkpoint written after SIGTERM (None before)."""
+        self.extra: Any = None
+        """``extra`` of the checkpoint :meth:`load` restored (this rank's), None before."""
 
     # ----------------------------------------------------------------------------- state
     def _optimizer_sharded(self, model_sd: dict, is_loading: bool) -> Any:
@@ -240,7 +242,6 @@ class MegatronCheckpointer:
         torch.set_rng_state(state["cpu_rng"])
         get_cuda_rng_tracker().set_states(state["tracker_rng"])
         self.extra = state["extra"]
-        """``extra`` of the loaded checkpoint (this rank's)."""
         return int(state["step"])
 
     # ------------------------------------------------------------------------ loop hooks
