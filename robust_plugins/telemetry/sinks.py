@@ -5,7 +5,8 @@
 ==========  ===================================================================================
 ``start``   an incarnation's first engine: ``time``, ``incarnation``, ``world_size``, ``config``
 ``step``    one aggregation window (``robust_plugins.telemetry.metrics.aggregate`` fields, plus
-            ``step``, ``time``, ``incarnation``, ``ettr``)
+            ``step``, ``time``, ``incarnation``, ``ettr``, ``faults_total``; with compression
+            also ``codec_share`` and ``auto_decisions``)
 ``fault``   a watchdog event copied from ``faults.jsonl`` (its fields, ``fault_index``)
 ``heatmap`` a rank-to-rank probe: ``file`` (JSON with the matrices), ``png``, ``outliers``
 ``end``     the engine's telemetry was closed cleanly
