@@ -159,13 +159,50 @@ def launch_env(base: Mapping[str, str] | None = None, extra: Mapping[str, str] |
     return env
 
 
+def _proc_start(pid: int) -> str | None:
+    """Start time of ``pid`` (field 22 of /proc/PID/stat), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name (field 2) may hold spaces: split after its closing parenthesis.
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _descendants(root: int) -> list[tuple[int, str]]:
+    """``(pid, start time)`` of every living descendant of ``root`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            start = _proc_start(child)
+            if start is not None:
+                found.append((child, start))
+                todo.append(child)
+    return found
+
+
 def _kill_group(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
-    # The job leads its own session, so its pid is the group id of torchrun and every rank.
+    # torchrun leads the job's session, but the elastic agent starts every rank in a session of
+    # its own (start_new_session=True), so killing torchrun's group reaches only torchrun. It
+    # SIGTERMs its ranks when it gets SIGTERM; a rank that ignores SIGTERM would outlive a
+    # SIGKILLed torchrun, re-parented and out of reach. So note every descendant first and
+    # SIGKILL whichever of them is still the same process at the end.
+    family = _descendants(proc.pid) if proc.poll() is None else []
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
@@ -175,7 +212,14 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        return
+        break
+    for pid, start in family:
+        # Same pid and start time: still the process we noted, not a reused pid.
+        if _proc_start(pid) == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def run_torchrun(

@@ -18,7 +18,10 @@ open(os.path.join(sys.argv[1], f"pid{rank}"), "w").write(str(os.getpid()))
 print(f"rank {rank} threads={os.environ['OMP_NUM_THREADS']} accel={os.environ['DS_ACCELERATOR']}", flush=True)
 if sys.argv[2] == "fail" and rank == 1:
     raise RuntimeError("rank one broke on purpose")
-if sys.argv[2] == "hang":
+if sys.argv[2] == "stubborn":
+    import signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # outlives torchrun's own SIGTERM to its ranks
+if sys.argv[2] in ("hang", "stubborn"):
     time.sleep(600)
 """
 
@@ -59,3 +62,15 @@ def test_timeout_kills_the_whole_group(script, tmp_path):
     assert time.monotonic() - t0 < 30
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
     assert not any(_alive(p) for p in pids)
+
+
+def test_timeout_kills_ranks_that_ignore_sigterm(script, tmp_path):
+    # The elastic agent puts every rank in a session of its own: killing torchrun's process group
+    # alone would leave these ranks running after torchrun is SIGKILLed.
+    with pytest.raises(LaunchTimeout):
+        run_torchrun(str(script), [str(tmp_path), "stubborn"], nproc=2, timeout_s=8)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids), f"ranks left running: {[p for p in pids if _alive(p)]}"
