@@ -77,6 +77,17 @@ def _check_keys(where: str, raw: Mapping[str, Any], allowed: list[str]) -> None:
             )
 
 
+def _check_optional_dir(section: Any, where: str) -> None:
+    """``section.dir``: None, or a non-empty path (an ``os.PathLike`` is stored as its string)."""
+    if section.dir is None:
+        return
+    if isinstance(section.dir, os.PathLike):
+        object.__setattr__(section, "dir", os.fspath(section.dir))
+    _expect_type(f"{where}.dir", section.dir, (str,), "a directory path (string)")
+    if not section.dir:
+        raise ConfigError(f"{where}.dir = '' is empty: give a directory path or leave it out.")
+
+
 def _expect_type(where: str, value: Any, types: tuple[type, ...], what: str) -> Any:
     # bool is an int subclass: `"warmup_steps": true` is a mistake, not 1.
     if isinstance(value, bool) and bool not in types:
@@ -398,12 +409,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         where = f"{BLOCK_KEY}.checkpoint"
-        if self.dir is not None:
-            if isinstance(self.dir, os.PathLike):
-                object.__setattr__(self, "dir", os.fspath(self.dir))
-            _expect_type(f"{where}.dir", self.dir, (str,), "a directory path (string)")
-            if not self.dir:
-                raise ConfigError(f"{where}.dir = '' is empty: give a directory path or leave it out.")
+        _check_optional_dir(self, where)
         for name in ("persist_every", "memory_every"):
             value = getattr(self, name)
             if value is not None:
@@ -516,12 +522,7 @@ class TelemetryConfig:
 
     def __post_init__(self) -> None:
         where = f"{BLOCK_KEY}.telemetry"
-        if self.dir is not None:
-            if isinstance(self.dir, os.PathLike):
-                object.__setattr__(self, "dir", os.fspath(self.dir))
-            _expect_type(f"{where}.dir", self.dir, (str,), "a directory path (string)")
-            if not self.dir:
-                raise ConfigError(f"{where}.dir = '' is empty: give a directory path or leave it out.")
+        _check_optional_dir(self, where)
         _expect_type(f"{where}.log_every", self.log_every, (int,), "an integer")
         if self.log_every < 1:
             raise ConfigError(f"{where}.log_every = {self.log_every} must be >= 1 (optimizer steps).")
