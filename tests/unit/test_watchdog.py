@@ -13,6 +13,7 @@ from robust_plugins.config import PluginConfig, WatchdogConfig
 from robust_plugins.errors import ConfigError
 from robust_plugins.watchdog import client, detect, inject
 from robust_plugins.watchdog.faults import Fault, FaultLog, read_faults
+from _wait import wait_for as _wait_for
 
 
 # -- --inject ------------------------------------------------------------------------------------
@@ -273,17 +274,6 @@ def test_restart_delay_doubles_up_to_the_ceiling_and_is_validated():
         WatchdogConfig(restart_backoff_s=20, restart_backoff_max_s=10)
     with pytest.raises(ConfigError, match="restart_backoff_s = -1 must be a finite number >= 0"):
         WatchdogConfig(restart_backoff_s=-1)
-
-
-def _wait_for(cond, timeout_s=5.0):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_monitor_survives_bad_datagrams_detects_nan_and_stands_down_without_its_receiver(tmp_path, caplog):

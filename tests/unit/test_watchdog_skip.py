@@ -6,22 +6,13 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import pytest
 
 from robust_plugins.config import PluginConfig, WatchdogConfig
 from robust_plugins.errors import ConfigError
 from robust_plugins.watchdog import client, inject
-
-
-def _wait_for(cond, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
+from _wait import wait_for as _wait_for
 
 
 def _spike_run(mon, tx, incarnation: int, spike_step: int, upto: int) -> None:

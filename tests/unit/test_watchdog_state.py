@@ -11,15 +11,7 @@ import torch
 
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.watchdog import client, detect
-
-
-def _wait_for(cond, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
+from _wait import wait_for as _wait_for
 
 
 def test_state_is_empty_outside_robust_run(monkeypatch):

@@ -13,6 +13,7 @@ from robust_plugins.config import PluginConfig, WatchdogConfig
 from robust_plugins.errors import ConfigError
 from robust_plugins.watchdog import client, detect, inject
 from robust_plugins.watchdog.faults import read_faults
+from _wait import wait_for as _wait_for
 
 
 def test_detector_names_the_rank_whose_median_compute_exceeds_factor_times_its_peers():
@@ -135,15 +136,6 @@ def test_client_counts_time_inside_collectives(tmp_path, monkeypatch):
     assert end["k"] == "end" and end["s"] == 2
     assert end["c"] == pytest.approx(inside, abs=1e-9) and 0 < end["c"] < time.perf_counter() - t0
     assert end["w"] - end["c"] >= 0.1
-
-
-def _wait_for(cond, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_monitor_reports_a_straggler_once_without_stopping_the_ranks(tmp_path):
