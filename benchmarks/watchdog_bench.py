@@ -145,8 +145,11 @@ def main() -> None:
         for r in range(args.rounds):
             rows["torchrun"].append(run_torchrun(root / f"t{r}", args.nproc, args.steps)["step_time_median_s"])
             res, faults = run_robust(root / f"r{r}", args.nproc, args.steps)
-            if res is None or faults:
-                raise RuntimeError(f"fault-free robust run failed or reported faults: {faults}")
+            # A straggler report changes nothing in the run (action "report"); on 2 shared cores
+            # a starved rank can earn one. Anything that restarts the job spoils the comparison.
+            acting = [f for f in faults if f.get("action") != "report"]
+            if res is None or acting:
+                raise RuntimeError(f"fault-free robust run failed or reported faults: {acting}")
             rows["robust run"].append(res["step_time_median_s"])
         cost = rank_side_cost()
         print(f"\nrank-side cost per call (median of 5000, in process): step_end "

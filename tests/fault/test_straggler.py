@@ -11,7 +11,7 @@ pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 
 def test_slow_rank_is_reported_as_a_straggler_and_training_is_not_disturbed(tmp_path, baseline_2):
     job = robust_run(tmp_path, 2, "--max-restarts", "0", "--inject", "slow:rank=1,step=8,seconds=0.25",
-                     "--watchdog", "straggler_window=8", timeout_s=150)
+                     "--watchdog", "straggler_window=8", timeout_s=150, stragglers=True)
     assert job.returncode == 0, job.output[-3000:]
     (fault,) = job.faults
     assert (fault["kind"], fault["suspect_ranks"], fault["action"]) == ("straggler", [1], "report")
