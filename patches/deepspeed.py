@@ -52,7 +52,7 @@ import torch
 
 from robust_plugins._logging import current_rank, get_logger, warn_once
 from robust_plugins.config import PluginConfig, load_json
-from robust_plugins.checkpoint import DiskCheckpointer
+from robust_plugins.checkpoint import DiskCheckpointer, rollback_bound
 from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
 from robust_plugins.patches import _guard
 
@@ -607,19 +607,22 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
 
     def load_checkpoint(load_dir=None, tag=None, *args, **kwargs):
         t0 = time.perf_counter()
+        # After a rollback (robust run), nothing newer than its last good step may load, from
+        # memory or disk: a disk save of a later step can exist (ok_to_save timed out under load).
+        bound = rollback_bound() if tag is None else None
         if plugin.memory is not None and tag is None:
             # Restore order: own memory snapshot -> a peer's copy -> newest verified disk -> older.
             if not load_dir and plugin.config.checkpoint.dir is None:
                 found = plugin.memory.restore(disk_step=None)
                 return (f"memory://step{found[0]}/{found[1]}", {}) if found else (None, None)
             load_dir = _checkpoint_dir(plugin, load_dir, "load_checkpoint")
-            found = plugin.memory.restore(disk_step=_newest_disk_step(load_dir))
+            found = plugin.memory.restore(disk_step=_newest_disk_step(load_dir, bound))
             if found is not None:
                 # No path on disk: the string says the step and where the state came from.
                 return f"memory://step{found[0]}/{found[1]}", {}
         if plugin.disk is not None:
             load_dir = _checkpoint_dir(plugin, load_dir, "load_checkpoint")
-            tag = plugin.disk.select(load_dir, tag)
+            tag = plugin.disk.select(load_dir, tag, max_step=bound)
             if tag is None:
                 return None, None  # an empty directory: a fresh start, as DeepSpeed reports it
             from robust_plugins.checkpoint.persist import is_snapshot_checkpoint
@@ -663,11 +666,13 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
     return load_checkpoint
 
 
-def _newest_disk_step(root: str) -> int | None:
-    """Step of the newest committed checkpoint in ``root`` (manifest only, not verified)."""
+def _newest_disk_step(root: str, max_step: int | None = None) -> int | None:
+    """Step of the newest committed checkpoint in ``root`` (manifest only, not verified), not
+    after ``max_step``."""
     from robust_plugins.checkpoint import scan
 
-    steps = [e.manifest.step for e in scan(root) if e.manifest is not None]
+    steps = [e.manifest.step for e in scan(root)
+             if e.manifest is not None and (max_step is None or e.manifest.step <= max_step)]
     return max(steps, default=None)
 
 

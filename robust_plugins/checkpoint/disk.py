@@ -193,16 +193,17 @@ class DiskCheckpointer:
         """What a checkpoint's manifest must match to be loaded by this job."""
         return {"world_size": self.world_size, **self.layout}
 
-    def select(self, root: str, tag: str | None = None) -> str | None:
+    def select(self, root: str, tag: str | None = None, max_step: int | None = None) -> str | None:
         """The tag every rank loads: ``tag`` after verifying it, or the newest intact checkpoint.
 
         Rank 0 decides and broadcasts. Returns None when ``root`` holds nothing checkpoint-like
         (a fresh start). Raises CheckpointError when checkpoints exist but none is usable, or when
-        the requested ``tag`` fails verification (naming the file and the mismatch).
+        the requested ``tag`` fails verification (naming the file and the mismatch). ``max_step``
+        (newest only): checkpoints of later steps are passed over (a rollback's bad steps).
         """
         decision: dict[str, Any] = {}
         if self.rank == 0:
-            decision = self._decide(root, tag)
+            decision = self._decide(root, tag, max_step)
         decision = coord.broadcast_json(decision, self.config.timeout_s,
                                         f"checkpoint load from {root}: agreeing on the tag", device=self.device,
                                         group=self.group)
@@ -210,7 +211,7 @@ class DiskCheckpointer:
             raise CheckpointError(decision["error"])
         return decision.get("tag")
 
-    def _decide(self, root: str, tag: str | None) -> dict[str, Any]:
+    def _decide(self, root: str, tag: str | None, max_step: int | None = None) -> dict[str, Any]:
         if tag is not None:
             entry = next((e for e in store.scan(root) if e.tag == str(tag)), None)
             if entry is None:
@@ -221,7 +222,7 @@ class DiskCheckpointer:
                                  f"It was not loaded. Load another tag, or pass tag=None to load the newest "
                                  f"intact checkpoint."}
             return {"tag": str(tag)}
-        choice = store.choose(root, self.expect(), self.check_hash)
+        choice = store.choose(root, self.expect(), self.check_hash, max_step=max_step)
         for skipped, why in choice.skipped:
             log.warning("robust_plugins: skipped checkpoint %s: %s", os.path.join(root, skipped), why)
         if choice.tag is not None:

@@ -138,15 +138,21 @@ class Choice:
     """True if ``root`` held anything checkpoint-like (so None means "all unusable", not "fresh")."""
 
 
-def choose(root: str, expect: Mapping[str, Any], check_hash: bool = True) -> Choice:
+def choose(root: str, expect: Mapping[str, Any], check_hash: bool = True,
+           max_step: int | None = None) -> Choice:
     """The newest committed checkpoint of ``root`` that verifies, and why others were skipped.
 
     Never-loadable directories are all reported; committed ones are checked newest first and
-    the first intact one wins (older ones are not read).
+    the first intact one wins (older ones are not read). ``max_step``: newest step a rollback
+    may load (:func:`robust_plugins.checkpoint.restore.rollback_bound`); newer ones are skipped.
     """
     entries = scan(root)
     choice = Choice(None, found_any=bool(entries))
     for entry in entries:
+        if max_step is not None and entry.manifest is not None and entry.manifest.step > max_step:
+            choice.skipped.append((entry.tag, f"step {entry.manifest.step} is after the rollback's "
+                                              f"last good step {max_step}"))
+            continue
         problem = check_entry(root, entry, expect, check_hash)
         if problem is None:
             choice.tag = entry.tag

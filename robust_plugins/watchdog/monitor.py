@@ -95,6 +95,9 @@ class Monitor:
         if self.skip_path.exists():
             self.skip_steps = {int(x) for x in json.loads(self.skip_path.read_text())["steps"]}
         self._pending_resume: Fault | None = None
+        self._rollback_limit: list[int] | None = None
+        """After a rollback: [newest step the ranks may restore, incarnation of the fault, newest
+        step its ranks reported]; kept until a later incarnation runs past that step."""
         self._max_step_before_fault: int | None = None
         self._detected_at: float | None = None
         self._history: list[float] = []
@@ -144,13 +147,12 @@ class Monitor:
     def _rollback_max_step(self) -> str:
         # For in-memory snapshots (robust_plugins.checkpoint.restore.rollback_bound): a snapshot
         # taken every step holds the bad state of a rollback; the restarted ranks must not restore
-        # anything newer than the last good step. The fault's record is written only later.
+        # anything newer than the last good step. The fault's record is written only later, and
+        # the pending fault is replaced by the next one (a crash of the restarted ranks before
+        # their first step), so the limit is kept on its own until the job ran past the bad steps.
         with self._lock:
-            fault = self._pending_resume
-        if fault is None or fault.action != "rollback" or fault.step is None:
-            return ""
-        back = fault.detail.get("check_every", 1) if fault.kind == "sdc" else 1
-        return str(fault.step - int(back))
+            limit = self._rollback_limit
+        return "" if limit is None else str(limit[0])
 
     def begin_incarnation(self, pids: dict[int, int]) -> None:
         """New ranks ``{global_rank: pid}`` started; forget the previous incarnation's state."""
@@ -258,6 +260,14 @@ class Monitor:
                 st.registered = self._uses_api = True  # also if its hello came too early
                 step = int(msg["s"])
                 self._note_resume(step)
+                limit = self._rollback_limit
+                if limit is not None and self.incarnation > limit[1]:
+                    # The ranks that were stopped may have snapshotted one step past the last
+                    # they reported. Beyond that, every snapshot the bad steps left was replaced.
+                    if step > limit[2] + 1:
+                        self._rollback_limit = None
+                elif limit is not None:
+                    limit[2] = max(limit[2], step)  # the faulty ranks run on until they are stopped
                 st.progress.on_step(step, now)
                 if msg.get("w") is not None and msg.get("c") is not None:
                     st.compute.append((step, max(0.0, float(msg["w"]) - float(msg["c"])), msg["t"]))
@@ -311,6 +321,16 @@ class Monitor:
                          if inc == self.incarnation and step > fault.step]
                 self._fired = [f for f in self._fired if f[2] not in rearm]
                 self.pending_injections += rearm
+            if fault.action == "rollback" and fault.step is not None:
+                back = int(fault.detail.get("check_every", 1)) if fault.kind == "sdc" else 1
+                newest = fault.step - back
+                # Snapshots up to the newest step any rank reached hold the bad state until the
+                # job has run past it again (each of those steps was then snapshotted anew).
+                reached = max(fault.step, self._max_step_before_fault or fault.step)
+                if self._rollback_limit is not None:
+                    newest = min(newest, self._rollback_limit[0])
+                    reached = max(reached, self._rollback_limit[2])
+                self._rollback_limit = [newest, self.incarnation, reached]
             if fault.action in ("restart", "rollback"):
                 self._pending_resume = fault  # written when the restarted job reports a step
             else:
