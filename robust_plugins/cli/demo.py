@@ -84,6 +84,19 @@ def _write_config(src: str, dest: Path, blocks: dict[str, Any]) -> Path:
     return dest
 
 
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete records of a JSONL file another process is appending to ([] if absent)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # the line being written
+    return out
+
+
 class Progress:
     """One progress line per job, drawn from ``<run-dir>/telemetry/metrics.jsonl`` and
     ``faults.jsonl`` (on a terminal the line is redrawn; otherwise a line per change)."""
@@ -99,16 +112,7 @@ class Progress:
         self.last_state: tuple | None = None
 
     def _records(self) -> list[dict[str, Any]]:
-        path = self.telemetry_dir / "metrics.jsonl"
-        if not path.is_file():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line being written
-        return out
+        return _read_jsonl(self.telemetry_dir / "metrics.jsonl")
 
     def update(self, t0: float) -> None:
         """Redraw from the files now."""
@@ -137,16 +141,7 @@ class Progress:
         return (self.telemetry_dir / "metrics.jsonl").is_file()
 
     def _faults(self) -> list[dict[str, Any]]:
-        path = self.run_dir / "faults.jsonl"
-        if not path.is_file():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-        return out
+        return _read_jsonl(self.run_dir / "faults.jsonl")
 
     def _print_fault(self, f: dict[str, Any]) -> None:
         msg = (f"  ! {f.get('kind')} at step {f.get('step')} on rank(s) {f.get('suspect_ranks')}: detected after "
