@@ -31,7 +31,7 @@ browser:
 	  echo "make: chromium is not installed and could not be installed here (needs root + apt-get)."
 
 test: $(STAMP) browser
-	@set +e; $(PY) -m pytest -ra $(PYTEST_ARGS); rc=$$?; \
+	@set +e; $(PY) -m pytest -ra --durations=30 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests: failing on purpose"; exit 1; fi; \
 	exit $$rc
 

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from robust_plugins.errors import HostVersionError
 
 MARKER = "__robust_plugins_patch__"
+LAYER = "__robust_plugins_layer__"
 
 
 def parse_version(text: str) -> tuple[int, ...]:
@@ -63,12 +64,26 @@ def wrap(original: Callable, replacement: Callable) -> Callable:
     return replacement
 
 
-def bind_instance(obj: Any, name: str, replacement: Callable) -> None:
-    """Shadow the method ``name`` on one instance only (other instances keep the host's code)."""
+def bind_instance(obj: Any, name: str, replacement: Callable, *, layer: str | None = None) -> None:
+    """Shadow the method ``name`` on one instance only (other instances keep the host's code).
+
+    ``layer`` names the feature doing it (default: the replacement's qualified name, which is
+    the same for every closure a patch function builds). Installing a layer that is already in
+    the instance's wrapper chain is a no-op, so installs are idempotent; a *different* layer is
+    stacked on top of the wrappers already there. Before, any existing robust_plugins wrapper
+    made the call a silent no-op, so a second feature on the same method was dropped unseen.
+    """
+    # The code object's name, not ``__qualname__``: wrap() overwrites that with the host's.
+    code = getattr(replacement, "__code__", None)
+    layer = layer or (code.co_qualname if code is not None else repr(replacement))
     original = getattr(obj, name)
-    if is_patched(original):
-        return
+    fn = original
+    while is_patched(fn):
+        if getattr(fn, LAYER, None) == layer:
+            return
+        fn = getattr(fn, "__wrapped__", None)
     setattr(obj, name, wrap(original, replacement))
+    setattr(getattr(obj, name), LAYER, layer)
 
 
 def unbind_instance(obj: Any, name: str) -> None:

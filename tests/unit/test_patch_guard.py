@@ -35,11 +35,28 @@ def test_bind_instance_is_idempotent_and_undoable():
         return "plugin"
 
     _guard.bind_instance(h, "f", replacement)
-    _guard.bind_instance(h, "f", lambda: "twice")  # second install is a no-op
-    assert h.f() == "plugin" and other.f() == "host"
+    _guard.bind_instance(h, "f", replacement)  # same qualified name, same layer: a no-op
+    _guard.bind_instance(h, "f", lambda: "twice", layer=replacement.__code__.co_qualname)
+    assert h.f() == "plugin" and other.f() == "host" and len(calls) == 1
     assert h.f.__wrapped__() == "host"
     _guard.unbind_instance(h, "f")
     assert h.f() == "host"
+
+
+def test_bind_instance_stacks_a_second_feature_instead_of_dropping_it():
+    class Host:
+        def f(self, x):
+            return [f"host{x}"]
+
+    h = Host()
+    inner = h.f
+    _guard.bind_instance(h, "f", lambda x: inner(x) + ["first"], layer="first")
+    middle = h.f
+    _guard.bind_instance(h, "f", lambda x: middle(x) + ["second"], layer="second")
+    _guard.bind_instance(h, "f", lambda x: ["again"], layer="first")  # deeper in the chain: no-op
+    assert h.f(1) == ["host1", "first", "second"]
+    _guard.unbind_instance(h, "f")
+    assert h.f(1) == ["host1"]
 
 
 def test_deepspeed_install_idempotent_and_undo():
