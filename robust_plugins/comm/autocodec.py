@@ -25,6 +25,24 @@ bucket in the two-phase scheme)::
     codec: 2 * latency + 2 (W-1)/W * n * bpe / bus_bandwidth + n * cost_per_element
 
 where ``bpe`` is the codec's bytes per element including its fp32 scale per block.
+
+**Routes** (``topology.hierarchical`` with ``auto``): the choice is then a *route*, a layout and a
+codec, among ``flat <codec>`` (``flat none`` is the host's own uncompressed all-reduce) and
+``hier <codec>`` (intra-node fp32 reduce-scatter + all-gather, the codec on the rail). The model
+adds the intra-node steps, priced like one fp32 all-reduce on the node group, to the rail step of
+``ceil(n / ranks_per_node)`` elements::
+
+    flat c:  codec time of n elements on the data-parallel group's link
+    hier c:  none time of n elements on the node's link + codec time of n / p on the rail's link
+
+The model alone decides when the link rate is given (``auto_link_gbit``). Otherwise it only
+prunes: every route predicted within ``TRIAL_FACTOR`` of the best (and the best exact route, so
+that an uncompressed baseline is always measured) is run once on a copy of the real bucket
+(without error feedback), the times are max-reduced over the group, close contenders (within
+``CLOSE_FACTOR`` of the fastest) run once more, and the measured fastest route wins, an exact one
+unless a lossy one measured ``min_gain`` faster. Measuring matters on the netns simulator: the
+node's loopback shares the CPU cores with the ranks, which no bandwidth probe predicts well, and
+there the hierarchy measured 3x slower than a flat fp32 all-reduce at 10 Gbit/s (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -75,18 +93,29 @@ class CodecCost:
 
 @dataclass(frozen=True)
 class Decision:
-    """The codec chosen for buckets of ``numel`` elements, with the predictions behind it."""
+    """The codec (and, for routes, the layout) chosen for buckets of ``numel`` elements, with the
+    predictions (keyed by codec, or by route ``"<layout> <codec>"``) and measurements behind it."""
 
     numel: int
     codec: str
     predicted_s: Mapping[str, float]
     reason: str
     excluded: Mapping[str, str] = field(default_factory=dict)
+    layout: str = "flat"
+    """``flat`` or ``hier`` (routes only; a plain codec decision is ``flat``)."""
+    measured_s: Mapping[str, float] = field(default_factory=dict)
+    """Routes only: the agreed (slowest rank's) trial time of every route that was run."""
+
+    @property
+    def route(self) -> str:
+        """``"<layout> <codec>"``, e.g. ``"hier int8"``."""
+        return f"{self.layout} {self.codec}"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form for logs and metrics."""
-        return {"numel": self.numel, "codec": self.codec, "reason": self.reason,
-                "predicted_s": dict(self.predicted_s), "excluded": dict(self.excluded)}
+        return {"numel": self.numel, "codec": self.codec, "layout": self.layout, "route": self.route,
+                "reason": self.reason, "predicted_s": dict(self.predicted_s), "measured_s": dict(self.measured_s),
+                "excluded": dict(self.excluded)}
 
 
 def predict_seconds(codec: str, numel: int, link: LinkEstimate, cost: CodecCost | None, block_size: int) -> float:
@@ -144,6 +173,105 @@ def choose_codec(
         return Decision(numel, "none", predicted,
                         f"{best} predicted only {gain:.0%} faster than none (< min_gain {min_gain:.0%})", excluded)
     return Decision(numel, best, predicted, f"{best} predicted {gain:.0%} faster than none", excluded)
+
+
+#: Routes predicted more than this many times slower than the best predicted one are not run.
+TRIAL_FACTOR = 4.0
+#: Routes measured within this factor of the fastest are run a second time (the min of the two
+#: counts): one sample on shared cores can be off by 30 %, and only close calls need a second look.
+CLOSE_FACTOR = 1.25
+
+
+def predict_route_seconds(route: str, numel: int, links: Mapping[str, LinkEstimate],
+                          costs: Mapping[str, CodecCost], block_size: int, per_node: int) -> float:
+    """Predicted time of ``route`` (``"flat <codec>"`` or ``"hier <codec>"``) for ``numel`` elements.
+
+    ``links`` holds the ``"flat"`` (data-parallel group), ``"intra"`` (node group) and ``"rail"``
+    link estimates; ``per_node`` is the number of ranks of a node in the data-parallel group.
+    """
+    layout, codec = route.split()
+    cost = costs.get(codec)
+    if layout == "flat":
+        return predict_seconds(codec, numel, links["flat"], cost, block_size)
+    if layout != "hier":
+        raise ConfigError(f"route {route!r}: the layout must be flat or hier.")
+    shard = -(-numel // per_node)
+    return (predict_seconds("none", numel, links["intra"], None, block_size)
+            + predict_seconds(codec, shard, links["rail"], cost, block_size))
+
+
+def trial_routes(predicted: Mapping[str, float], factor: float = TRIAL_FACTOR) -> list[str]:
+    """The routes worth measuring: within ``factor`` of the best prediction, plus the best exact
+    (``none``) route. Sorted, so every rank runs them in the same order."""
+    best = min(predicted.values())
+    keep = {r for r, t in predicted.items() if t <= factor * best}
+    exact = [r for r in predicted if r.endswith(" none")]
+    if exact:
+        keep.add(min(exact, key=lambda r: (predicted[r], r)))
+    return sorted(keep)
+
+
+def choose_route(
+    numel: int,
+    links: Mapping[str, LinkEstimate],
+    costs: Mapping[str, CodecCost],
+    *,
+    per_node: int,
+    hierarchical: bool = True,
+    candidates: Sequence[str] = AUTO_CANDIDATES,
+    block_size: int = 256,
+    min_gain: float = 0.1,
+    max_error: float = 0.1,
+    measured: Mapping[str, float] | None = None,
+) -> Decision:
+    """Pick the route (layout and codec) for a bucket of ``numel`` elements (pure).
+
+    Routes are ``flat <codec>`` and, with ``hierarchical``, ``hier <codec>`` for every candidate
+    codec passing the quality guard (``max_error``, as in :func:`choose_codec`). The times compared
+    are ``measured`` (trial runs, for the routes that were run) when given, else the predictions of
+    :func:`predict_route_seconds`. The fastest exact route (codec ``none``) wins unless a lossy
+    route is at least ``min_gain`` faster than it.
+    """
+    if not 0 <= min_gain < 1:
+        raise ConfigError(f"min_gain = {min_gain!r} must lie in [0, 1).")
+    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
+        raise ConfigError(f"per_node = {per_node!r} must be an int >= 1.")
+    excluded: dict[str, str] = {}
+    codecs = ["none"]
+    for codec in dict.fromkeys(candidates):
+        if codec == "none":
+            continue
+        cost = costs.get(codec)
+        if cost is None:
+            excluded[codec] = "not measured"
+        elif cost.rel_error > max_error:
+            excluded[codec] = f"error {cost.rel_error:.3g} > max_error {max_error:g}"
+        else:
+            codecs.append(codec)
+    layouts = ("flat", "hier") if hierarchical else ("flat",)
+    predicted = {f"{lay} {c}": predict_route_seconds(f"{lay} {c}", numel, links, costs, block_size, per_node)
+                 for lay in layouts for c in codecs}
+    if measured:
+        unknown = set(measured) - set(predicted)
+        if unknown:
+            raise ConfigError(f"measured routes {sorted(unknown)} are not candidates {sorted(predicted)}.")
+        times, how = dict(measured), "measured"
+    else:
+        times, how = predicted, "predicted"
+    best = min(times, key=lambda r: (times[r], not r.endswith(" none"), r))
+    exact = [r for r in times if r.endswith(" none")]
+    pick, reason = best, f"{best} {how} fastest"
+    if not best.endswith(" none") and exact:
+        base = min(exact, key=lambda r: (times[r], r))
+        gain = 1 - times[best] / times[base]
+        if gain < min_gain:
+            pick = base
+            reason = f"{best} {how} only {gain:.0%} faster than {base} (< min_gain {min_gain:.0%})"
+        else:
+            reason = f"{best} {how} {gain:.0%} faster than {base}"
+    layout, codec = pick.split()
+    return Decision(numel, codec, predicted, reason, excluded, layout=layout,
+                    measured_s=dict(measured or {}))
 
 
 def _max_over_group(values: list[float], group) -> list[float]:
@@ -309,6 +437,116 @@ class AutoCodec:
             )
         return decision.codec
 
+    # -- routes: flat or hierarchical, and the codec ------------------------------------------
+    def _link(self, group, given_gbit: float | None) -> tuple[float, float, int]:
+        """(latency s, seconds per bus byte, size) of one all-reduce on ``group``; unagreed."""
+        import torch.distributed as dist
+
+        w = dist.get_world_size(group)
+        if w <= 1:
+            return 0.0, 0.0, w
+        tiny = torch.zeros(1)
+        lat = []
+        for _ in range(3):
+            start = time.perf_counter()
+            dist.all_reduce(tiny, group=group)
+            lat.append(time.perf_counter() - start)
+        latency = min(lat)
+        if given_gbit is not None:
+            return latency, 8 / (given_gbit * 1e9), w
+        buf = torch.zeros(max(self.probe_bytes // 4, 1))
+        start = time.perf_counter()
+        dist.all_reduce(buf, group=group)
+        elapsed = max(time.perf_counter() - start - latency, 1e-9)
+        return latency, elapsed / (2 * (w - 1) / w * buf.numel() * 4), w
+
+    def probe_routes(self, sample: torch.Tensor, group, intra, rail) -> tuple[dict[str, LinkEstimate],
+                                                                               dict[str, CodecCost]]:
+        """Measure the data-parallel (``flat``), node (``intra``) and ``rail`` links and each codec's
+        cost; every number max-reduced over ``group`` so that every rank decides alike (a collective
+        on ``group``; the node and rail probes run on all of their disjoint groups at once).
+        ``auto_link_gbit``, when given, is the rate of the flat and rail links (both cross nodes);
+        the node link is always measured."""
+        import torch.distributed as dist
+
+        w = dist.get_world_size(group)
+        costs = {c: measure_codec(c, sample[: self.sample_numel], w, self.block_size)
+                 for c in self.candidates if c != "none"}
+        measured = {"flat": self._link(group, self.link_gbit), "intra": self._link(intra, None),
+                    "rail": self._link(rail, self.link_gbit)}
+        names = sorted(costs)
+        flat_values = [v for kind in ("flat", "intra", "rail") for v in measured[kind][:2]]
+        agreed = _max_over_group(flat_values + [costs[c].seconds_per_element for c in names]
+                                 + [costs[c].rel_error for c in names], group)
+        links = {}
+        for i, kind in enumerate(("flat", "intra", "rail")):
+            latency, spb = agreed[2 * i], agreed[2 * i + 1]
+            links[kind] = LinkEstimate(1 / spb if spb > 0 else math.inf, latency, measured[kind][2])
+        k = len(names)
+        costs = {c: CodecCost(agreed[6 + i], agreed[6 + k + i]) for i, c in enumerate(names)}
+        return links, costs
+
+    def _trial(self, tensor: torch.Tensor, routes: Sequence[str], run: Callable[[str, torch.Tensor], Any],
+               group) -> dict[str, float]:
+        """Run each route on a copy of ``tensor``; the agreed (max over ``group``) time of each."""
+        import torch.distributed as dist
+
+        def once(names: Sequence[str]) -> list[float]:
+            out = []
+            for r in names:
+                copy = tensor.detach().clone()
+                dist.barrier(group=group)  # start together: a rank's wait for late peers is not the route's cost
+                start = time.perf_counter()
+                run(r, copy)
+                out.append(time.perf_counter() - start)
+            return _max_over_group(out, group)
+
+        times = dict(zip(routes, once(routes)))
+        best = min(times.values())
+        close = [r for r in routes if times[r] <= CLOSE_FACTOR * best]
+        if len(close) > 1:
+            for r, t in zip(close, once(close)):
+                times[r] = min(times[r], t)
+        return times
+
+    def route_for(self, tensor: torch.Tensor, *, group, intra, rail, per_node: int,
+                  run: Callable[[str, torch.Tensor], Any], numel: int | None = None) -> Decision:
+        """The route (layout and codec) for reducing ``tensor`` over ``group`` (see the module docstring).
+
+        A collective on ``group``: probes the links when this group was never probed or
+        ``recheck_steps`` steps have passed, and, unless ``link_gbit`` is given, runs the candidate
+        routes on copies of ``tensor`` through ``run(route, copy)`` (which must reduce without
+        error feedback) at the first bucket of each size.
+        """
+        self._calls += 1
+        numel = tensor.numel() if numel is None else numel
+        gkey = ("route",) + tuple(self._group_key(group))
+        step = self._step_fn()
+        probed = self._probes.get(gkey)
+        if probed is None or (self.recheck_steps and step - probed[0] >= self.recheck_steps):
+            links, costs = self.probe_routes(tensor.reshape(-1), group, intra, rail)
+            self._probes[gkey] = probed = (step, links, costs)
+            self._decisions = {k: v for k, v in self._decisions.items() if k[0] != gkey}
+        decision = self._decisions.get((gkey, numel))
+        if decision is None:
+            _, links, costs = probed
+            kw = dict(per_node=per_node, hierarchical=links["rail"].group_size > 1, candidates=self.candidates,
+                      block_size=self.block_size, min_gain=self.min_gain, max_error=self.max_error)
+            decision = choose_route(numel, links, costs, **kw)
+            if self.link_gbit is None:
+                measured = self._trial(tensor, trial_routes(decision.predicted_s), run, group)
+                decision = choose_route(numel, links, costs, measured=measured, **kw)
+            self._decisions[(gkey, numel)] = decision
+            self.history.append({"step": step, "group": list(gkey[1:]), **decision.to_dict()})
+            log_rank0(
+                _log, logging.INFO,
+                "auto route: %d elements -> %s (%s; predicted %s%s)", numel, decision.route, decision.reason,
+                ", ".join(f"{r} {t * 1e3:.1f} ms" for r, t in decision.predicted_s.items()),
+                "; measured " + ", ".join(f"{r} {t * 1e3:.1f} ms" for r, t in decision.measured_s.items())
+                if decision.measured_s else "",
+            )
+        return decision
+
     def decisions(self) -> list[dict[str, Any]]:
         """The decisions now in force, as dicts (for metrics)."""
-        return [{"group": list(g), **d.to_dict()} for (g, _), d in self._decisions.items()]
+        return [{"group": [r for r in g if r != "route"], **d.to_dict()} for (g, _), d in self._decisions.items()]

@@ -15,8 +15,11 @@ With ``topology.hierarchical`` every routed bucket (``codec: none`` included) go
 :func:`~robust_plugins.topology.hierarchical_all_reduce`: the groups are discovered and built at the
 first bucket (a collective over the whole job, which is why the data-parallel group must be the
 whole job). With ``codec: auto`` an :class:`~robust_plugins.comm.autocodec.AutoCodec` picks the
-codec per bucket size (for the rail step, per shard size) and each codec keeps its own residuals;
-when a bucket's codec changes (at a re-check) its old residuals are dropped, with a log line.
+codec per bucket size and each codec keeps its own residuals; when a bucket's codec changes (at a
+re-check) its old residuals are dropped, with a log line. With both, ``auto`` also picks the
+layout per bucket size: ``flat none`` (the plain all-reduce), flat or hierarchical with a codec,
+from trial runs of the candidate routes on the first bucket of each size (``topology.hierarchical``
+then means "the hierarchy may be used").
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ class SyncStats:
     """Elements reduced by the hierarchical all-reduce (``topology.hierarchical``)."""
     by_codec: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     """Elements by the wire codec the plugin's own collective used (``none`` included)."""
+    by_route: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """``codec: auto`` with ``topology.hierarchical`` only: elements by route (``"flat none"``,
+    ``"hier int8"``, ...), the layout and codec ``auto`` chose."""
     auto_decisions: list = dataclasses.field(default_factory=list)
     """``codec: auto`` only: the decisions in force, one dict per (group, bucket size), with the
     predicted time of every candidate and the reason (see ``robust_plugins.comm.autocodec``)."""
@@ -211,6 +217,8 @@ class GradientSync:
             from robust_plugins.topology import hierarchical_all_reduce
 
             groups = self._hierarchy(group)
+            if self.auto is not None and groups.plan is not None:
+                return self._auto_route(tensor, group, groups, key)
             per_node = len(groups.intra_ranks) if groups.plan is not None else 1
             rail = groups.rail if groups.plan is not None else group
             ef_key = ("hierarchical", key) if groups.plan is not None else key
@@ -227,6 +235,46 @@ class GradientSync:
         codec = self._codec(tensor, group, tensor.numel(), key)
         state = self.states.get(codec)
         return compressed_all_reduce(tensor, group=group, codec=None if state else codec, op="sum",
+                                     state=state, key=key)
+
+    def _auto_route(self, tensor: torch.Tensor, group, groups, key: str) -> torch.Tensor:
+        """``auto`` with ``topology.hierarchical``: the layout (flat or hierarchical) is chosen
+        with the codec, from measured trial runs (see ``robust_plugins.comm.autocodec``); ``flat
+        none`` is the plain uncompressed all-reduce the host would run."""
+        from robust_plugins.comm import compressed_all_reduce
+        from robust_plugins.topology import hierarchical_all_reduce
+
+        def run(route: str, t: torch.Tensor) -> None:  # trial runs: no error feedback
+            layout, codec = route.split()
+            if layout == "hier":
+                hierarchical_all_reduce(t, groups, codec=codec, op="sum")
+            else:
+                compressed_all_reduce(t, group=group, codec=codec, op="sum")
+
+        before = len(self.auto.history)
+        d = self.auto.route_for(tensor, group=group, intra=groups.intra, rail=groups.rail,
+                                per_node=len(groups.intra_ranks), run=run)
+        if len(self.auto.history) != before:
+            self.stats.auto_decisions = self.auto.decisions()
+        last = self._last_codec.get(key)
+        if last is not None and last != d.route:
+            old_codec = last.split()[1]
+            if old_codec in self.states:
+                # Another quantizer or another slice (flat keeps the whole bucket's residual, the
+                # hierarchy this rank's shard): both sides restart from zero.
+                self.states[old_codec].forget(key)
+                self.states[old_codec].forget(("hierarchical", key))
+            log_rank0(log, logging.INFO, "auto route: bucket %s switched %s -> %s; its residuals restart",
+                      key, last, d.route)
+        self._last_codec[key] = d.route
+        self.stats.by_codec[d.codec] += tensor.numel()
+        self.stats.by_route[d.route] += tensor.numel()
+        state = self.states.get(d.codec)
+        if d.layout == "hier":
+            self.stats.hierarchical_elements += tensor.numel()
+            return hierarchical_all_reduce(tensor, groups, codec=None if state else d.codec, op="sum",
+                                           state=state, key=key)
+        return compressed_all_reduce(tensor, group=group, codec=None if state else d.codec, op="sum",
                                      state=state, key=key)
 
     def reduce_sum(self, tensor: torch.Tensor, dst: int, group, key: str) -> torch.Tensor:

@@ -39,3 +39,48 @@ def test_all_ranks_choose_the_same_codec_from_agreed_measurements(hierarchical):
     excluded = [o["decision"][0]["excluded"] for o in out]
     assert all("int8" in e and e == excluded[0] for e in excluded), excluded
     assert max(o["err"] for o in out) < 5e-3
+
+
+def _route(rank: int, world: int) -> dict:
+    from robust_plugins.comm.gradient_sync import GradientSync
+    from robust_plugins.config import CompressionConfig, TopologyConfig
+
+    n = 1 << 16
+    g = torch.Generator().manual_seed(rank)
+    cfg = CompressionConfig(codec="auto", auto_recheck_steps=0)  # no link rate: trial runs decide
+    sync = GradientSync(cfg, step_fn=lambda: 0, topology=TopologyConfig(hierarchical=True))
+    errs = []
+    for _ in range(2):  # the second bucket of the same size reuses the decision (no new trials)
+        t = torch.randn(n, generator=g)
+        exact = t.clone()
+        torch.distributed.all_reduce(exact)
+        sync.all_reduce_sum(t, None, sync.route("site", n))
+        errs.append(float((t - exact).norm() / exact.norm()))
+    return {"decisions": sync.stats.auto_decisions, "history": len(sync.auto.history),
+            "by_route": dict(sync.stats.by_route), "hier": sync.stats.hierarchical_elements, "errs": errs}
+
+
+@pytest.mark.timeout(120)
+def test_auto_chooses_flat_or_hierarchical_from_agreed_trial_runs():
+    out = run_ranks(_route, 4, 90, env={"ROBUST_TOPOLOGY_SIM": "2x2"})
+    d = out[0]["decisions"]
+    assert len(d) == 1 and out[0]["history"] == 1
+    d = d[0]
+    # Every rank decided alike from the agreed (max over ranks) trial times.
+    assert all(o["decisions"][0]["route"] == d["route"] and o["decisions"][0]["measured_s"] == d["measured_s"]
+               for o in out)
+    # An exact baseline was always run, and the pick is the measured fastest (exact unless a lossy
+    # route was at least min_gain = 10 % faster).
+    measured = d["measured_s"]
+    assert any(r.endswith(" none") for r in measured) and d["route"] in measured
+    best_exact = min(t for r, t in measured.items() if r.endswith(" none"))
+    if d["codec"] == "none":
+        assert measured[d["route"]] == best_exact
+    else:
+        assert measured[d["route"]] <= 0.9 * best_exact
+    assert set(d["predicted_s"]) >= set(measured) and {"flat none", "hier none"} <= set(d["predicted_s"])
+    for o in out:
+        assert o["by_route"] == {d["route"]: 2 << 16}
+        assert o["hier"] == (2 << 16 if d["layout"] == "hier" else 0)
+        # The result is the sum, exact or within the chosen codec's error.
+        assert max(o["errs"]) < (1e-6 if d["codec"] == "none" else 3e-2), o["errs"]

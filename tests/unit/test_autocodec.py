@@ -135,3 +135,57 @@ def test_a_single_compression_state_refuses_auto():
 
     with pytest.raises(ConfigError, match="needs a fixed codec.*decided per bucket by"):
         CompressionState(codec="auto")
+
+
+# -- routes: flat or hierarchical, and the codec (topology.hierarchical with auto) ---------------
+from robust_plugins.comm.autocodec import choose_route, predict_route_seconds, trial_routes  # noqa: E402
+
+
+def links(inter_gbit: float, intra_gbit: float, world: int = 4, per_node: int = 2) -> dict:
+    return {"flat": link(inter_gbit, w=world), "intra": link(intra_gbit, w=per_node),
+            "rail": link(inter_gbit, w=world // per_node)}
+
+
+def test_route_prediction_adds_the_node_steps_to_the_rail_step():
+    lk = links(0.2, 20)
+    # hier c: one fp32 all-reduce of n on the node + the codec on n / 2 over the rail.
+    assert predict_route_seconds("hier int8", N, lk, COSTS, 256, 2) == pytest.approx(
+        predict_seconds("none", N, lk["intra"], None, 256) + predict_seconds("int8", N // 2, lk["rail"], COSTS["int8"], 256))
+    assert predict_route_seconds("flat bf16", N, lk, COSTS, 256, 2) == predict_seconds("bf16", N, lk["flat"], COSTS["bf16"], 256)
+    with pytest.raises(ConfigError, match="flat or hier"):
+        predict_route_seconds("ring int8", N, lk, COSTS, 256, 2)
+
+
+def test_route_model_slow_link_goes_hierarchical_fast_link_stays_flat_none():
+    slow = choose_route(N, links(0.2, 20), COSTS, per_node=2)
+    assert slow.route == "hier int8" and slow.layout == "hier", slow
+    assert "predicted" in slow.reason and slow.excluded == {"int4": "error 0.15 > max_error 0.1"}
+    # A fast inter-node link with a node link no faster (loopback on shared cores): flat none.
+    fast = choose_route(N, links(10, 10), COSTS, per_node=2)
+    assert fast.route == "flat none", fast
+    assert fast.predicted_s["flat none"] < fast.predicted_s["hier none"]
+    # Without the hierarchy only flat routes exist.
+    flat = choose_route(N, links(0.2, 20), COSTS, per_node=2, hierarchical=False)
+    assert flat.layout == "flat" and all(r.startswith("flat ") for r in flat.predicted_s)
+
+
+def test_measured_times_overrule_the_model_and_min_gain_keeps_exact():
+    lk = links(0.2, 20)
+    # The model says hier int8; the trials say the flat all-reduce is fastest: measured wins.
+    d = choose_route(N, lk, COSTS, per_node=2, measured={"flat none": 0.10, "hier int8": 0.30, "hier none": 0.5})
+    assert d.route == "flat none" and d.measured_s["hier int8"] == 0.30 and "measured" in d.reason
+    # A lossy route only 5 % faster than the best exact one does not replace it (min_gain 10 %).
+    d = choose_route(N, lk, COSTS, per_node=2, measured={"flat none": 0.100, "flat int8": 0.095})
+    assert d.route == "flat none" and "only 5% faster" in d.reason
+    d = choose_route(N, lk, COSTS, per_node=2, measured={"flat none": 0.100, "hier int8": 0.05})
+    assert d.route == "hier int8" and "50% faster than flat none" in d.reason
+    with pytest.raises(ConfigError, match="not candidates"):
+        choose_route(N, lk, COSTS, per_node=2, measured={"hier int4": 0.01})  # int4 fails the guard
+    with pytest.raises(ConfigError, match="per_node"):
+        choose_route(N, lk, COSTS, per_node=0)
+
+
+def test_trial_routes_prune_clear_losers_but_keep_an_exact_baseline():
+    pred = {"flat none": 10.0, "flat int8": 2.0, "hier none": 8.0, "hier int8": 1.0, "hier bf16": 3.9}
+    assert trial_routes(pred, 4.0) == ["flat int8", "hier bf16", "hier int8", "hier none"]
+    assert trial_routes({"flat none": 1.0, "hier none": 9.0}) == ["flat none"]
