@@ -21,7 +21,9 @@ Set by ``robust run`` for its ranks (read by ``robust_plugins.watchdog.client``;
 ``ROBUST_WATCHDOG_SOCKET``, ``ROBUST_RUN_DIR``, ``ROBUST_INJECT``, ``ROBUST_INCARNATION``,
 ``ROBUST_SDC_EVERY``, ``ROBUST_ROLLBACK_MAX_STEP`` (newest step a rollback's ranks may restore
 from memory), ``ROBUST_STRAGGLER`` (1: time collectives for the straggler detector),
-``ROBUST_SKIP_STEPS`` (steps whose batch spiked twice: ``watchdog.skip_batch``).
+``ROBUST_SKIP_STEPS`` (steps whose batch spiked twice: ``watchdog.skip_batch``),
+``ROBUST_LAUNCH_WORLD_SIZE`` (world size of the job's first incarnation: ``watchdog.grad_accumulation``
+says how accumulation changed after a ``--nnodes MIN:MAX`` shrink).
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ CODECS = ("none", "bf16", "int8", "int4", "sign")
 #: Codecs that need ``error_feedback``: 1 bit an element loses too much for SGD-style updates
 #: to converge without the residual (1-bit Adam, EF-SignSGD).
 CODECS_REQUIRING_EF = ("sign",)
+
+#: ``compression.sign_mode``: 1-bit codes of the gradient (any optimizer) or of Adam's momentum
+#: after a full-precision freeze phase (1-bit Adam).
+SIGN_MODES = ("gradient", "momentum")
 
 #: ``compression.codec = "auto"``: measure the link and each codec's cost, then pick per bucket
 #: size among ``auto_candidates`` (``robust_plugins.comm.autocodec``).
@@ -121,6 +127,19 @@ class CompressionConfig:
     """Buckets with fewer elements than this go uncompressed: for tiny buckets latency, not bytes,
     dominates and the per-block scale overhead is largest."""
 
+    sign_mode: str = "gradient"
+    """``sign`` only: what travels as 1-bit codes. ``gradient`` (default): each gradient bucket, in
+    place of the host's all-reduce, under any optimizer. ``momentum``: 1-bit Adam (Tang et al.
+    2021): plain fp32 Adam for ``freeze_steps`` optimizer steps, then Adam's second moment is frozen
+    and each rank's local momentum is averaged in 1-bit codes instead of the gradient (ZeRO 0, fp32,
+    ``torch.optim.Adam``/``AdamW`` only). Costs +2 % loss where ``gradient`` costs +14 %
+    (BENCHMARKS.md)."""
+
+    freeze_steps: int = 0
+    """``sign_mode: momentum`` only, and required there (>= 1): optimizer steps of uncompressed
+    fp32 Adam before the second moment is frozen and the momentum goes 1-bit. These steps send full
+    fp32 gradients; 1-bit Adam used 15-25 % of training."""
+
     auto_candidates: tuple = AUTO_CANDIDATES
     """``auto`` only: codecs it may choose among (``none`` always is one); a list of
     ``none``, ``bf16``, ``int8``, ``int4``."""
@@ -193,6 +212,31 @@ class CompressionConfig:
         _expect_type(f"{where}.min_numel", self.min_numel, (int,), "an integer")
         if self.min_numel < 0:
             raise ConfigError(f"{where}.min_numel = {self.min_numel} must be >= 0.")
+        self._check_sign_mode(where)
+
+    def _check_sign_mode(self, where: str) -> None:
+        _expect_type(f"{where}.sign_mode", self.sign_mode, (str,), "a string")
+        if self.sign_mode not in SIGN_MODES:
+            raise ConfigError(f"{where}.sign_mode = {self.sign_mode!r} is not known.{_did_you_mean(self.sign_mode, list(SIGN_MODES))} "
+                              f"Allowed: {', '.join(SIGN_MODES)}.")
+        _expect_type(f"{where}.freeze_steps", self.freeze_steps, (int,), "an integer")
+        if self.sign_mode != "momentum":
+            if self.freeze_steps:
+                raise ConfigError(f"{where}.freeze_steps = {self.freeze_steps} applies only to sign_mode = "
+                                  f"'momentum' (this block has sign_mode = {self.sign_mode!r}); remove it or set "
+                                  f"codec 'sign' with sign_mode 'momentum'.")
+            return
+        if self.codec != "sign":
+            raise ConfigError(f"{where}.sign_mode = 'momentum' needs codec = 'sign', got codec = {self.codec!r} "
+                              f"(ROBUST_CODEC overrides the codec: unset it, or drop sign_mode).")
+        if self.freeze_steps < 1:
+            raise ConfigError(f"{where}.freeze_steps = {self.freeze_steps}: sign_mode = 'momentum' needs at least "
+                              f"one full-precision Adam step to estimate the second moment it then freezes; "
+                              f"set it >= 1 (e.g. 20, a fifth of a 100-step run).")
+        if self.warmup_steps or self.min_numel:
+            raise ConfigError(f"{where}: sign_mode = 'momentum' sends the whole momentum as one buffer after "
+                              f"freeze_steps, so warmup_steps ({self.warmup_steps}) and min_numel "
+                              f"({self.min_numel}) must be 0; use freeze_steps for the uncompressed start.")
 
     @property
     def compresses(self) -> bool:
@@ -207,7 +251,9 @@ class CompressionConfig:
         return (
             f"compression(codec={self.codec}, {auto}block_size={self.block_size}, "
             f"error_feedback={self.error_feedback}, warmup_steps={self.warmup_steps}, "
-            f"min_numel={self.min_numel})"
+            f"min_numel={self.min_numel}"
+            + (f", sign_mode=momentum, freeze_steps={self.freeze_steps}" if self.sign_mode == "momentum" else "")
+            + ")"
         )
 
 
@@ -280,8 +326,18 @@ class WatchdogConfig:
     straggler_window: int = 20
     """Steps per rank in the straggler medians; nothing is judged before every rank has this many."""
 
+    exclude_after_blames: int = 2
+    """Multi-node jobs (``--nnodes MIN:MAX`` > 1, c10d rendezvous): a node blamed for this many
+    faults (a crash by a signal or an injected one, or an SDC minority on its ranks; see
+    ``watchdog/nodes.py``) is excluded: written to ``excluded_nodes.json`` and refused at the next
+    rendezvous (its agent exits 3); the others continue within ``MIN:MAX``. 0 turns exclusion off."""
+
     def __post_init__(self) -> None:
         where = f"{BLOCK_KEY}.watchdog"
+        _expect_type(f"{where}.exclude_after_blames", self.exclude_after_blames, (int,), "an integer")
+        if self.exclude_after_blames < 0:
+            raise ConfigError(f"{where}.exclude_after_blames = {self.exclude_after_blames} must be "
+                              f">= 0 (0: never exclude a node).")
         _expect_type(f"{where}.hang_warmup_steps", self.hang_warmup_steps, (int,), "an integer")
         if self.hang_warmup_steps < 1:
             raise ConfigError(f"{where}.hang_warmup_steps = {self.hang_warmup_steps} must be >= 1.")
@@ -648,6 +704,12 @@ class PluginConfig:
             _check_keys(f"{BLOCK_KEY}.{name}", sub, allowed)
             kwargs[name] = section_cls(**sub)
         topo = kwargs.get("topology")
+        comp = kwargs.get("compression")
+        if topo is not None and topo.hierarchical and comp is not None and comp.sign_mode == "momentum":
+            raise ConfigError(
+                f"{BLOCK_KEY}.topology.hierarchical does not combine with compression.sign_mode = 'momentum' "
+                f"(the momentum all-reduce is flat); remove one of the two."
+            )
         if topo is not None and topo.hierarchical and "compression" not in kwargs:
             raise ConfigError(
                 f"{BLOCK_KEY}.topology.hierarchical = true needs a {BLOCK_KEY}.compression sub-block "

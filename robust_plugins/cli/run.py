@@ -18,7 +18,13 @@ plus:
 Training scripts report steps with ``robust_plugins.watchdog.step_end(step, loss=..., grad_norm=...)``
 and resume from their newest checkpoint on start (the resume contract in ``watchdog/FORMAT.md``).
 Exit status: 0 when training completed (after any number of recovered faults), 1 when the job
-failed for good (restart budget exhausted), 2 for a usage error, 128+N when stopped by signal N.
+failed for good (restart budget exhausted), 2 for a usage error, 3 when this node was excluded
+from a multi-node job (blamed ``exclude_after_blames`` times; the others continue), 128+N when
+stopped by signal N.
+
+Multi-node (``--nnodes MIN:MAX --rdzv-backend c10d``): torch's rendezvous admits any node count in
+the range; ``membership.jsonl`` records every round and a changed world size is printed. Give each
+node its own ``--run-dir`` (or ``--local-addr``, which also names the node in blames).
 """
 
 from __future__ import annotations
@@ -117,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from robust_plugins.watchdog import inject as _inject
     from robust_plugins.watchdog.agent import launch
     from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.watchdog.nodes import EXIT_EXCLUDED, NodeExcluded
 
     injections = _inject.parse(args.inject)
     cfg = watchdog_config(args.watchdog_config, args.watchdog)
@@ -141,9 +148,14 @@ def run(args: argparse.Namespace) -> int:
     # One id for every incarnation of this job: names the ranks' in-memory snapshots
     # (checkpoint.memory_every), which a restarted rank restores from.
     os.environ.setdefault(ENV_JOB, str(run_dir.resolve()))
-    monitor = Monitor(cfg, run_dir, injections)
+    monitor = Monitor(cfg, run_dir, injections, host=args.local_addr or None)
     try:
         result = launch(config, cmd, cmd_args, monitor)
+    except NodeExcluded as exc:
+        # One line a scheduler can grep, then the reason; the ranks of this node were stopped.
+        print(f"robust run: EXCLUDED NODE {exc.record['node']}", file=sys.stderr, flush=True)
+        print(f"robust run: {exc} Record: {run_dir / 'excluded_nodes.json'}", file=sys.stderr, flush=True)
+        return EXIT_EXCLUDED
     except SignalException as exc:
         print(f"robust run: stopped by signal {exc.sigval}; ranks were shut down.", file=sys.stderr)
         return 128 + int(exc.sigval)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from robust_plugins.watchdog.client import (
     check_params,
+    grad_accumulation,
     load_state_dict,
     ok_to_save,
     skip_batch,
@@ -28,4 +29,4 @@ from robust_plugins.watchdog.client import (
     step_end,
 )
 
-__all__ = ["check_params", "load_state_dict", "ok_to_save", "skip_batch", "state_dict", "step_end"]
+__all__ = ["check_params", "grad_accumulation", "load_state_dict", "ok_to_save", "skip_batch", "state_dict", "step_end"]

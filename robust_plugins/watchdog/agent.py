@@ -15,13 +15,17 @@ points ``MASTER_ADDR``/``MASTER_PORT`` at it, so no incarnation can read another
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import time
 from typing import Any
 
 from robust_plugins._logging import get_logger
 from robust_plugins.watchdog.detect import restart_delay
+from robust_plugins.watchdog.client import ENV_LAUNCH_WORLD
 from robust_plugins.watchdog.monitor import Monitor
+from robust_plugins.watchdog.nodes import NodeExcluded, NodeRegistry, node_blame
 
 log = get_logger(__name__)
 
@@ -42,14 +46,73 @@ def _agent_class():
     class RobustAgent(LocalElasticAgent):
         """``LocalElasticAgent`` with a per-incarnation worker store and the watchdog monitor."""
 
-        def __init__(self, *args: Any, monitor: Monitor, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, monitor: Monitor, node: str,
+                     registry: NodeRegistry | None = None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.monitor = monitor
+            self.node = node
+            self.registry = registry
             self._round = 0
             self._worker_store = None
             self._monitor_ok = True
+            self._launch_world: int | None = None
+            self._world: int | None = None
+
+        def _refuse_if_excluded(self) -> None:
+            # Before joining: a node that joined and then left would make every other node's
+            # ranks of the new round fail to form their process group.
+            if self.registry is None:
+                return
+            for rec in self.registry.refresh():
+                if rec["node"] != self.node:
+                    print(f"robust run: node {rec['node']} is EXCLUDED from this job (blamed "
+                          f"{rec['blames']} times; last: {rec['reason']}); the job continues "
+                          f"without it. See {self.registry.path}", flush=True)
+            record = self.registry.excluded()
+            if record is not None:
+                raise NodeExcluded(record)
+
+        def _note_membership(self, worker_group) -> None:
+            # torch's dynamic rendezvous already admits any node count within --nnodes MIN:MAX and
+            # drops a node whose keep-alive expired: we only record the result and say what changed.
+            world = worker_group.workers[0].world_size if worker_group.workers else 0
+            if self._launch_world is None:
+                self._launch_world = world
+            rec = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+                   "round": self._round, "node": self.node, "group_rank": worker_group.group_rank,
+                   "nodes": worker_group.group_world_size, "world_size": world,
+                   "launch_world_size": self._launch_world}
+            with open(self.monitor.run_dir / "membership.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if self._world is not None and world != self._world:
+                msg = (f"robust run: the job continues on {worker_group.group_world_size} node(s), "
+                       f"{world} ranks (was {self._world}); scripts that size gradient accumulation "
+                       f"with robust_plugins.watchdog.grad_accumulation(global_batch, micro_batch) "
+                       f"keep the global batch (rank 0 prints the new accumulation)")
+                log.warning("%s", msg)
+            self._world = world
+
+        def _blame(self, fault) -> None:
+            if self.registry is None or fault is None or not self._worker_group.workers:
+                return
+            local = {w.global_rank for w in self._worker_group.workers}
+            reason = node_blame(fault, local)
+            fault.detail["node_blamed"] = reason is not None
+            if reason is None:
+                return
+            try:
+                record = self.registry.blame(fault, reason)
+            except Exception:
+                # The store is gone (its host node died): this agent's round ends anyway.
+                log.exception("robust run: could not count a blame against node %s in the "
+                              "rendezvous store", self.node)
+                return
+            if record is not None:
+                print(f"robust run: node {self.node} reached {record['blames']} blames and is "
+                      f"excluded from the job ({self.registry.path})", flush=True)
 
         def _rendezvous(self, worker_group) -> None:
+            self._refuse_if_excluded()
             # Called again for every restart, after the old ranks were stopped: the backoff goes here.
             delay = restart_delay(self.monitor.cfg, self._round)
             if delay > 0:
@@ -76,11 +139,13 @@ def _agent_class():
             log.info("robust run: incarnation store for round %d at %s:%s (rendezvous store %s:%s)",
                      self._round, addr, port, worker_group.master_addr, worker_group.master_port)
             worker_group.master_addr, worker_group.master_port = addr, int(port)
+            self._note_membership(worker_group)
 
         def _start_workers(self, worker_group):
             # Start the worker processes with our variables: the elastic subprocess handler
             # copies this process's environment into each rank's.
             os.environ.update(self.monitor.worker_env())
+            os.environ[ENV_LAUNCH_WORLD] = str(self._launch_world or "")
             pids = super()._start_workers(worker_group)
             by_rank = {worker_group.workers[lr].global_rank: pid for lr, pid in pids.items()}
             self.monitor.begin_incarnation(by_rank)
@@ -93,11 +158,13 @@ def _agent_class():
             will_restart = self._remaining_restarts > 0
             try:
                 if result.state == WorkerState.FAILED:
-                    self.monitor.on_crash(result.failures, will_restart)
+                    self._blame(self.monitor.on_crash(result.failures, will_restart))
                 elif result.state in (WorkerState.HEALTHY, WorkerState.SUCCEEDED):
                     # Also when every rank exited 0: a NaN, spike or SDC report of the last steps
                     # may still be queued, and the job must then roll back, not end.
-                    if self.monitor.check(will_restart) is not None:
+                    fault = self.monitor.check(will_restart)
+                    if fault is not None:
+                        self._blame(fault)
                         result = RunResult(state=WorkerState.FAILED)
             except Exception:
                 # The watchdog must never take training down with it.
@@ -135,15 +202,48 @@ def launch(config, entrypoint, args: list[str], monitor: Monitor) -> Any:
         max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
         master_addr=master_addr, master_port=master_port, local_addr=config.local_addr,
     )
+    node = config.local_addr or monitor.host
+    registry = _node_registry(config, node, monitor)
     agent = _agent_class()(
         spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
-        log_line_prefix_template=config.log_line_prefix_template, monitor=monitor,
+        log_line_prefix_template=config.log_line_prefix_template, monitor=monitor, node=node,
+        registry=registry,
     )
     t0 = time.monotonic()
+    excluded = False
     try:
         result = agent.run()
+    except NodeExcluded:
+        excluded = True
+        raise
     finally:
-        spec.rdzv_handler.shutdown()
+        # shutdown() *closes* the rendezvous for every node (torchrun's way to end a job); an
+        # excluded node only leaves: the others drop it when its keep-alive expires.
+        if not excluded:
+            spec.rdzv_handler.shutdown()
         agent._worker_store = None
     log.info("robust run: agent finished in %.1f s (%s)", time.monotonic() - t0, result.state.name)
     return result
+
+
+def _node_registry(config, node: str, monitor: Monitor):
+    """Blame counts in the job's rendezvous store (c10d with an explicit endpoint and more than
+    one node allowed); None otherwise, said once (nodes.py explains the choice of store)."""
+    cfg = monitor.cfg
+    if cfg.exclude_after_blames == 0 or config.max_nodes <= 1:
+        return None
+    from robust_plugins.watchdog.nodes import NodeRegistry
+
+    if config.rdzv_backend != "c10d":
+        log.warning("robust run: node exclusion needs --rdzv-backend c10d (its store holds the blame "
+                    "counts every node reads); with %r no node is excluded.", config.rdzv_backend)
+        return None
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=29400)
+    # A client of the store the c10d rendezvous hosts on one node; it exists by now (creating the
+    # rendezvous handler above connected to it, or started it). Bounded like the rendezvous.
+    timeout = datetime.timedelta(seconds=float(config.rdzv_configs.get("read_timeout", 60)))
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    return NodeRegistry(store, node, monitor.run_dir, cfg.exclude_after_blames)

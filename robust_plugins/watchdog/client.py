@@ -435,3 +435,44 @@ def ok_to_save(step: int, timeout_s: float = OK_TO_SAVE_TIMEOUT_S) -> bool:
     if client is None:
         return True
     return client.ok_to_save(int(step), timeout_s)
+
+
+#: Set by ``robust run`` for every incarnation: the world size of the job's first incarnation on
+#: this node's agent (what the job was planned with), to say how accumulation changed.
+ENV_LAUNCH_WORLD = "ROBUST_LAUNCH_WORLD_SIZE"
+
+
+def grad_accumulation(global_batch: int, micro_batch: int, world_size: int | None = None) -> int:
+    """Micro-batches per optimizer step that keep ``global_batch`` samples a step at this world size.
+
+    Under ``robust run --nnodes MIN:MAX`` a job can continue on fewer (or more) nodes; a script
+    that sizes its accumulation with this call keeps the global batch, and with data indexed by
+    step and sample (the resume contract) trains on the same samples per step as before. Rank 0
+    says so on stderr when the world size differs from the job's first incarnation. ``world_size``
+    defaults to ``WORLD_SIZE`` (1 when unset). Raises :class:`ConfigError` when ``global_batch``
+    is not a multiple of ``micro_batch`` x the world size: then no accumulation keeps it, and
+    silently changing the global batch would change the training.
+    """
+    from robust_plugins.errors import ConfigError
+
+    world = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1"))
+    for name, value in (("global_batch", global_batch), ("micro_batch", micro_batch), ("world size", world)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"grad_accumulation: {name} = {value!r} must be an integer >= 1.")
+    if global_batch % (micro_batch * world):
+        raise ConfigError(
+            f"grad_accumulation: global batch {global_batch} is not a multiple of micro batch "
+            f"{micro_batch} x world size {world}; no gradient accumulation keeps it. Choose a global "
+            f"batch divisible by micro_batch x every world size the job may run at (--nnodes MIN:MAX "
+            f"x --nproc-per-node)."
+        )
+    accum = global_batch // (micro_batch * world)
+    launch = os.environ.get(ENV_LAUNCH_WORLD)
+    if int(os.environ.get("RANK", "0")) == 0 and launch and launch.isdigit() and int(launch) != world:
+        was = int(launch)
+        before = (f"{global_batch // (micro_batch * was)}"
+                  if global_batch % (micro_batch * was) == 0 else "n/a")
+        print(f"robust_plugins: world size {world} (the job started at {was}): gradient accumulation "
+              f"{accum} (was {before}) keeps the global batch of {global_batch} samples "
+              f"({micro_batch} a micro-batch)", file=sys.stderr, flush=True)
+    return accum

@@ -1,0 +1,141 @@
+"""Nodes of a multi-node ``robust run`` job: which node a fault blames, blame counts, exclusion.
+
+Where the counts live, and why: in the **rendezvous store** (the c10d TCPStore every agent of the
+job already connects to for ``--rdzv-backend c10d``), under job-wide keys outside the per-round
+prefixes. Every agent reaches it with no shared filesystem, ``add`` is atomic, so two agents that
+blame at the same moment cannot lose a count, and it lives exactly as long as the job's rendezvous.
+A node's run directory is private to it (its ``monitor.sock``, its ``faults.jsonl``), so counts kept
+there would not be seen by the other nodes; the store is the one place they all read. Each agent
+also writes ``excluded_nodes.json`` into its own run directory (for the scheduler, and so a
+relaunch of that node with the same ``--run-dir`` is refused even with a new rendezvous). The
+store dies with the agent that hosts it: the node hosting the c10d endpoint cannot be excluded
+without ending the job (as with torchrun's c10d rendezvous).
+
+Which node a fault blames, and why so narrowly: when one rank of a multi-node gloo (or NCCL) job
+dies, its peers on the *other* nodes fail too, usually with exit code 1 ("connection closed by
+peer"), and their agents each see a crash. Only evidence that points at the local node counts:
+
+- a crash whose first cause is an announced injected fault or death by a signal other than the
+  agent's own SIGTERM (SIGKILL by the OOM killer, SIGSEGV, SIGBUS, SIGABRT...);
+- a silent-data-corruption verdict whose minority ranks run on this node (every replica computes
+  the same verdict from the all-gathered hashes).
+
+A plain non-zero exit code, a hang (each node sees only its own ranks' stacks), NaN and spikes
+(data, not hardware) blame no node. So a real Python exception on a faulty node is not counted:
+an honest gap, preferred to evicting healthy nodes whose ranks merely lost a peer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from robust_plugins._logging import get_logger
+from robust_plugins.errors import RobustPluginsError
+
+log = get_logger(__name__)
+
+#: Exit status of a ``robust run`` agent whose node is excluded from the job.
+EXIT_EXCLUDED = 3
+
+#: Written into every agent's run directory when a node is excluded (format in FORMAT.md).
+EXCLUDED_FILE = "excluded_nodes.json"
+
+#: Rendezvous-store keys shared by every agent of the job (not per round).
+_BLAMES = "robust_run/node_blames/{node}"
+_EXCLUDED = "robust_run/excluded_node/{node}"
+_EXCLUDED_COUNT = "robust_run/excluded_count"
+_EXCLUDED_ENTRY = "robust_run/excluded/{index}"
+
+#: Signals an agent (or torch's elastic agent) sends to ranks itself: no evidence against a node.
+_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+
+
+class NodeExcluded(RobustPluginsError):
+    """This node was blamed too often: its agent must not join the job again."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self.record = record
+        super().__init__(
+            f"node {record['node']} is excluded from this job: blamed for {record['blames']} faults "
+            f"(last: {record.get('reason', '?')}). Replace or repair it; it will be refused at every "
+            f"rendezvous of this job (exit code {EXIT_EXCLUDED})."
+        )
+
+
+def node_blame(fault: Any, local_ranks: set[int]) -> str | None:
+    """Why ``fault`` (a :class:`~robust_plugins.watchdog.faults.Fault` seen by this node's monitor)
+    is evidence against this node, or None when it is not (see the module docstring)."""
+    suspects = set(fault.suspect_ranks) & set(local_ranks)
+    if not suspects:
+        return None
+    if fault.kind == "crash":
+        detail = fault.detail or {}
+        sig = detail.get("signal")
+        if detail.get("onset") == "injected":
+            return f"injected crash of rank(s) {sorted(suspects)} at step {fault.step}"
+        if sig and f"SIG{str(sig).removeprefix('SIG')}" not in _AGENT_SIGNALS:
+            return f"rank(s) {sorted(suspects)} died by {sig} at step {fault.step}"
+        return None
+    if fault.kind == "sdc":
+        return f"silent data corruption on rank(s) {sorted(suspects)} at step {fault.step}"
+    return None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+class NodeRegistry:
+    """Blame counts and the exclusion list of one job, in its rendezvous store."""
+
+    def __init__(self, store: Any, node: str, run_dir: str | os.PathLike, exclude_after: int) -> None:
+        self.store = store
+        self.node = node
+        self.path = Path(run_dir) / EXCLUDED_FILE
+        self.exclude_after = exclude_after
+        self._known: dict[str, dict[str, Any]] = {}
+        if self.path.exists():  # a relaunch with the same --run-dir keeps what it knew
+            for rec in json.loads(self.path.read_text()).get("nodes", []):
+                self._known[rec["node"]] = rec
+
+    def blame(self, fault: Any, reason: str) -> dict[str, Any] | None:
+        """Count one blame against this node; returns the exclusion record when it reaches the limit."""
+        count = int(self.store.add(_BLAMES.format(node=self.node), 1))
+        log.warning("robust run: node %s blamed (%d of %d before exclusion): %s", self.node, count,
+                    self.exclude_after, reason)
+        if self.exclude_after <= 0 or count < self.exclude_after:
+            return None
+        record = {"node": self.node, "blames": count, "time": _now(), "reason": reason,
+                  "fault": {"kind": fault.kind, "step": fault.step,
+                            "suspect_ranks": list(fault.suspect_ranks)}}
+        key = _EXCLUDED.format(node=self.node)
+        if not self.store.check([key]):
+            self.store.set(key, json.dumps(record))
+            index = int(self.store.add(_EXCLUDED_COUNT, 1))
+            self.store.set(_EXCLUDED_ENTRY.format(index=index), json.dumps(record))
+        self.refresh()
+        return record
+
+    def refresh(self) -> list[dict[str, Any]]:
+        """Read the job's exclusion list; write ``excluded_nodes.json``; return the new entries."""
+        count = int(self.store.add(_EXCLUDED_COUNT, 0))
+        new = []
+        for index in range(1, count + 1):
+            rec = json.loads(self.store.get(_EXCLUDED_ENTRY.format(index=index)))
+            if rec["node"] not in self._known:
+                self._known[rec["node"]] = rec
+                new.append(rec)
+        if new:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"nodes": list(self._known.values())}, indent=1) + "\n")
+            os.replace(tmp, self.path)
+        return new
+
+    def excluded(self) -> dict[str, Any] | None:
+        """This node's exclusion record, or None when it may join."""
+        self.refresh()
+        return self._known.get(self.node)

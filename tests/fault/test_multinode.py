@@ -1,0 +1,188 @@
+"""Two ``robust run`` agents on one machine acting as two nodes (c10d rendezvous on 127.0.0.1).
+
+Node A (``--local-addr 127.0.0.1``) hosts the rendezvous store and gets group rank 0; node B
+(``127.0.0.2``, another loopback address) gets rank 1. One rank a node, ``--nnodes 1:2``, each node
+its own run directory, one shared checkpoint directory (the shared filesystem of a cluster).
+The script keeps a global batch of 4 samples a step at any world size
+(``watchdog.grad_accumulation``), so the result must match a single-process reference run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from robust_plugins.launch import launch_env
+
+from conftest import _alive, _session_members, free_port
+
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]
+
+SCRIPT = str(Path(__file__).with_name("elastic_train.py"))
+STEPS = 14
+#: Short keep-alive so a lost node leaves the rendezvous in ~2 s (default 15 s), short last call.
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+
+
+class Node:
+    def __init__(self, tmp: Path, name: str, addr: str, port: int, host: bool, *extra: str,
+                 step_sleep: float = 0.3) -> None:
+        self.run_dir = tmp / name
+        self.run_dir.mkdir(parents=True)
+        cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(self.run_dir),
+               "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mn-test",
+               "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if host else 'false'}",
+               "--local-addr", addr, "--max-restarts", "4", "--monitor-interval", "0.1",
+               "--watchdog", "straggler_factor=0", *extra,
+               SCRIPT, "--steps", str(STEPS), "--step-sleep", str(step_sleep),
+               "--ckpt-dir", str(tmp / "ckpt"), "--out", str(tmp / "result.json")]
+        self.log = open(self.run_dir / "launcher.log", "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=launch_env(),
+                                     start_new_session=True)
+
+    @property
+    def output(self) -> str:
+        return (self.run_dir / "launcher.log").read_text(errors="replace")
+
+    def wait(self, deadline: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None
+
+    def jsonl(self, name: str) -> list[dict]:
+        path = self.run_dir / name
+        return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+    def leftovers(self) -> list[int]:
+        """Processes of this node (its session, every incarnation's ranks) still alive; kills them."""
+        pids = set(_session_members(self.proc.pid))
+        for line in self.jsonl("workers.jsonl"):
+            pids.update(int(p) for p in line["pids"].values())
+        deadline = time.monotonic() + 5.0  # PDEATHSIG needs a moment after the agent's exit
+        alive = sorted(p for p in pids if _alive(p))
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.1)
+            alive = sorted(p for p in pids if _alive(p))
+        for pid in alive:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return alive
+
+    def kill_node(self) -> None:
+        """The node is lost: its agent and ranks die at once."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        for line in self.jsonl("workers.jsonl"):
+            for pid in line["pids"].values():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        self.proc.wait(timeout=10)
+
+
+def _run_nodes(tmp: Path, b_extra: tuple[str, ...] = (), kill_b_at_step: int | None = None,
+               timeout_s: float = 100.0) -> tuple[Node, Node]:
+    port = free_port()
+    a = Node(tmp, "node-a", "127.0.0.1", port, True)
+    b = None
+    try:
+        time.sleep(0.5)  # A binds the store first (it is also told is_host)
+        b = Node(tmp, "node-b", "127.0.0.2", port, False, *b_extra)
+        deadline = time.monotonic() + timeout_s
+        if kill_b_at_step is not None:
+            steps = tmp / "result.json.steps.jsonl"
+            while time.monotonic() < deadline:
+                done = [json.loads(x) for x in steps.read_text().splitlines()] if steps.exists() else []
+                if any(r["step"] >= kill_b_at_step for r in done):
+                    break
+                assert a.proc.poll() is None and b.proc.poll() is None, a.output[-3000:] + b.output[-3000:]
+                time.sleep(0.05)
+            b.kill_node()
+        a.wait(deadline)
+        b.wait(deadline)
+        assert a.proc.poll() is not None, f"node A did not finish in {timeout_s} s:\n{a.output[-4000:]}"
+        assert b.proc.poll() is not None, f"node B did not finish in {timeout_s} s:\n{b.output[-4000:]}"
+    finally:
+        left = []
+        for n in (a, b):
+            if n is not None:
+                if n.proc.poll() is None:
+                    os.killpg(n.proc.pid, signal.SIGKILL)
+                    n.proc.wait(timeout=10)
+                left += n.leftovers()
+                n.log.close()
+    assert not left, f"processes left running: {left}"
+    return a, b
+
+
+def _reference(tmp: Path) -> list[list[float]]:
+    """The same training in one process, no process group: 4 samples a step, accumulation 4."""
+    out = tmp / "ref.json"
+    subprocess.run([sys.executable, SCRIPT, "--steps", str(STEPS), "--ckpt-dir", str(tmp / "ref-ckpt"),
+                    "--out", str(out)], check=True, timeout=60, env=launch_env())
+    return json.loads(out.read_text())["params"]
+
+
+def _assert_close(got: list[list[float]], want: list[list[float]]) -> None:
+    # Float64 sums in another order (2 ranks x 2 micro-batches vs 1 x 4): equal to ~1e-15.
+    for g, w in zip(got, want, strict=True):
+        for x, y in zip(g, w, strict=True):
+            assert math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12), (got, want)
+
+
+@pytest.mark.timeout(150)
+def test_lost_node_job_continues_on_one_node_with_the_same_global_batch(tmp_path):
+    a, b = _run_nodes(tmp_path, kill_b_at_step=4)
+    assert a.proc.returncode == 0, a.output[-4000:]
+    rounds = a.jsonl("membership.jsonl")
+    assert rounds[0]["world_size"] == 2 and rounds[0]["nodes"] == 2, rounds
+    assert rounds[-1]["world_size"] == 1 and rounds[-1]["nodes"] == 1, rounds
+    assert "the job continues on 1 node(s), 1 ranks (was 2)" in a.output
+    steps = [json.loads(x) for x in (tmp_path / "result.json.steps.jsonl").read_text().splitlines()]
+    assert {(r["world"], r["accum"]) for r in steps} == {(2, 2), (1, 4)}, steps
+    assert steps[-1]["step"] == STEPS and steps[-1]["world"] == 1
+    # Rank 0 of the shrunk job says how the accumulation changed.
+    assert "gradient accumulation 4 (was 2) keeps the global batch of 4" in a.output
+    result = json.loads((tmp_path / "result.json").read_text())
+    _assert_close(result["params"], _reference(tmp_path))
+    # The lost node is not blamed (it is gone; no evidence against it reached any monitor).
+    assert not (a.run_dir / "excluded_nodes.json").exists()
+
+
+@pytest.mark.timeout(150)
+def test_node_blamed_twice_is_excluded_and_the_other_continues(tmp_path):
+    # B's rank (global rank 1) is killed twice; its agent counts two blames in the rendezvous
+    # store, is refused at the next rendezvous and exits 3; A continues alone.
+    a, b = _run_nodes(tmp_path, b_extra=("--inject", "kill:rank=1,step=3;kill:rank=1,step=7"))
+    assert b.proc.returncode == 3, b.output[-4000:]
+    assert "EXCLUDED NODE 127.0.0.2" in b.output
+    assert a.proc.returncode == 0, a.output[-4000:]
+    for node in (a, b):
+        excluded = json.loads((node.run_dir / "excluded_nodes.json").read_text())["nodes"]
+        assert [(e["node"], e["blames"]) for e in excluded] == [("127.0.0.2", 2)], excluded
+        assert excluded[0]["fault"]["kind"] == "crash" and excluded[0]["fault"]["suspect_ranks"] == [1]
+    assert "node 127.0.0.2 is EXCLUDED from this job" in a.output
+    # B's two crashes were blamed on B; A's ranks only lost their peer: no blame on A.
+    b_crashes = [f for f in b.jsonl("faults.jsonl") if f["kind"] == "crash"]
+    assert [f["detail"]["node_blamed"] for f in b_crashes] == [True, True], b_crashes
+    assert all(f["suspect_hosts"] == ["127.0.0.2"] for f in b_crashes)
+    a_crashes = [f for f in a.jsonl("faults.jsonl") if f["kind"] == "crash"]
+    assert a_crashes and not any(f["detail"]["node_blamed"] for f in a_crashes), a_crashes
+    rounds = a.jsonl("membership.jsonl")
+    assert [r["world_size"] for r in rounds][:2] == [2, 2] and rounds[-1]["world_size"] == 1, rounds
+    steps = [json.loads(x) for x in (tmp_path / "result.json.steps.jsonl").read_text().splitlines()]
+    assert steps[-1]["step"] == STEPS and steps[-1]["world"] == 1
+    _assert_close(json.loads((tmp_path / "result.json").read_text())["params"], _reference(tmp_path))

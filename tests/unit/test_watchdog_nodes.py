@@ -1,0 +1,95 @@
+"""Node blame, blame counts and the exclusion list in a (real) c10d store; grad_accumulation."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+import torch.distributed as dist
+
+from robust_plugins.config import PluginConfig
+from robust_plugins.errors import ConfigError
+from robust_plugins.watchdog import grad_accumulation
+from robust_plugins.watchdog.faults import Fault
+from robust_plugins.watchdog.nodes import EXCLUDED_FILE, NodeExcluded, NodeRegistry, node_blame
+
+
+def _crash(ranks, signal=None, onset="last signal", kind="crash"):
+    return Fault(kind=kind, step=5, suspect_ranks=ranks, suspect_hosts=["h"], detected_after_s=0.1,
+                 action="restart", detail={"signal": signal, "onset": onset})
+
+
+def test_only_local_evidence_blames_a_node():
+    assert node_blame(_crash([1], "SIGKILL", "injected"), {1}).startswith("injected crash")
+    assert "SIGSEGV" in node_blame(_crash([1], "SIGSEGV"), {0, 1})
+    # Exit code 1 is what a rank that lost its peer on another node ends with: no evidence.
+    assert node_blame(_crash([1], None), {1}) is None
+    # The agent's own SIGTERM stops healthy peers.
+    assert node_blame(_crash([1], "SIGTERM"), {1}) is None
+    # Suspects on another node.
+    assert node_blame(_crash([3], "SIGKILL"), {0, 1}) is None
+    assert node_blame(_crash([1], kind="sdc"), {1}).startswith("silent data corruption")
+    for kind in ("hang", "nan", "spike", "straggler"):
+        assert node_blame(_crash([1], "SIGKILL", "injected", kind=kind), {1}) is None
+
+
+@pytest.fixture
+def store():
+    # A real TCPStore server and two clients, as two agents of a job see it.
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    yield server
+    del server
+
+
+def test_two_blames_exclude_the_node_everywhere(store, tmp_path):
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=10))
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    b = NodeRegistry(client, "nodeB", tmp_path / "b", exclude_after=2)
+    a = NodeRegistry(store, "nodeA", tmp_path / "a", exclude_after=2)
+    assert b.blame(_crash([1], "SIGKILL"), "first") is None
+    assert b.excluded() is None and a.refresh() == []
+    rec = b.blame(_crash([1], "SIGKILL"), "second")
+    assert rec["node"] == "nodeB" and rec["blames"] == 2 and rec["reason"] == "second"
+    assert b.excluded()["node"] == "nodeB"
+    assert [r["node"] for r in a.refresh()] == ["nodeB"]   # A learns it once
+    assert a.refresh() == [] and a.excluded() is None
+    for d in ("a", "b"):
+        nodes = json.loads((tmp_path / d / EXCLUDED_FILE).read_text())["nodes"]
+        assert [n["node"] for n in nodes] == ["nodeB"]
+    # A relaunch of B with the same run directory (a fresh store) is still refused.
+    fresh = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert NodeRegistry(fresh, "nodeB", tmp_path / "b", 2).excluded()["blames"] == 2
+    err = NodeExcluded(rec)
+    assert "nodeB" in str(err) and "exit code 3" in str(err)
+
+
+def test_exclusion_off(store, tmp_path):
+    reg = NodeRegistry(store, "n", tmp_path, exclude_after=0)
+    for _ in range(3):
+        assert reg.blame(_crash([0], "SIGKILL"), "x") is None
+    assert reg.excluded() is None
+
+
+def test_exclude_after_blames_is_validated():
+    assert PluginConfig.from_dict({"watchdog": {"exclude_after_blames": 3}}).watchdog.exclude_after_blames == 3
+    for bad in (-1, 1.5, "2", True):
+        with pytest.raises(ConfigError, match="exclude_after_blames"):
+            PluginConfig.from_dict({"watchdog": {"exclude_after_blames": bad}})
+
+
+def test_grad_accumulation_keeps_the_global_batch(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("ROBUST_LAUNCH_WORLD_SIZE", raising=False)
+    assert grad_accumulation(32, 4, 2) == 4
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("ROBUST_LAUNCH_WORLD_SIZE", "4")
+    assert grad_accumulation(32, 4, 2) == 4
+    assert "gradient accumulation 4 (was 2) keeps the global batch of 32" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert grad_accumulation(32, 4) == 1
+    with pytest.raises(ConfigError, match="not a multiple of micro batch 4 x world size 3"):
+        grad_accumulation(32, 4, 3)
+    with pytest.raises(ConfigError, match="micro_batch = 0"):
+        grad_accumulation(32, 0, 1)
