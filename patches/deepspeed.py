@@ -263,9 +263,12 @@ class DeepSpeedPlugin:
 
         self.engine = engine
         self.config = config
+        momentum = config.compression is not None and config.compression.sign_mode == "momentum"
         self.sync = (GradientSync(config.compression, step_fn=lambda: engine.global_steps, topology=config.topology)
-                     if config.compression is not None else None)
-        """Compressed gradient sync; None without the ``compression`` sub-block."""
+                     if config.compression is not None and not momentum else None)
+        """Compressed gradient sync; None without the ``compression`` sub-block (or in 1-bit Adam mode)."""
+        self.onebit = None
+        """1-bit Adam (``sign_mode: momentum``, ``patches/deepspeed_onebit.py``); or None."""
         self.disk: DiskCheckpointer | None = None
         """Verified, atomic checkpoints; None without the ``checkpoint`` sub-block."""
         if config.checkpoint is not None:
@@ -274,10 +277,16 @@ class DeepSpeedPlugin:
 
             self.disk = DiskCheckpointer(
                 config.checkpoint, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                layout={"zero_stage": engine.zero_optimization_stage(), "dp_world_size": engine.dp_world_size},
+                layout={"zero_stage": engine.zero_optimization_stage(), "dp_world_size": engine.dp_world_size,
+                        "train_batch_size": engine.train_batch_size(),
+                        "gradient_accumulation_steps": engine.gradient_accumulation_steps()},
                 versions={"deepspeed": deepspeed.__version__, "torch": torch.__version__},
                 device=engine.device,
             )
+            # Elastic restart: a checkpoint of another data-parallel size is selected and then
+            # resharded (or refused with the reason) by _load_checkpoint, not skipped.
+            self.disk.reshardable = ("world_size", "dp_world_size", "train_batch_size",
+                                     "gradient_accumulation_steps")
         self.telemetry = None
         """Per-step metrics (``telemetry`` sub-block, ``patches/deepspeed_telemetry.py``); or None."""
         self.persisted_at: int | None = None
@@ -287,14 +296,30 @@ class DeepSpeedPlugin:
         self.watchdog = None
         """Step signals to ``robust run`` (``patches/deepspeed_watchdog.py``); None outside it."""
 
+    @property
+    def has_state(self) -> bool:
+        """True when this plugin holds training state (error-feedback residuals) to checkpoint."""
+        return self.sync is not None or self.onebit is not None
+
     def state_dict(self) -> dict:
         """Per-rank plugin state saved next to DeepSpeed's checkpoint files."""
+        if self.onebit is not None:
+            return {"format": 1, "onebit": self.onebit.state_dict()}
         return {"format": 1, "sync": self.sync.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore what :meth:`state_dict` returned."""
         if sd.get("format") != 1:
             raise CheckpointError(f"Unknown robust_plugins checkpoint format {sd.get('format')!r}; expected 1.")
+        if ("onebit" in sd) != (self.onebit is not None):
+            raise CheckpointError(
+                f"the checkpoint's plugin state was written {'with' if 'onebit' in sd else 'without'} "
+                f"compression.sign_mode = 'momentum' and this job runs {'with' if self.onebit else 'without'} it; "
+                f"resume with the checkpoint's compression settings."
+            )
+        if self.onebit is not None:
+            self.onebit.load_state_dict(sd["onebit"])
+            return
         self.sync.load_state_dict(sd["sync"])
 
 
@@ -312,7 +337,11 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
         plugin.memory = MemorySnapshots(engine, plugin)
     stage = engine.zero_optimization_stage()
     # With the checkpoint sub-block alone, gradient reduction stays DeepSpeed's own, untouched.
-    if config.compression is not None and stage == 0:
+    if config.compression is not None and config.compression.sign_mode == "momentum":
+        from robust_plugins.patches.deepspeed_onebit import attach_onebit
+
+        attach_onebit(engine, plugin)  # gradients stay DeepSpeed's until the freeze, then the momentum goes 1-bit
+    elif config.compression is not None and stage == 0:
         _guard.bind_instance(engine, "allreduce_bucket", _engine_allreduce_bucket(engine, plugin))
     elif config.compression is not None:
         opt = engine.optimizer
@@ -386,6 +415,9 @@ def add_step_observer(engine, observer, first: bool = False) -> None:
 
 def detach(engine) -> None:
     """Remove the plugin from ``engine``: its methods fall back to DeepSpeed's."""
+    from robust_plugins.patches.deepspeed_onebit import detach_onebit
+
+    detach_onebit(engine)
     for obj, name in ((engine, "allreduce_bucket"), (engine.optimizer, "allreduce_bucket"),
                       (engine.optimizer, "gradient_reduction_w_predivide"),
                       (engine, "save_checkpoint"), (engine, "load_checkpoint"), (engine, "step"),
@@ -498,7 +530,7 @@ def _save_checkpoint(engine, plugin: DeepSpeedPlugin):
         if plugin.disk is not None:
             return _verified_save(engine, plugin, original, _checkpoint_dir(plugin, save_dir, "save_checkpoint"),
                                   str(tag), client_state, save_latest, exclude_frozen_parameters)
-        if plugin.sync is not None:
+        if plugin.has_state:
             path = _state_path(save_dir, tag)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             # Written before DeepSpeed's files so that DeepSpeed's `latest` (written last) never
@@ -552,7 +584,7 @@ def _verified_save(engine, plugin, original, save_dir, tag, client_state, save_l
         # DeepSpeed's tag-consistency check and barriers run as usual, on the temporary name.
         original(save_dir, os.path.basename(staging), client_state=client_state, save_latest=False,
                  exclude_frozen_parameters=exclude_frozen)
-        if plugin.sync is not None:
+        if plugin.has_state:
             save(plugin.state_dict(), os.path.join(staging, STATE_FILE.format(rank=current_rank())))
     except Exception as exc:
         # Raised outside the two shadowed writes: the other ranks may be waiting in one of
@@ -607,6 +639,7 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
 
     def load_checkpoint(load_dir=None, tag=None, *args, **kwargs):
         t0 = time.perf_counter()
+        reshard = None
         # After a rollback (robust run), nothing newer than its last good step may load, from
         # memory or disk: a disk save of a later step can exist (ok_to_save timed out under load).
         bound = rollback_bound() if tag is None else None
@@ -627,8 +660,15 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
                 return None, None  # an empty directory: a fresh start, as DeepSpeed reports it
             from robust_plugins.checkpoint.persist import is_snapshot_checkpoint
 
+            reshard = _plan_reshard(engine, load_dir, tag)
             if is_snapshot_checkpoint(load_dir, tag):
                 # Written by the background saver (memory_every + persist_every): no DeepSpeed files.
+                if reshard is not None:
+                    raise CheckpointError(
+                        f"{load_dir}/{tag} was written by robust_plugins' background saver at another "
+                        f"data-parallel size ({reshard.message}); those per-rank snapshots cannot be "
+                        f"resharded. Resume at the saved size, or reshard from a checkpoint written by "
+                        f"engine.save_checkpoint (DeepSpeed format).")
                 if plugin.memory is None:
                     raise CheckpointError(
                         f"{load_dir}/{tag} was written by robust_plugins' background saver "
@@ -639,8 +679,12 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
 
                 record_restore(engine.global_steps, f"disk:{tag}", time.perf_counter() - t0)
                 return os.path.join(load_dir, tag), {}
-            with _weights_only_loads(engine):
-                load_path, client_state = original(load_dir, tag, *args, **kwargs)
+            if reshard is None:
+                with _weights_only_loads(engine):
+                    load_path, client_state = original(load_dir, tag, *args, **kwargs)
+            else:
+                load_path, client_state = _load_resharded(engine, plugin, original, load_dir, tag, reshard,
+                                                          args, kwargs)
             if load_path is None:
                 raise CheckpointError(
                     f"DeepSpeed found no model files in the verified checkpoint {load_dir}/{tag}; "
@@ -654,8 +698,14 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
                 latest = "latest_universal" if engine.load_universal_checkpoint() else "latest"
                 with open(os.path.join(load_dir, latest)) as f:
                     tag = f.read().strip()
-        if plugin.sync is not None:
-            _load_residuals(plugin, load_dir, tag)
+        if plugin.has_state:
+            if plugin.disk is not None and reshard is not None:
+                # Residuals are each rank's error of its own share of the old partition: no rank of
+                # the new layout owns them.
+                log.warning("robust_plugins: compression residuals start from zero after resharding "
+                            "(they belong to the old data-parallel layout)")
+            else:
+                _load_residuals(plugin, load_dir, tag)
         if plugin.memory is not None:
             from robust_plugins.patches.deepspeed_memory import record_restore
 
@@ -664,6 +714,106 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
         return load_path, client_state
 
     return load_checkpoint
+
+
+def _plan_reshard(engine, load_dir: str, tag: str):
+    """The elastic plan for a selected checkpoint (``checkpoint/elastic.py``), or None."""
+    from robust_plugins.checkpoint import manifest as mf
+    from robust_plugins.checkpoint.elastic import plan_reshard
+    from deepspeed import comm as dist
+
+    m = mf.read_manifest(os.path.join(load_dir, tag))
+    saved = {"where": f"checkpoint {os.path.join(load_dir, tag)}", "world_size": m.world_size, **m.layout}
+    now = {"world_size": dist.get_world_size(), "dp_world_size": engine.dp_world_size,
+           "zero_stage": engine.zero_optimization_stage(), "micro_batch": engine.train_micro_batch_size_per_gpu()}
+    return plan_reshard(saved, now)
+
+
+def _load_resharded(engine, plugin, original, load_dir: str, tag: str, reshard, args, kwargs):
+    """Load a checkpoint of another data-parallel size and keep its global batch.
+
+    ZeRO 0 (``direct``): model and optimizer state are replicated and live in the one
+    ``mp_rank_00_model_states.pt``, which DeepSpeed loads at any DP size. ZeRO 1/2 (``universal``):
+    rank 0 converts the verified checkpoint with DeepSpeed's ``ds_to_universal`` into
+    ``<dir>/.universal/<tag>`` (after loading every input with ``weights_only=True``, so nothing
+    that would run code reaches the converter), every rank loads it with DeepSpeed's
+    ``load_universal`` path, then the converted copy is removed.
+    """
+    from robust_plugins.checkpoint import coord
+    from robust_plugins.checkpoint.elastic import DIRECT
+
+    if engine.global_rank == 0:
+        log.warning("robust_plugins: %s", reshard.message)
+    timeout_s = plugin.config.checkpoint.timeout_s
+    if reshard.method == DIRECT:
+        with _weights_only_loads(engine):
+            load_path, client_state = original(load_dir, tag, *args, **kwargs)
+    else:
+        univ_root = os.path.join(load_dir, ".universal")
+        result = {}
+        if engine.global_rank == 0:
+            try:
+                _convert_to_universal(os.path.join(load_dir, tag), univ_root, tag, timeout_s)
+            except CheckpointError as exc:
+                result = {"error": str(exc)}
+        result = coord.broadcast_json(result, timeout_s, f"resharding {load_dir}/{tag}: converting",
+                                      device=engine.device)
+        if result.get("error"):
+            raise CheckpointError(result["error"])
+        engine._config.load_universal_checkpoint = True
+        try:
+            with _weights_only_loads(engine):
+                load_path, client_state = original(univ_root, tag, *args, **kwargs)
+        finally:
+            engine._config.load_universal_checkpoint = False
+            coord.broadcast_json({}, timeout_s, f"resharding {load_dir}/{tag}: loaded", device=engine.device)
+            if engine.global_rank == 0:
+                import shutil
+
+                shutil.rmtree(univ_root, ignore_errors=True)
+        if load_path is not None:  # name the verified checkpoint, not the removed converted copy
+            load_path = os.path.join(load_dir, tag, os.path.relpath(load_path, os.path.join(univ_root, tag)))
+    engine.set_train_batch_size(reshard.train_batch_size)
+    return load_path, client_state
+
+
+def _convert_to_universal(src: str, univ_root: str, tag: str, timeout_s: float) -> None:
+    """Run DeepSpeed's converter (a child process, bounded) on a verified checkpoint directory."""
+    import shutil
+    import subprocess
+    import sys
+
+    allowed = _safe_globals()
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".pt"):
+            try:
+                with torch.serialization.safe_globals(allowed):
+                    torch.load(os.path.join(src, name), map_location="cpu", weights_only=True)
+            except pickle.UnpicklingError as exc:
+                raise CheckpointError(f"{src}/{name} needs more than tensors and plain data to load; it was "
+                                      f"not converted for resharding ({str(exc).splitlines()[0]}).") from exc
+    out = os.path.join(univ_root, tag)
+    shutil.rmtree(univ_root, ignore_errors=True)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,
+           "--output_folder", out, "--num_extract_workers", "1", "--num_merge_workers", "1",
+           # Plain DeepSpeed engines do not write Megatron-DeepSpeed's universal_checkpoint_info.
+           "--inject_missing_state"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        shutil.rmtree(univ_root, ignore_errors=True)
+        raise CheckpointError(f"Converting {src} to a universal checkpoint took over {timeout_s:.0f} s "
+                              f"(checkpoint.timeout_s); it was stopped and nothing was loaded.") from exc
+    if proc.returncode != 0:
+        shutil.rmtree(univ_root, ignore_errors=True)
+        tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
+        raise CheckpointError(f"DeepSpeed's ds_to_universal failed on {src} (exit {proc.returncode}: {tail}); "
+                              f"nothing was loaded. Resume at the saved data-parallel size instead.")
+    for dirpath, _, files in os.walk(out):
+        for name in files:
+            if name.endswith(".pt"):
+                with torch.serialization.safe_globals(allowed):
+                    torch.load(os.path.join(dirpath, name), map_location="cpu", weights_only=True)
 
 
 def _newest_disk_step(root: str, max_step: int | None = None) -> int | None:

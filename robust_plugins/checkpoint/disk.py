@@ -49,6 +49,9 @@ class DiskCheckpointer:
         self.layout = dict(layout or {})
         """Host settings recorded in each manifest and required to match on load."""
         self.versions = dict(versions or {})
+        self.reshardable: tuple[str, ...] = ()
+        """``world_size`` / layout keys a loader may differ in (recorded, not required to match):
+        the host reshards (``checkpoint.elastic``) or refuses after :meth:`select`."""
         self.device = device
         self._written: list[str] = []
         self._error: str | None = None
@@ -191,7 +194,8 @@ class DiskCheckpointer:
     # -------------------------------------------------------------------------------- restore
     def expect(self) -> dict[str, Any]:
         """What a checkpoint's manifest must match to be loaded by this job."""
-        return {"world_size": self.world_size, **self.layout}
+        want = {"world_size": self.world_size, **self.layout}
+        return {k: v for k, v in want.items() if k not in self.reshardable}
 
     def select(self, root: str, tag: str | None = None, max_step: int | None = None) -> str | None:
         """The tag every rank loads: ``tag`` after verifying it, or the newest intact checkpoint.

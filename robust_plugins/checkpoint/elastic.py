@@ -1,0 +1,83 @@
+"""Elastic restart: what to do when a checkpoint was saved at another data-parallel size.
+
+A pure planner (no I/O, no framework): :func:`plan_reshard` takes what the checkpoint's manifest
+recorded and what the resuming job has, and returns how to load (``direct`` for replicated state,
+``universal`` for ZeRO 1/2 partitions, which DeepSpeed's universal checkpoint re-partitions) and the
+gradient accumulation that keeps the global batch, or raises :class:`CheckpointError` saying why it
+cannot and what would work. Hosts (``patches/deepspeed.py``) carry the plan out.
+
+Why keep the global batch: the learning-rate schedule, Adam's statistics and the data position
+are all per *global* step; the same samples per step on fewer ranks need more micro-batches per
+step, not a smaller batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from robust_plugins.errors import CheckpointError
+
+DIRECT, UNIVERSAL = "direct", "universal"
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """How to load a checkpoint saved at another data-parallel size."""
+
+    method: str
+    """``direct`` (the state is replicated on every DP rank: ZeRO 0) or ``universal``."""
+    gradient_accumulation_steps: int
+    """New accumulation: ``train_batch_size / (micro_batch * dp_world_size)``."""
+    train_batch_size: int
+    """The global batch, as saved (kept)."""
+    message: str
+    """One log line saying what changes."""
+
+
+def plan_reshard(saved: Mapping[str, Any], now: Mapping[str, Any]) -> Reshard | None:
+    """None when nothing changes; else the plan (or CheckpointError).
+
+    ``saved``: the manifest's ``world_size`` plus its layout (``zero_stage``, ``dp_world_size``,
+    ``train_batch_size``, ``gradient_accumulation_steps``). ``now``: the same keys for the resuming
+    job plus ``micro_batch``.
+    """
+    where = saved.get("where", "the checkpoint")
+    s_dp, n_dp = saved.get("dp_world_size"), now["dp_world_size"]
+    if s_dp is None:
+        raise CheckpointError(f"{where} records no dp_world_size in its manifest; it cannot be checked "
+                              f"against this job (dp_world_size={n_dp}). Load it with the same launch it "
+                              f"was saved with.")
+    if s_dp == n_dp:
+        return None
+    if saved.get("zero_stage") != now["zero_stage"]:
+        raise CheckpointError(f"{where} was saved with ZeRO stage {saved.get('zero_stage')}, this job runs "
+                              f"stage {now['zero_stage']}; resharding keeps the stage. Use stage "
+                              f"{saved.get('zero_stage')}.")
+    s_mp = saved["world_size"] // s_dp if saved.get("world_size") else None
+    n_mp = now["world_size"] // n_dp
+    if s_mp != n_mp:
+        raise CheckpointError(f"{where} was saved with {s_mp} model-parallel rank(s) per data-parallel replica "
+                              f"(world {saved.get('world_size')}, dp {s_dp}), this job has {n_mp} (world "
+                              f"{now['world_size']}, dp {n_dp}). Only the data-parallel size may change on "
+                              f"resume.")
+    batch = saved.get("train_batch_size")
+    if not isinstance(batch, int) or batch < 1:
+        raise CheckpointError(f"{where} was saved at dp_world_size={s_dp} without a recorded global batch "
+                              f"(written by an older robust_plugins), so resuming at dp_world_size={n_dp} "
+                              f"cannot keep it. Resume with {s_dp} data-parallel ranks.")
+    micro = now["micro_batch"]
+    if batch % (micro * n_dp):
+        allowed = sorted(d for d in range(1, batch + 1) if batch % (micro * d) == 0)
+        raise CheckpointError(f"{where}: global batch {batch} (saved at dp_world_size={s_dp}) is not a "
+                              f"multiple of micro batch {micro} x dp_world_size {n_dp}, so no gradient "
+                              f"accumulation keeps it. With micro batch {micro}, dp_world_size may be one of "
+                              f"{allowed}; or change train_micro_batch_size_per_gpu.")
+    gas = batch // (micro * n_dp)
+    method = DIRECT if now["zero_stage"] == 0 else UNIVERSAL
+    if now["zero_stage"] not in (0, 1, 2):
+        raise CheckpointError(f"{where}: resharding supports ZeRO stages 0-2, not {now['zero_stage']}.")
+    message = (f"resharding {where} from dp_world_size {s_dp} to {n_dp} ({method}); global batch {batch} "
+               f"kept: gradient_accumulation_steps {saved.get('gradient_accumulation_steps', '?')} -> {gas} "
+               f"(micro batch {micro})")
+    return Reshard(method, gas, batch, message)
