@@ -16,11 +16,18 @@ that each variant differs from the others in one thing only:
                  the same arithmetic as the collective (both sides 1-bit, both error feedbacks);
 ``sign-rotated`` as ``sign``, but every 256-element block is first rotated by a fixed random
                  orthogonal transform (random signs, then a Walsh-Hadamard transform), which makes
-                 blocks Gaussian-like so that one mean-magnitude scale fits them better.
+                 blocks Gaussian-like so that one mean-magnitude scale fits them better;
+``sign-momentum`` 1-bit Adam (``compression.sign_mode: momentum``): exact averages and AdamW for
+                 ``--freeze-steps`` steps, then each rank clips its own gradient, forms its local
+                 momentum from the shared one and the ranks average that with the shipped two-phase
+                 sign arithmetic; Adam's second moment stays frozen (the update of
+                 :class:`robust_plugins.comm.momentum.SignMomentumAdam`, written out here over W
+                 simulated ranks).
 
 Run (each variant ~1-2 min on 2 CPU cores, one seed)::
 
     python benchmarks/sign_ablation.py --steps 150 --variants fp32 fp32-blockv sign-send sign sign-rotated
+    python benchmarks/sign_ablation.py --steps 100 --variants fp32 sign-momentum --freeze-steps 20
 
 It prints one JSON line per variant and a table of validation loss relative to ``fp32``.
 """
@@ -38,7 +45,7 @@ from robust_plugins.comm._twophase import encode, plan, simulate_all_reduce, unp
 from robust_plugins.workloads import build_gpt, get_batch, load_corpus
 from triton_ops import reference as ref
 
-VARIANTS = ("fp32", "fp32-blockv", "sign-send", "sign", "sign-rotated")
+VARIANTS = ("fp32", "fp32-blockv", "sign-send", "sign", "sign-rotated", "sign-momentum")
 BLOCK = 256
 
 
@@ -108,6 +115,36 @@ def block_v_adam_step(params, state, step: int, lr: float, betas: tuple[float, f
         p.data.add_((-lr * m_hat / (v_hat.sqrt() + eps)).view_as(p))
 
 
+def momentum_sign_step(params, opt, grads, reducer, freeze: int, lr: float, betas: tuple[float, float],
+                       eps: float = 1e-8) -> None:
+    """One 1-bit Adam step after the freeze: sign-compress each rank's local momentum, v frozen.
+
+    Each rank clips its own gradient (the engine clips before the optimizer, and after the freeze
+    it no longer all-reduces), forms ``b1 * m + (1 - b1) * g_rank`` from the shared momentum
+    ``m`` and sends that through the two-phase sign all-reduce (both error feedbacks); every
+    rank then applies the same Adam update with the second moment frozen at the freeze step.
+    """
+    b1, b2 = betas
+    m = torch.cat([opt.state[p]["exp_avg"].reshape(-1) for p in params])
+    v = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in params])
+    local = []
+    for g in grads:
+        g = g * min(1.0, 1.0 / (float(g.norm()) + 1e-6))
+        local.append(b1 * m + (1 - b1) * g)
+    m_new = simulate_all_reduce(local, codec="sign", block_size=BLOCK,
+                                sender_residuals=reducer.send, server_residuals=reducer.serv)
+    t = int(opt.state[params[0]]["step"]) + 1
+    v_hat = v / (1 - b2 ** freeze)
+    update = (m_new / (1 - b1 ** t)) / (v_hat.sqrt() + eps)
+    off = 0
+    for p in params:
+        n = p.numel()
+        opt.state[p]["exp_avg"].copy_(m_new[off : off + n].view_as(p))
+        opt.state[p]["step"].fill_(t)
+        p.data.add_(update[off : off + n].view_as(p), alpha=-lr)
+        off += n
+
+
 def train(variant: str, args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     corpus = load_corpus()
@@ -128,7 +165,11 @@ def train(variant: str, args: argparse.Namespace) -> dict:
             loss.backward()
             loss_sum += loss.item() / args.world
             grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
-        avg, off = reducer(grads), 0
+        if variant == "sign-momentum" and step >= args.freeze_steps:
+            momentum_sign_step(params, opt, grads, reducer, args.freeze_steps, args.lr, betas)
+            losses.append(loss_sum)
+            continue
+        avg, off = (torch.stack(grads).mean(0) if variant == "sign-momentum" else reducer(grads)), 0
         for p in params:
             p.grad = avg[off : off + p.numel()].view_as(p).clone()
             off += p.numel()
@@ -154,6 +195,8 @@ def main() -> None:
     p.add_argument("--preset", default="small")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--freeze-steps", type=int, default=20,
+                   help="sign-momentum: full-precision Adam steps before the momentum is sent as sign codes")
     args = p.parse_args()
     torch.set_num_threads(1)
     results = []

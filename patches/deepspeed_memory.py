@@ -183,7 +183,7 @@ class MemorySnapshots:
             "optimizer": e.optimizer.state_dict(),
             "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
             "rng": _rng_state(),
-            "compression": self.plugin.state_dict() if self.plugin.sync is not None else None,
+            "compression": self.plugin.state_dict() if self.plugin.has_state else None,
             "user": {name: get() for name, (get, _) in self._user.items()},
         }
         return state
@@ -207,7 +207,7 @@ class MemorySnapshots:
         for key, value in state["counters"].items():
             setattr(e, key, value)
         _set_rng_state(state["rng"])
-        if state["compression"] is not None and self.plugin.sync is not None:
+        if state["compression"] is not None and self.plugin.has_state:
             self.plugin.load_state_dict(state["compression"])
         for name, value in state["user"].items():
             if name not in self._user:

@@ -224,6 +224,11 @@ def disable(ddp) -> None:
 
 def _refuse_config(cfg: PluginConfig) -> None:
     """Sub-blocks (or settings) that this integration does not wire: refused, never ignored."""
+    if cfg.compression is not None and cfg.compression.sign_mode == "momentum":
+        raise UnsupportedError(
+            "robust_plugins.megatron: compression.sign_mode = 'momentum' (1-bit Adam) is wired for DeepSpeed "
+            "ZeRO 0 only; megatron-core's optimizer is not hooked. Use sign_mode 'gradient' (the default) here."
+        )
     if cfg.compression is not None and cfg.compression.codec == "auto":
         raise UnsupportedError(
             "robust_plugins.megatron: compression.codec = 'auto' is not wired for megatron-core yet (it is "

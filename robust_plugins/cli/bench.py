@@ -53,6 +53,21 @@ TARGETS = {
     "sign": Target(0.04, 0.05),
 }
 
+#: Rows that run a codec in another mode: row name -> the compression keys it sets over the
+#: recipe's block, and the ZeRO stage it needs. ``sign-momentum`` is 1-bit Adam (ZeRO 0 only);
+#: its ``freeze_steps`` comes from ``--freeze-steps``.
+MODES = {"sign-momentum": {"compression": {"codec": "sign", "sign_mode": "momentum"}, "zero_stage": 0}}
+
+#: Every row name ``--codecs`` accepts, in table order.
+ROWS = (*CODECS, *MODES)
+
+#: Row labels where the name alone would be ambiguous.
+LABELS = {"sign": "sign (sign_mode gradient)"}
+
+#: Default freeze of the ``sign-momentum`` row: a fifth of the default 100 steps (1-bit Adam used
+#: 15-25 % of training; in benchmarks/sign_ablation.py 10 steps gave +4.2 %, 20 steps +2.1 %).
+DEFAULT_FREEZE_STEPS = 20
+
 #: Why a codec is known to miss its loss target; printed under the table only when it does miss.
 KNOWN_LOSS_MISSES = {
     "sign": (
@@ -74,13 +89,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=100, help="optimizer steps a run (default 100)")
     p.add_argument("--nproc", type=int, default=4, help="CPU ranks (default 4)")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="GPT size (default small)")
-    p.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS,
-                   help=f"codecs to run (default: all: {' '.join(CODECS)})")
+    p.add_argument("--codecs", nargs="+", default=list(ROWS), choices=ROWS,
+                   help=f"codecs (and modes) to run (default: all: {' '.join(ROWS)}); sign-momentum is the sign "
+                        f"codec in 1-bit Adam mode (ZeRO 0)")
+    p.add_argument("--freeze-steps", type=int, default=DEFAULT_FREEZE_STEPS,
+                   help=f"sign-momentum: fp32 Adam steps before the momentum goes 1-bit (default "
+                        f"{DEFAULT_FREEZE_STEPS})")
     p.add_argument("--seeds", type=int,
                    help=f"run vanilla and every codec with seeds 0..N-1 and average the validation loss "
                         f"(default {DEFAULT_SEEDS}; with --from-results: every seed found there)")
     p.add_argument("--out-dir", help="results directory (default runs/bench/compression/<timestamp>)")
     p.add_argument("--write", metavar="MARKDOWN", help="replace this benchmark's section in e.g. BENCHMARKS.md")
+    p.add_argument("--section", default=SECTION,
+                   help=f"name of the marked section --write replaces (default {SECTION}; another name keeps "
+                        f"the main table and writes e.g. a subset of codecs beside it)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a codec misses its target")
     p.add_argument("--timeout", type=float,
                    help="hard limit for the launch, seconds (default 300 + 1.5 s per step per run)")
@@ -167,8 +189,12 @@ def run_compression(args: argparse.Namespace) -> int:
         van = results["vanilla"][0]
         command = (f"robust bench compression --steps {van['steps']} --nproc {van['world_size']} "
                    f"--preset {van['preset']} --seeds {len(seeds)}")
-        if list(args.codecs) != list(CODECS):
+        if list(args.codecs) != list(ROWS):
             command += " --codecs " + " ".join(args.codecs)
+        if "sign-momentum" in args.codecs and args.freeze_steps != DEFAULT_FREEZE_STEPS:
+            command += f" --freeze-steps {args.freeze_steps}"
+        if args.section != SECTION:
+            command += f" --section {args.section}"
         command += f" --write {args.write}"
         text = "\n".join([
             f"Command: `{command}`  ",
@@ -184,8 +210,8 @@ def run_compression(args: argparse.Namespace) -> int:
             "",
             NOTES,
         ])
-        write_section(Path(args.write), SECTION, text)
-        print(f"wrote the {SECTION} section of {args.write}")
+        write_section(Path(args.write), args.section, text)
+        print(f"wrote the {args.section} section of {args.write}")
     if misses:
         print("targets missed: " + "; ".join(misses))
     return 1 if misses and args.strict else 0
@@ -212,7 +238,16 @@ NOTES = (
     "which cancels much of the seed-to-seed movement), to show how much that ratio moves. Step time: mean over "
     "seeds of each run's median step time, relative to vanilla's. Step times on an oversubscribed CPU "
     "machine measure encoding cost, not network savings; a bandwidth-limited multi-node comparison "
-    "is a separate benchmark."
+    "is a separate benchmark. "
+    "sign (sign_mode momentum) is 1-bit Adam (README, compression): fp32 Adam with DeepSpeed's own fp32 "
+    "all-reduce for the first freeze_steps steps, then each rank's local Adam momentum averaged in sign "
+    "codes, Adam's second moment frozen. It runs ZeRO 0 (the mode needs whole optimizer state on every rank); "
+    "vanilla runs ZeRO-1, which in fp32 trains the same model. Its bytes count what rank 0 sent in "
+    "`engine.backward` and `engine.step` together (the momentum all-reduce runs in step; ZeRO 0 has no "
+    "parameter all-gather there, and a 4-byte scalar all-reduce each step is included): the first figure is "
+    "the median over the compressed steps (after the freeze), which the <= 0.04x target is checked on; "
+    "'run avg' is the mean over all steps, freeze included. Its one-bucket error is the sign codec on a "
+    "gradient, as for the sign row."
 )
 
 
@@ -277,6 +312,13 @@ def compression_rows(results: dict[str, Sequence[dict[str, Any]]],
         runs = results[codec]
         b = wire_bytes(runs[0])
         ratio = b / van_bytes if b is not None and van_bytes else None
+        label, bytes_cell = LABELS.get(codec, codec), None
+        if codec in MODES:
+            freeze = runs[0]["robust_plugins_block"]["compression"]["freeze_steps"]
+            b, run_avg = momentum_wire_bytes(runs[0], freeze)
+            ratio = b / van_bytes if van_bytes else None
+            label = f"sign (sign_mode momentum, freeze_steps {freeze})"
+            bytes_cell = f"{ratio:.3f}x after freeze; run avg {run_avg / van_bytes:.3f}x"
         loss = loss_vs_vanilla(van, runs)
         err = (runs[0].get("codec_error") or {}).get("rel_error")
         step_time = statistics.fmean(r["median_step_time_s"] for r in runs) / van_time
@@ -287,8 +329,8 @@ def compression_rows(results: dict[str, Sequence[dict[str, Any]]],
             target, verdict = "bitwise = vanilla", "ok" if not differ else "MISS"
             if differ:
                 misses.append(f"none: final parameters differ from vanilla (seeds {differ})")
-        elif codec in TARGETS:
-            t = TARGETS[codec]
+        elif codec in TARGETS or codec in MODES:
+            t = TARGETS[MODES[codec]["compression"]["codec"] if codec in MODES else codec]
             target = f"<= {t.max_bytes_ratio:.2f}x, loss within {t.max_loss_delta * 100:g} %"
             failed = []
             if ratio is None or ratio > t.max_bytes_ratio:
@@ -299,11 +341,25 @@ def compression_rows(results: dict[str, Sequence[dict[str, Any]]],
             if failed:
                 misses.append(f"{codec}: {', '.join(failed)}")
         rows.append([
-            codec, human_bytes(b), f"{ratio:.3f}x" if ratio is not None else "n/a",
+            label, human_bytes(b), bytes_cell or (f"{ratio:.3f}x" if ratio is not None else "n/a"),
             f"{err:.2e}" if err is not None else "n/a", f"{loss.mean:.4f}", f"{loss.delta * 100:+.2f} %",
             f"{loss.lo * 100:+.2f} .. {loss.hi * 100:+.2f} %", f"{step_time:.2f}x", target, verdict,
         ])
     return rows, misses
+
+
+def momentum_wire_bytes(result: dict[str, Any], freeze: int) -> tuple[float, float]:
+    """(median over the steps after ``freeze``, mean over all steps) of rank 0's backward + step bytes.
+
+    In 1-bit Adam mode the momentum all-reduce runs inside ``engine.step``, so the gradient-only
+    count of :func:`wire_bytes` (backward) would miss it.
+    """
+    wire = result.get("wire") or {}
+    total = [b + s for b, s in zip(wire["rank0_grad_bytes_per_step"], wire["rank0_step_bytes_per_step"])]
+    if len(total) <= freeze:
+        raise ConfigError(f"run {result['name']}: {len(total)} steps, none after freeze_steps = {freeze}; "
+                          f"run more --steps than --freeze-steps.")
+    return statistics.median(total[freeze:]), statistics.fmean(total)
 
 
 def known_miss_notes(misses: Sequence[str]) -> list[str]:
@@ -331,7 +387,15 @@ def run_compression_runs(args: argparse.Namespace, out_dir: Path,
         raise ConfigError(f"{recipe_config('plugin.json')} has no {BLOCK_KEY}.compression block to vary.")
     configs = {"vanilla": _write_config(cfg_dir / "vanilla.json", baseline)}
     for codec in args.codecs:
-        cfg = {**baseline, BLOCK_KEY: {**block, "compression": {**block["compression"], "codec": codec}}}
+        if codec in MODES:
+            mode = MODES[codec]
+            if not 0 < args.freeze_steps < args.steps:
+                raise ConfigError(f"--freeze-steps {args.freeze_steps} must lie in [1, --steps) = [1, {args.steps}).")
+            comp = {**block["compression"], **mode["compression"], "freeze_steps": args.freeze_steps}
+            cfg = {**baseline, "zero_optimization": {**baseline["zero_optimization"], "stage": mode["zero_stage"]},
+                   BLOCK_KEY: {**block, "compression": comp}}
+        else:
+            cfg = {**baseline, BLOCK_KEY: {**block, "compression": {**block["compression"], "codec": codec}}}
         configs[codec] = _write_config(cfg_dir / f"{codec}.json", cfg)
     runs = []
     for i, seed in enumerate(seeds):

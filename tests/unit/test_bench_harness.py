@@ -87,8 +87,27 @@ def test_loss_miss_when_the_means_differ_even_if_one_seed_agrees():
     van = _runs("vanilla", [2.0, 2.0, 2.0])
     sign = _runs("sign", [2.0, 2.3, 2.3], bytes_=35)
     rows, misses = _rows({"vanilla": van, "sign": sign}, ["sign"])
-    assert rows["sign"][-1] == "MISS (loss)" and misses == ["sign: loss"]
-    assert rows["sign"][5] == "+10.00 %" and rows["sign"][6] == "+0.00 .. +15.00 %"
+    row = rows["sign (sign_mode gradient)"]
+    assert row[-1] == "MISS (loss)" and misses == ["sign: loss"]
+    assert row[5] == "+10.00 %" and row[6] == "+0.00 .. +15.00 %"
+
+
+def test_momentum_row_counts_step_bytes_after_the_freeze_and_the_run_average():
+    # 1-bit Adam: fp32 gradients in backward for the 2 freeze steps, then the 1-bit momentum in step.
+    van = _runs("vanilla", [2.0, 2.0], bytes_=1000)
+    mom = _runs("sign-momentum", [2.02, 2.04])
+    for r in mom:
+        r["robust_plugins_block"] = {"compression": {"codec": "sign", "sign_mode": "momentum", "freeze_steps": 2}}
+        r["wire"] = {"rank0_median_grad_bytes_per_step": 0, "rank0_grad_bytes_per_step": [1000, 1000, 0, 0, 0, 0],
+                     "rank0_step_bytes_per_step": [0, 0, 35, 35, 36, 35]}
+    rows, misses = _rows({"vanilla": van, "sign-momentum": mom}, ["sign-momentum"])
+    row = rows["sign (sign_mode momentum, freeze_steps 2)"]
+    assert row[2] == "0.035x after freeze; run avg 0.357x"
+    assert row[-1] == "ok" and misses == []
+    for r in mom:
+        r["wire"]["rank0_step_bytes_per_step"] = [0, 0, 41, 41, 41, 41]
+    rows, misses = _rows({"vanilla": van, "sign-momentum": mom}, ["sign-momentum"])
+    assert misses == ["sign-momentum: bytes"]
 
 
 def test_bytes_error_and_step_time_come_from_the_right_runs():
@@ -162,7 +181,8 @@ def test_from_results_writes_the_section(tmp_path, capsys):
                          "sign": _runs("sign", [2.3, 2.5], bytes_=35)})
     md = tmp_path / "BENCHMARKS.md"
     args = argparse.Namespace(from_results=str(out), seeds=None, codecs=["int8", "sign"], write=str(md),
-                              strict=True, out_dir=None, steps=100, nproc=4, preset="small", timeout=None)
+                              strict=True, out_dir=None, steps=100, nproc=4, preset="small", timeout=None,
+                              section="compression", freeze_steps=20)
     assert run_compression(args) == 1  # --strict and sign misses its loss bound
     text = md.read_text()
     assert "--seeds 2 --codecs int8 sign --write" in text and "seeds 0, 1; validation: 1024 fixed" in text
@@ -170,6 +190,12 @@ def test_from_results_writes_the_section(tmp_path, capsys):
     assert "Vanilla validation loss by seed: 2.0000 (seed 0), 2.2000 (seed 1)." in text
     assert "sign misses its loss target" in text and "about 1 %" in text
     assert "targets missed: sign: loss" in capsys.readouterr().out
+    args.section = "compression-sign"  # a second marked section; the first one stays
+    run_compression(args)
+    text = md.read_text()
+    assert "<!-- bench:compression-sign:start -->" in text and "<!-- bench:compression:start -->" in text
+    assert "--codecs int8 sign --section compression-sign --write" in text
+    args.section = "compression"
     args.seeds = 3
     with pytest.raises(ConfigError, match="vanilla-seed2"):
         run_compression(args)
