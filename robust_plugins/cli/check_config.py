@@ -36,6 +36,14 @@ def check(path: str) -> list[str]:
         if stage not in (0, 1, 2):
             lines.append(f"  ERROR: zero_optimization.stage = {stage}: compression supports ZeRO 0, 1, 2 only; "
                          f"deepspeed.initialize will refuse this config.")
+        elif cfg.compression.sign_mode == "momentum":
+            if stage != 0 or any((ds.get(k) or {}).get("enabled") for k in ("fp16", "bf16")):
+                lines.append(f"  ERROR: compression.sign_mode = 'momentum' (1-bit Adam) needs ZeRO stage 0 in fp32 "
+                             f"(this config: stage {stage}{', fp16/bf16 on' if stage == 0 else ''}); "
+                             f"deepspeed.initialize will refuse it.")
+            else:
+                lines.append(f"  fp32 Adam for {cfg.compression.freeze_steps} steps, then Adam's momentum averaged in "
+                             f"1-bit codes (needs a torch.optim.Adam/AdamW client optimizer).")
         else:
             lines.append(f"  on ZeRO stage {stage}'s data-parallel gradient reduction.")
         if ds.get("communication_data_type") and cfg.compression.compresses:

@@ -146,3 +146,18 @@ def test_state_dict_round_trip_and_freeze_mismatch():
     assert b.state_dict()["residuals"].keys() == sd["residuals"].keys()
     with pytest.raises(CheckpointError, match="freeze_steps"):
         SignMomentumAdam(opt, freeze_steps=3).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("extra,expect", [
+    ({"zero_optimization": {"stage": 0}}, "fp32 Adam for 20 steps"),
+    ({"zero_optimization": {"stage": 1}}, "ERROR: compression.sign_mode = 'momentum' (1-bit Adam) needs ZeRO stage 0"),
+    ({"zero_optimization": {"stage": 0}, "bf16": {"enabled": True}}, "fp16/bf16 on"),
+])
+def test_check_config_says_what_the_momentum_mode_needs(tmp_path, extra, expect):
+    import json
+
+    from robust_plugins.cli import check_config
+
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "robust_plugins": {"compression": MOMENTUM}, **extra}))
+    assert expect in "\n".join(check_config.check(str(p)))
