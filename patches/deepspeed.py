@@ -517,6 +517,10 @@ def _zero_predivide(opt, plugin: DeepSpeedPlugin):
 # ---------------------------------------------------------------------------------------------
 # checkpoints: residuals are training state
 # ---------------------------------------------------------------------------------------------
+#: Key added to a DeepSpeed client_state (with memory snapshots) listing the caller's own keys.
+CLIENT_KEYS = "robust_plugins_client_keys"
+
+
 def _state_path(ckpt_dir: str, tag: str) -> str:
     return os.path.join(ckpt_dir, str(tag), STATE_FILE.format(rank=current_rank()))
 
@@ -527,6 +531,11 @@ def _save_checkpoint(engine, plugin: DeepSpeedPlugin):
     def save_checkpoint(save_dir=None, tag=None, client_state={}, save_latest=True, exclude_frozen_parameters=False):
         if tag is None:
             tag = f"global_step{engine.global_steps}"  # DeepSpeed's own default tag
+        if plugin.memory is not None:
+            plugin.memory.note_client_state(client_state)
+            # Which keys are the caller's: a disk load returns them mixed with DeepSpeed's own, and
+            # the snapshots taken after it must carry only the caller's (as from memory).
+            client_state = {**(client_state or {}), CLIENT_KEYS: sorted(client_state or {})}
         if plugin.disk is not None:
             return _verified_save(engine, plugin, original, _checkpoint_dir(plugin, save_dir, "save_checkpoint"),
                                   str(tag), client_state, save_latest, exclude_frozen_parameters)
@@ -647,12 +656,13 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
             # Restore order: own memory snapshot -> a peer's copy -> newest verified disk -> older.
             if not load_dir and plugin.config.checkpoint.dir is None:
                 found = plugin.memory.restore(disk_step=None)
-                return (f"memory://step{found[0]}/{found[1]}", {}) if found else (None, None)
+                return ((f"memory://step{found[0]}/{found[1]}", plugin.memory.restored_client_state())
+                        if found else (None, None))
             load_dir = _checkpoint_dir(plugin, load_dir, "load_checkpoint")
             found = plugin.memory.restore(disk_step=_newest_disk_step(load_dir, bound))
             if found is not None:
                 # No path on disk: the string says the step and where the state came from.
-                return f"memory://step{found[0]}/{found[1]}", {}
+                return f"memory://step{found[0]}/{found[1]}", plugin.memory.restored_client_state()
         if plugin.disk is not None:
             load_dir = _checkpoint_dir(plugin, load_dir, "load_checkpoint")
             tag = plugin.disk.select(load_dir, tag, max_step=bound)
@@ -678,7 +688,7 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
                 from robust_plugins.patches.deepspeed_memory import record_restore
 
                 record_restore(engine.global_steps, f"disk:{tag}", time.perf_counter() - t0)
-                return os.path.join(load_dir, tag), {}
+                return os.path.join(load_dir, tag), plugin.memory.restored_client_state()
             if reshard is None:
                 with _weights_only_loads(engine):
                     load_path, client_state = original(load_dir, tag, *args, **kwargs)
@@ -698,6 +708,12 @@ def _load_checkpoint(engine, plugin: DeepSpeedPlugin):
                 latest = "latest_universal" if engine.load_universal_checkpoint() else "latest"
                 with open(os.path.join(load_dir, latest)) as f:
                     tag = f.read().strip()
+        if isinstance(client_state, dict) and CLIENT_KEYS in client_state:
+            client_state = dict(client_state)
+            keys = client_state.pop(CLIENT_KEYS)
+            if plugin.memory is not None:
+                plugin.memory.client_state = {"step": engine.global_steps,
+                                              "state": {k: client_state[k] for k in keys if k in client_state}}
         if plugin.has_state:
             if plugin.disk is not None and reshard is not None:
                 # Residuals are each rank's error of its own share of the old partition: no rank of

@@ -14,9 +14,15 @@ What one snapshot holds, so that a restored engine continues bitwise as if never
 * whatever the training script registers with :meth:`MemorySnapshots.register` (e.g. its data
   position: a function returning tensors / plain data, and one taking them back).
 
+* the ``client_state`` of the last ``save_checkpoint`` call (tensors and plain data; a copy taken
+  at the call). ``save_checkpoint`` at a step whose snapshot was already taken snapshots that step
+  again, into the same slot, with the client_state; a restore from memory returns it from
+  ``load_checkpoint`` as a disk load would (the user's keys; not DeepSpeed's own bookkeeping keys
+  such as ``ds_config``). Restoring a later step than the one client_state was given at logs
+  one line: per-step values (a data position) belong in :meth:`MemorySnapshots.register`.
+
 The watchdog's learned hang timeouts live in ``robust run``'s node monitor, which outlives every
-rank restart, so they need no snapshot. A DeepSpeed ``client_state`` passed to
-``save_checkpoint`` is not part of a memory snapshot: register it instead.
+rank restart, and in the client_state above.
 
 Snapshots go through :class:`robust_plugins.checkpoint.memory.SnapshotStore` (shared memory,
 double buffer) and, with ``peer_backup``, :class:`robust_plugins.checkpoint.peer.PeerBackup`;
@@ -26,6 +32,7 @@ the restore order lives in :mod:`robust_plugins.checkpoint.restore`.
 from __future__ import annotations
 
 import atexit
+import copy
 import json
 import os
 import random
@@ -163,6 +170,10 @@ class MemorySnapshots:
         """Seconds each snapshot of this process blocked the training loop."""
         self.restored: dict | None = None
         """What the last restore used: ``{"step", "source"}``."""
+        self.client_state: dict | None = None
+        """``{"step", "state"}``: the last ``save_checkpoint`` call's client_state (a copy), carried
+        by every snapshot from then on; set back by a restore."""
+        self._persisted_step: int | None = None
         sys.excepthook = _note_crash(sys.excepthook)
         atexit.register(self._at_exit)
 
@@ -185,8 +196,23 @@ class MemorySnapshots:
             "rng": _rng_state(),
             "compression": self.plugin.state_dict() if self.plugin.has_state else None,
             "user": {name: get() for name, (get, _) in self._user.items()},
+            "client_state": self.client_state,
         }
         return state
+
+    def note_client_state(self, client_state) -> None:
+        """``save_checkpoint(client_state=...)`` was called: keep a copy in the snapshots (module
+        docstring), re-taking this step's snapshot if it was taken already."""
+        cs = copy.deepcopy(dict(client_state or {}))
+        try:
+            flat.flatten(cs, _allowed())  # refuse now, naming the key, not at the next step
+        except CheckpointError as exc:
+            raise CheckpointError(f"save_checkpoint(client_state=...) cannot go into an in-memory snapshot "
+                                  f"(checkpoint.memory_every): {exc}") from exc
+        n = self.engine.global_steps
+        self.client_state = {"step": n, "state": cs}
+        if self.taken_at == n:
+            self.blocking_s.append(self.store.save(n, self.capture(), replace_newest=True))
 
     def apply(self, state: dict) -> None:
         """Load a captured state into the engine (same layout)."""
@@ -214,6 +240,17 @@ class MemorySnapshots:
                 raise CheckpointError(f"The snapshot holds registered state {name!r}, which this run did not "
                                       f"register (registered: {sorted(self._user)}). Register it before loading.")
             self._user[name][1](value)
+        self.client_state = state.get("client_state")
+        step = state["counters"]["global_steps"]
+        if self.client_state is not None and self.client_state["step"] != step:
+            log.warning("robust_plugins: [rank %d] the client_state returned was given to save_checkpoint at "
+                        "step %d; the state restored is step %d. Values that change every step (a data "
+                        "position) belong in engine.robust_plugins.memory.register().", self.rank,
+                        self.client_state["step"], step)
+
+    def restored_client_state(self) -> dict:
+        """What ``load_checkpoint`` returns as client_state after a restore of a snapshot."""
+        return dict(self.client_state["state"]) if self.client_state is not None else {}
 
     # ---------------------------------------------------------------------------------- hooks
     def _after_commit(self, _index: int, slot) -> None:
@@ -222,7 +259,9 @@ class MemorySnapshots:
         if self.peers is not None:
             self.peers.exchange(slot)
         step = slot.header().step
-        if self.persister is not None and step % self.persist_every == 0:
+        # A second snapshot of one step (save_checkpoint's client_state) is not persisted twice.
+        if self.persister is not None and step % self.persist_every == 0 and step != self._persisted_step:
+            self._persisted_step = step
             self.persister.persist(slot, step)
 
     def on_step(self, engine=None) -> None:

@@ -344,8 +344,12 @@ class SnapshotStore:
         """Step of the newest snapshot committed by this process."""
 
     # --------------------------------------------------------------------------------- save
-    def save(self, step: int, state: Any) -> float:
-        """Snapshot ``state`` as ``step``; returns the seconds the caller was blocked."""
+    def save(self, step: int, state: Any, replace_newest: bool = False) -> float:
+        """Snapshot ``state`` as ``step``; returns the seconds the caller was blocked.
+
+        ``replace_newest``: write into the slot of the newest snapshot instead of the other one
+        (a second snapshot of the same step, e.g. with more state; the older slot stays intact
+        meanwhile, so a crash during the rewrite still leaves the previous step)."""
         t0 = time.perf_counter()
         self._raise_if_failed()
         schema, tensors = flat.flatten(state, self.allowed)
@@ -359,7 +363,8 @@ class SnapshotStore:
         offsets, data_len = self._layout
         schema["offsets"] = offsets
         schema_bytes = json.dumps(schema, separators=(",", ":")).encode()
-        slot = self.slots[self._next]
+        index = 1 - self._next if replace_newest else self._next
+        slot = self.slots[index]
         self._wait_idle(slot)
         # Room for the schema to grow (step counters, scheduler values) without a re-layout.
         schema_cap = _align(max(len(schema_bytes) * 2, 64 << 10), 4096)
@@ -379,8 +384,7 @@ class SnapshotStore:
         buf[HEADER_SIZE:HEADER_SIZE + len(schema_bytes)] = torch.frombuffer(bytearray(schema_bytes), dtype=torch.uint8)
         slot.write_header(Header(False, step, self.rank, self.world_size, len(schema_bytes), data_off,
                                  data_len, 0, self.job))
-        index = self._next
-        self._next = 1 - self._next
+        self._next = 1 - index
         slot.busy.set()
         self._ensure_thread()
         self._queue.put((index, slot, step))

@@ -157,7 +157,12 @@ class PeerBackup:
                dist.irecv(meta_in, src=self.source, group=self.group)], self.timeout_s, what)
         step, rank, world, slen, doff, dlen, crc, _ = (int(x) for x in meta_in.tolist())
         got = Header(False, step, rank, world, slen, doff, dlen, crc, self.job)
-        slot = self.held[self._next]
+        # A second snapshot of the step held last (save_checkpoint's client_state, see
+        # SnapshotStore.save(replace_newest=True)) replaces that copy: the other held slot keeps
+        # the previous step, as on the source.
+        last = self.held[1 - self._next].header()
+        same = last is not None and last.committed and last.step == step
+        slot = self.held[1 - self._next if same else self._next]
         slot.ensure(got.total)
         if slot.header() is not None:
             slot.set_committed(False)
@@ -169,7 +174,8 @@ class PeerBackup:
         _wait(works, self.timeout_s, what)
         slot.write_header(got)
         slot.set_committed(True)
-        self._next = 1 - self._next
+        if not same:
+            self._next = 1 - self._next
         self.sent_step = h.step
 
     def held_snapshots(self, world_size: int, why: dict[str, str] | None = None) -> list[SnapshotInfo]:

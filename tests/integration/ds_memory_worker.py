@@ -113,6 +113,20 @@ def digests(engine) -> list[str]:
     return out
 
 
+CLIENT_STATE = {"epoch": 3, "sampler": {"position": torch.arange(4) * 7, "name": "text"}, "history": [1.5, 2]}
+
+
+def plain(x):
+    """Tensors as (dtype, values), for JSON."""
+    if torch.is_tensor(x):
+        return [str(x.dtype), x.tolist()]
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    return x
+
+
 def gather(x):
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, x)
@@ -166,7 +180,16 @@ def main() -> None:
     persist._write = real_write
     res["failed_persist"] = {"log": records.take(), "dirs": sorted(os.listdir(root)) if os.path.isdir(root) else [],
                              "failures": gather(len(eng.robust_plugins.memory.persister.failures))}
-    eng.save_checkpoint(root)
+    # The save's client_state goes into the snapshots: step 4's snapshot is taken again (same
+    # slot) with it; the double buffer and the peer's copies still hold step 3 beside it.
+    eng.save_checkpoint(root, client_state=CLIENT_STATE)
+    eng.robust_plugins.memory.store.flush()
+    mem = eng.robust_plugins.memory
+    newest = max(mem.store.own_snapshots(), key=lambda s: s.step)
+    res["client_state_snapshot"] = {
+        "own_steps": gather(sorted(s.step for s in mem.store.own_snapshots())),
+        "held_steps": gather(sorted(s.step for s in mem.peers.held_snapshots(dist.get_world_size()))),
+        "in_newest": plain(mem.store.load(newest.slot)[1]["client_state"])}
     losses += train(eng, 5, corpus, data)
     eng.robust_plugins.memory.store.flush()
     res["main"] = {"losses": losses, "blocking_s": eng.robust_plugins.memory.blocking_s,
@@ -181,7 +204,8 @@ def main() -> None:
         e.robust_plugins.memory.register("data", d.get, d.set)
         load_path, client = e.load_checkpoint(root)
         info = {"load_path": load_path, "resumed_at": e.global_steps, "data_seen": d.seen,
-                "data_order": d.order.tolist()}
+                "data_order": d.order.tolist(),
+                "client_state": gather(plain({k: client[k] for k in CLIENT_STATE if k in client}))}
         info["log"] = records.take()
         info["losses"] = train(e, until, corpus, d)
         info["digests"] = digests(e)

@@ -51,7 +51,8 @@ def test_snapshots_leave_training_unchanged_and_live_in_shared_memory(run):
         [f"robust_plugins.{key}.r0000{i}.s{s}" for i in (0, 1) for s in (0, 1)]
         + [f"robust_plugins.{key}.r0000{i}.at0000{1 - i}.s{s}" for i in (0, 1) for s in (0, 1)])
     assert r["main"]["holders"] == [1, 0]
-    assert len(r["main"]["blocking_s"]) == 5 and all(b > 0 for b in r["main"]["blocking_s"])
+    # one a step, plus step 4's again with save_checkpoint's client_state
+    assert len(r["main"]["blocking_s"]) == 6 and all(b > 0 for b in r["main"]["blocking_s"])
 
 
 def test_restart_restores_own_memory_snapshot_and_continues_exactly(run):
@@ -127,3 +128,24 @@ def test_optimizer_wrappers_it_cannot_restore_exactly_are_refused(run):
         pytest.skip("ZeRO 0 only: its bf16/fp16 optimizer wrappers")
     assert r["bf16_zero0"].startswith("UnsupportedError: robust_plugins.checkpoint.memory_every supports ZeRO 1/2")
     assert "FP16_UnfusedOptimizer" in r["bf16_zero0"] and "Remove memory_every or use ZeRO 1/2" in r["bf16_zero0"]
+
+
+CLIENT_STATE = {"epoch": 3, "sampler": {"position": ["torch.int64", [0, 7, 14, 21]], "name": "text"},
+                "history": [1.5, 2]}
+
+
+def test_client_state_survives_a_restore_from_memory_as_from_disk(run):
+    _, _, r = run
+    snap = r["client_state_snapshot"]
+    # save_checkpoint at step 4 re-took step 4's snapshot in place: step 3 is still beside it, in
+    # each rank's own slots and in the peer's copies
+    assert snap["own_steps"] == [[3, 4], [3, 4]] and snap["held_steps"] == [[3, 4], [3, 4]]
+    assert snap["in_newest"] == {"step": 4, "state": CLIENT_STATE}
+    # memory (own, peer), the background saver's disk checkpoint and DeepSpeed's own disk
+    # checkpoint all hand back the same client_state, on every rank, without our bookkeeping key
+    for case in ("own", "peer", "corrupt", "disk", "older_disk"):
+        assert r[case]["client_state"] == [CLIENT_STATE, CLIENT_STATE], case
+    assert r["older_disk"]["resumed_at"] == 4 and r["own"]["resumed_at"] == 5
+    # restored step 5, client_state was given at step 4: said once
+    (line,) = [ln for ln in r["own"]["log"] if "client_state returned" in ln]
+    assert "given to save_checkpoint at step 4; the state restored is step 5" in line
