@@ -317,6 +317,12 @@ class WatchdogConfig:
     hash, compared across the replicas on a node; a minority hash is silent data corruption).
     0 turns the check off."""
 
+    sdc_replay: bool = True
+    """After an SDC rollback, the replayed check of the same step is the verdict: the replicas
+    agree now (a transient fault: recorded, the ranks stay) or the same ranks differ again (a
+    persistent fault: action ``evict``; a single-node job stops, a multi-node job's node is blamed
+    again). Recorded in the fault's ``detail.replay`` and an evidence file ``sdc/replay-*.json``."""
+
     straggler_factor: float = 2.0
     """A rank whose median compute time per step (step time minus time inside torch.distributed
     collectives) over the last ``straggler_window`` steps exceeds this many times the median of
@@ -385,6 +391,7 @@ class WatchdogConfig:
                 f"spike_window ({self.spike_window})."
             )
         _expect_type(f"{where}.spike_skip_batch", self.spike_skip_batch, (bool,), "true or false")
+        _expect_type(f"{where}.sdc_replay", self.sdc_replay, (bool,), "true or false")
         _expect_type(f"{where}.sdc_every_steps", self.sdc_every_steps, (int,), "an integer")
         if self.sdc_every_steps < 0:
             raise ConfigError(f"{where}.sdc_every_steps = {self.sdc_every_steps} must be >= 0 (0: off).")

@@ -170,9 +170,12 @@ def run(args: argparse.Namespace) -> int:
         what = (f"last fault: {last.kind} at step {last.step}, suspect ranks {last.suspect_ranks}"
                 if last else "a rank failed")
         failed = {r: getattr(f, "exitcode", None) for r, f in (result.failures or {}).items()}
+        why = (f"ranks {last.suspect_ranks} on {', '.join(last.suspect_hosts)} corrupted the same step "
+               f"again when it was replayed from the checkpoint (persistent silent data corruption): "
+               f"evicted; relaunch without that machine" if last is not None and last.action == "evict"
+               else f"restart budget exhausted (--max-restarts {config.max_restarts})")
         print(f"robust run: job FAILED: {what}{f' (exit codes {failed})' if failed else ''}; "
-              f"restart budget exhausted (--max-restarts {config.max_restarts}). "
-              f"Faults: {run_dir / 'faults.jsonl'}", file=sys.stderr, flush=True)
+              f"{why}. Faults: {run_dir / 'faults.jsonl'}", file=sys.stderr, flush=True)
         kept = job_files(job_key())
         if kept:
             print(f"robust run: {len(kept)} in-memory snapshot file(s) of this job are kept in /dev/shm "

@@ -166,6 +166,10 @@ def _agent_class():
                     if fault is not None:
                         self._blame(fault)
                         result = RunResult(state=WorkerState.FAILED)
+                        if fault.action == "evict" and self.registry is None:
+                            # A persistent SDC on a single-node job: every restart would corrupt
+                            # the same step again. (Multi-node: the node's blames exclude it.)
+                            self._remaining_restarts = 0
             except Exception:
                 # The watchdog must never take training down with it.
                 self._monitor_ok = False

@@ -15,6 +15,8 @@ several ``--inject`` flags. A fault fires once per job: when rank ``R`` reports 
 ``spike:rank=1,step=40``   rank 1 reports 1000 x its loss (or ``what=grad_norm``) for step 40
 ``bitflip:rank=2,step=30`` rank 2 flips bit 20 (``bit=N``) of its first parameter's first element
                            in the first ``check_params`` at or after step 30: real corruption
+``stuckbit:rank=2,step=30`` as ``bitflip``, but in every incarnation that replays that check: a
+                           persistent fault (hardware that corrupts the same step again)
 ``slow:rank=1,step=10``    from step 10 on, rank 1 sleeps 0.5 s (``seconds=X``) outside any
                            collective before reporting each step: a persistent straggler
 ``badbatch:rank=1,step=40`` a spike (as ``spike``) every time step 40 is trained, in every
@@ -37,15 +39,16 @@ KINDS: dict[str, dict[str, tuple[str, ...] | None]] = {
     "nan": {"what": ("loss", "grad_norm")},
     "spike": {"what": ("loss", "grad_norm")},
     "bitflip": {"bit": None},
+    "stuckbit": {"bit": None},
     "slow": {"seconds": None},
     "badbatch": {"what": ("loss", "grad_norm")},
 }
 
 #: Kinds that fire again in every incarnation that replays their step (not once per job).
-RECURRING_KINDS = ("badbatch",)
+RECURRING_KINDS = ("badbatch", "stuckbit")
 
 #: Kinds fired by ``check_params`` (the others fire in ``step_end``).
-PARAM_KINDS = ("bitflip",)
+PARAM_KINDS = ("bitflip", "stuckbit")
 
 #: Default extra seconds a ``slow`` rank spends per step.
 SLOW_DEFAULT_S = 0.5
@@ -62,6 +65,7 @@ FORMS = (
     "nan:rank=R,step=S[,what=loss|grad_norm]",
     "spike:rank=R,step=S[,what=loss|grad_norm]",
     "bitflip:rank=R,step=S[,bit=0..31]",
+    "stuckbit:rank=R,step=S[,bit=0..31]",
     "slow:rank=R,step=S[,seconds=X]",
     "badbatch:rank=R,step=S[,what=loss|grad_norm]",
 )
@@ -82,7 +86,7 @@ class Injection:
 
     option: str = ""
     """The kind's option: signal name for ``kill``, ``python`` or ``syscall`` for ``hang``, ``loss`` or
-    ``grad_norm`` for ``nan``, ``spike`` and ``badbatch``, the bit index for ``bitflip``, seconds per step for
+    ``grad_norm`` for ``nan``, ``spike`` and ``badbatch``, the bit index for ``bitflip`` and ``stuckbit``, seconds per step for
     ``slow``."""
 
     def spec(self) -> str:
@@ -135,7 +139,7 @@ def parse_one(text: str) -> Injection:
 def _option(part: str, kind: str, values: dict[str, str]) -> str:
     (key,) = KINDS[kind]
     allowed = KINDS[kind][key]
-    if kind == "bitflip":
+    if kind in ("bitflip", "stuckbit"):
         bit = values.get(key, "20")
         if not bit.isdigit() or not 0 <= int(bit) <= 31:
             raise _error(part, f"bit={bit!r} must be an integer from 0 to 31")

@@ -95,6 +95,11 @@ class Monitor:
         if self.skip_path.exists():
             self.skip_steps = {int(x) for x in json.loads(self.skip_path.read_text())["steps"]}
         self._pending_resume: Fault | None = None
+        self._sdc_replay: dict[str, Any] | None = None
+        """An SDC rollback whose replay is awaited (``sdc_replay``): ``fault`` (its record, held
+        until the verdict), ``step``, ``ranks`` (the minority), ``incarnation``, ``agreed``."""
+        self._hash_log: dict[tuple[int, int], dict[int, str]] = {}
+        """{(incarnation, step): {rank: hex}} of the latest parameter-hash checks (SDC evidence)."""
         self._rollback_limit: list[int] | None = None
         """After a rollback: [newest step the ranks may restore, incarnation of the fault, newest
         step its ranks reported]; kept until a later incarnation runs past that step."""
@@ -254,7 +259,20 @@ class Monitor:
                 if addr:
                     self._queries.append((int(msg["s"]), addr))
             elif kind == "hash":
-                if msg.get("why") and st.sdc is None:
+                key = (self.incarnation, int(msg["s"]))
+                self._hash_log.setdefault(key, {})[int(msg["r"])] = str(msg.get("h"))
+                for old in sorted(self._hash_log)[:-16]:
+                    del self._hash_log[old]
+                rp = self._sdc_replay
+                if (rp is not None and self.incarnation > rp["incarnation"] and int(msg["s"]) == rp["step"]
+                        and not msg.get("why")):
+                    # The replayed check agrees (every rank judges the same all-gathered hashes):
+                    # the corruption did not come back, a transient fault. The verdict is written
+                    # once every rank's hash is in (evidence), or when the job ends.
+                    rp["agreed"] = True
+                    if len(self._hash_log[key]) >= len(self.ranks):
+                        self._replay_verdict("transient", [])
+                elif msg.get("why") and st.sdc is None:
                     st.sdc = (int(msg["s"]), [int(r) for r in msg["bad"]], str(msg["why"]), msg["t"])
             elif kind == "end":
                 st.registered = self._uses_api = True  # also if its hello came too early
@@ -294,10 +312,52 @@ class Monitor:
         if self._max_step_before_fault is not None:
             fault.lost_steps = max(0, self._max_step_before_fault - (step - 1))
         self._pending_resume = None
+        rp = self._sdc_replay
+        if rp is not None and rp["fault"] is fault:
+            return  # written with the replay's verdict
         self.faults.write(fault)
+
+    def _replay_verdict(self, verdict: str, minority: list[int]) -> Fault:
+        """Close the awaited SDC replay (under ``self._lock``): record the verdict and its evidence
+        in the held fault, and write the fault unless it still waits for its resume step."""
+        rp, self._sdc_replay = self._sdc_replay, None
+        fault = rp["fault"]
+        detected = self._hash_log.get((rp["incarnation"], rp["step"]), {})
+        replayed = ({} if verdict == "not replayed"
+                    else self._hash_log.get((self.incarnation, rp["step"]), {}))
+        why = {"transient": "the replicas agree after the replay from the checkpoint: a transient "
+                            "fault; the ranks stay",
+               "persistent": f"the replay from the checkpoint corrupted ranks {minority} again: a "
+                             f"persistent fault; evicted",
+               "different": f"the replay disagreed again but on ranks {minority}, not {rp['ranks']}",
+               "not replayed": "the job stopped, or another fault came, before the replayed check"}[verdict]
+        evidence = {"step": rp["step"], "minority": rp["ranks"], "verdict": verdict, "why": why,
+                    "hashes_at_detection": {str(r): h for r, h in sorted(detected.items())},
+                    "detected_in_incarnation": rp["incarnation"],
+                    "hashes_at_replay": {str(r): h for r, h in sorted(replayed.items())},
+                    "replayed_in_incarnation": self.incarnation if verdict != "not replayed" else None}
+        path = self.run_dir / "sdc" / f"replay-step{rp['step']}-inc{rp['incarnation']}.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(evidence, indent=1) + "\n")
+            fault.evidence.append(str(path))
+        except OSError as exc:  # the verdict still goes into faults.jsonl
+            log.warning("robust watchdog: could not write the SDC replay evidence %s: %r", path, exc)
+        fault.detail["replay"] = {"verdict": verdict, "why": why, "replayed_in_incarnation":
+                                  evidence["replayed_in_incarnation"]}
+        log.warning("robust watchdog: SDC at step %d on ranks %s: %s", rp["step"], rp["ranks"], why)
+        if fault is not self._pending_resume:
+            self.faults.write(fault)
+        return fault
 
     def _flush_pending(self) -> None:
         with self._lock:
+            if self._sdc_replay is not None:
+                held = self._sdc_replay["fault"]
+                self._replay_verdict("transient" if self._sdc_replay.get("agreed") else "not replayed", [])
+                if held is self._pending_resume:
+                    self._pending_resume = None
+                    self.faults.write(held)
             fault, self._pending_resume = self._pending_resume, None
         if fault is not None:
             self.faults.write(fault)
@@ -439,12 +499,49 @@ class Monitor:
         if sdc:
             # Every rank computed the same verdict from the same all-gathered hashes.
             step, minority, reason, t = sdc[0]
-            return self._record(Fault(
+            with self._lock:
+                rp = self._sdc_replay
+                replay = rp is not None and self.incarnation > rp["incarnation"] and step == rp["step"]
+            if replay:
+                # Every rank sends its hash right after the same all-gather: wait (bounded) for
+                # all of them, so the evidence holds every replica's.
+                deadline = time.monotonic() + 1.0
+                while (len(self._hash_log.get((self.incarnation, step), {})) < len(self.ranks)
+                       and time.monotonic() < deadline):
+                    time.sleep(0.02)
+                    self._drain()
+            with self._lock:
+                persistent = replay and minority == rp["ranks"]
+                if replay:
+                    first = self._replay_verdict("persistent" if persistent else "different", minority)
+            if persistent:
+                # The same ranks corrupted the same step twice, from a verified checkpoint: their
+                # hardware, not a cosmic ray. Restarting on it would loop; the job stops (a
+                # multi-node job excludes the node instead: each detection counted as a blame).
+                return self._record(Fault(
+                    kind="sdc", step=step, suspect_ranks=minority, suspect_hosts=[self.host],
+                    detected_after_s=round(max(0.0, now_wall - t), 3), action="evict",
+                    evidence=list(first.evidence),
+                    detail={"reason": f"{reason}; the replay of step {step} from the checkpoint "
+                                      f"corrupted the same ranks again: persistent",
+                            "check_every": self.cfg.sdc_every_steps, "replay": first.detail["replay"]},
+                ))
+            action = "rollback" if will_restart else "report"
+            fault = Fault(
                 kind="sdc", step=step, suspect_ranks=minority, suspect_hosts=[self.host],
-                detected_after_s=round(max(0.0, now_wall - t), 3),
-                action="rollback" if will_restart else "report",
+                detected_after_s=round(max(0.0, now_wall - t), 3), action=action,
                 detail={"reason": reason, "check_every": self.cfg.sdc_every_steps},
-            ))
+            )
+            if action == "rollback" and self.cfg.sdc_replay:
+                fault.detail["replay"] = {"verdict": "pending"}
+            fault = self._record(fault)
+            if action == "rollback" and self.cfg.sdc_replay:
+                with self._lock:
+                    # The rollback replays the steps up to `step` on every rank (a data-parallel
+                    # step needs its peers' gradients); the replayed check there is the verdict.
+                    self._sdc_replay = {"fault": fault, "step": step, "ranks": minority,
+                                        "incarnation": self.incarnation, "agreed": False}
+            return fault
         with self._lock:
             spikes = {r: st.spike for r, st in self.ranks.items() if st.spike}
         if spikes:

@@ -1,0 +1,148 @@
+"""The text GPT under DeepSpeed, written for the recovery benchmark (``benchmarks/recovery_bench.py``).
+
+The same script runs under ``robust run``, ``torchrun --max-restarts`` and NVIDIA's ``ft_launcher``:
+- on start it loads the newest DeepSpeed checkpoint in ``--ckpt-dir`` (none on a first start) and
+  continues at ``engine.global_steps + 1``; batches are indexed by step, so a resumed run sees the
+  batches an uninterrupted one would;
+- it saves every ``--save-every`` steps (``engine.save_checkpoint``, collective) when the replicas'
+  parameter hashes agree and the node monitor saw no fault (both no-ops outside ``robust run``);
+- every rank appends one JSON line per completed step to ``<step-log-dir>/steps-rank<R>.jsonl``:
+  ``{"step", "t" (time.time() at the step's end), "dt" (its wall seconds), "inc" (incarnation),
+  "pid"}``; the benchmark measures recovery from these lines and ``faults.jsonl``;
+- ``--kill-at R:S`` (for launchers without ``--inject``): rank R SIGKILLs itself after step S in
+  the first incarnation only, after logging ``{"kill": S, "t": ...}``;
+- ``--seconds T``: instead of a step count, train until T seconds after the first start (the ETTR
+  run: a wall-clock budget shared by every incarnation through ``<step-log-dir>/t0``).
+"""
+
+from __future__ import annotations
+
+import robust_plugins  # noqa: F401,I001  (installs the DeepSpeed patch before deepspeed is used)
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from robust_plugins import watchdog
+from robust_plugins.workloads import build_gpt, get_batch, load_corpus
+
+MICRO_BATCH = 4
+
+
+def incarnation() -> int:
+    # robust run numbers its incarnations; torchrun and ft_launcher count restarts.
+    for key in ("ROBUST_INCARNATION", "TORCHELASTIC_RESTART_COUNT"):
+        if os.environ.get(key):
+            return int(os.environ[key])
+    return 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="train until this many seconds after the first start (overrides --steps)")
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--step-log-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--kill-at", default="", help="R:S - rank R SIGKILLs itself after step S (first incarnation)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    logs = Path(args.step_log_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    t0_file = logs / "t0"
+    if rank == 0 and not t0_file.exists():
+        t0_file.write_text(f"{time.time()}\n")
+    dist.barrier()
+    t_first = float(t0_file.read_text())
+    deadline = t_first + args.seconds if args.seconds > 0 else None
+    inc = incarnation()
+    kill = tuple(int(x) for x in args.kill_at.split(":")) if args.kill_at else None
+    model = build_gpt(args.preset, 0)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        # CPU: DeepSpeed's 5e8-element default buckets cost seconds a step (HOSTS.md).
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6},
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if (Path(args.ckpt_dir) / "latest").exists():
+        engine.load_checkpoint(args.ckpt_dir)
+    start = engine.global_steps + 1
+    corpus = load_corpus(max_bytes=200_000)
+    log = open(logs / f"steps-rank{rank}.jsonl", "a", buffering=1)
+    loss_value = None
+    wd_wall = wd_cpu = 0.0
+    wd_steps = 0
+    step = start
+    while True:
+        if deadline is None and step > args.steps:
+            break
+        if deadline is not None:
+            # Every rank must stop at the same step: rank 0 decides, one broadcast.
+            go = torch.tensor([1 if time.time() < deadline else 0])
+            dist.broadcast(go, 0)
+            if not go.item():
+                break
+        t_step = time.perf_counter()
+        x, y = get_batch(corpus, "train", seed=0, step=step, rank=rank, world_size=world,
+                         micro_batch=MICRO_BATCH, seq_len=model.cfg.seq_len)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        loss_value = float(mean) / world
+        log.write(json.dumps({"step": step, "t": time.time(), "dt": time.perf_counter() - t_step,
+                              "inc": inc, "pid": os.getpid()}) + "\n")
+        if kill is not None and inc == 0 and (rank, step) == kill:
+            log.write(json.dumps({"kill": step, "t": time.time()}) + "\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        # What the watchdog costs this rank per step, wall and CPU (the overhead benchmark).
+        w0, c0 = time.perf_counter(), time.process_time()
+        watchdog.step_end(step, loss=loss_value)
+        agree = watchdog.check_params(step, engine.module)
+        wd_wall += time.perf_counter() - w0
+        wd_cpu += time.process_time() - c0
+        wd_steps += 1
+        # save_checkpoint is collective: every rank gets the same answer from the node monitor.
+        if step % args.save_every == 0 and agree and watchdog.ok_to_save(step):
+            engine.save_checkpoint(args.ckpt_dir)
+        step += 1
+    h = hashlib.sha256()
+    for _, prm in sorted(engine.module.named_parameters()):
+        h.update(prm.detach().contiguous().numpy().tobytes())
+    client = watchdog.client.get_client()
+    comm_calls = sum(client.comm.calls.values()) if client is not None and client.comm is not None else None
+    cost = torch.tensor([wd_wall, wd_cpu, float(comm_calls or 0)], dtype=torch.float64)
+    dist.all_reduce(cost)  # means over ranks
+    cost /= world
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({
+            "started_at": start, "last_step": step - 1, "final_loss": loss_value, "params_hash": h.hexdigest(),
+            "watchdog_wall_s_per_step": cost[0].item() / max(1, wd_steps),
+            "watchdog_cpu_s_per_step": cost[1].item() / max(1, wd_steps),
+            "timed_collectives_per_step": cost[2].item() / max(1, wd_steps) if comm_calls is not None else None,
+        }) + "\n")
+    log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

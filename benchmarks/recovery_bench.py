@@ -1,0 +1,270 @@
+"""Recovery per fault kind, and ETTR: ``robust run`` vs ``torchrun --max-restarts`` vs ``ft_launcher``.
+
+Every job trains the text GPT under DeepSpeed (ZeRO-1, gloo, CPU) with ``benchmarks/ds_fault_train.py``,
+which checkpoints to disk every ``--save-every`` steps and logs every completed step of every rank
+with its wall time and incarnation. From those logs and ``faults.jsonl``:
+
+- **onset**: when the fault happened: the detection time minus ``detected_after_s`` (the monitor
+  measures that from the rank's own announcement of the injected fault); for the torchrun and
+  ft_launcher crash rows, the kill time the script logged just before its SIGKILL;
+- **recovered after**: onset to the first step completed by the next incarnation (any rank);
+- **steps lost**: the newest step any rank completed before the restart minus the step the next
+  incarnation resumed from (steps done twice).
+
+Rows (``--rows``, each one job; a job is bounded by ``--timeout``):
+``crash hang nan spike straggler sdc`` under ``robust run`` with an injected fault at
+``--fault-step``; ``torchrun`` and ``ft_launcher``: the same script with ``--kill-at`` (the rank
+kills itself; these launchers have no injection). ``ettr``: one job of ``--ettr-seconds`` with a
+random fault (kill, hang, NaN, spike; at a random rank) every ``--ettr-every`` seconds,
+ETTR = the summed wall time of the steps kept in the final result (each step counted once, by the
+incarnation whose result survived) / the job's wall time from launch to exit.
+
+Run under the shared lock, each command under 6 minutes::
+
+    python benchmarks/recovery_bench.py --rows crash hang nan
+    python benchmarks/recovery_bench.py --rows spike straggler sdc torchrun ft_launcher
+    python benchmarks/recovery_bench.py --rows ettr --ettr-seconds 300 --seed 1
+
+``ft_launcher`` needs ``nvidia-resiliency-ext`` importable; ``--nvrx-path DIR[:DIR]`` is prepended
+to ``PYTHONPATH`` for that row only (a throwaway ``pip install --target`` works).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from robust_plugins.launch import launch_env
+
+SCRIPT = str(Path(__file__).with_name("ds_fault_train.py"))
+
+
+def _job(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int, str, float]:
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env or launch_env(), start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        rc = -1
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the job left in its session
+        except ProcessLookupError:
+            pass
+    return rc, out, t0
+
+
+def _script_args(work: Path, steps: int, save_every: int, *extra: str) -> list[str]:
+    return [SCRIPT, "--steps", str(steps), "--save-every", str(save_every), "--ckpt-dir", str(work / "ckpt"),
+            "--step-log-dir", str(work / "steps"), "--out", str(work / "result.json"), *extra]
+
+
+def _step_log(work: Path) -> tuple[list[dict], list[dict]]:
+    steps, kills = [], []
+    for f in sorted((work / "steps").glob("steps-rank*.jsonl")):
+        rank = int(f.stem.split("rank")[1])
+        for line in f.read_text().splitlines():
+            rec = json.loads(line)
+            rec["rank"] = rank
+            (kills if "kill" in rec else steps).append(rec)
+    return steps, kills
+
+
+def _iso(t: str) -> float:
+    return datetime.datetime.fromisoformat(t).timestamp()
+
+
+def recovery(steps: list[dict], onset: float, inc_before: int) -> tuple[float | None, int | None, int | None]:
+    """(seconds from onset to the first step of a later incarnation, steps lost, resumed step)."""
+    before = [s["step"] for s in steps if s["inc"] <= inc_before]
+    after = sorted((s for s in steps if s["inc"] > inc_before), key=lambda s: s["t"])
+    if not after:
+        return None, None, None
+    first = after[0]
+    resumed = min(s["step"] for s in steps if s["inc"] == first["inc"])
+    lost = (max(before) - (resumed - 1)) if before else None
+    return round(first["t"] - onset, 2), lost, resumed
+
+
+def run_robust(work: Path, nproc: int, steps: int, save_every: int, inject: list[str], watchdog: list[str],
+               timeout_s: float, script_extra: tuple[str, ...] = ()) -> dict:
+    cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(work / "run"),
+           "--standalone", "--nproc-per-node", str(nproc), "--monitor-interval", "0.1",
+           "--max-restarts", "20"]
+    for w in watchdog:
+        cmd += ["--watchdog", w]
+    for i in inject:
+        cmd += ["--inject", i]
+    rc, out, t0 = _job(cmd + _script_args(work, steps, save_every, *script_extra), timeout_s)
+    (work / "launcher.log").write_text(out)
+    faults_path = work / "run" / "faults.jsonl"
+    faults = [json.loads(x) for x in faults_path.read_text().splitlines()] if faults_path.exists() else []
+    return {"rc": rc, "out": out, "t0": t0, "t_end": time.time(), "faults": faults}
+
+
+def robust_row(kind: str, spec: str, work: Path, args, watchdog: list[str]) -> dict:
+    job = run_robust(work, args.nproc, args.steps, args.save_every, [spec], watchdog, args.timeout)
+    steps, _ = _step_log(work)
+    fault = next((f for f in job["faults"] if f["kind"] == kind), None)
+    row = {"launcher": "robust run", "fault": kind, "inject": spec, "rc": job["rc"],
+           "faults": [f["kind"] for f in job["faults"]]}
+    if fault is None:
+        row["note"] = f"no {kind} fault recorded; output tail: {job['out'][-1500:]}"
+        return row
+    detected = _iso(fault["time"])
+    onset = detected - (fault["detected_after_s"] or 0.0)
+    row.update(detected_after_s=fault["detected_after_s"], action=fault["action"],
+               suspects=fault["suspect_ranks"], step=fault["step"],
+               lost_steps_faults_jsonl=fault.get("lost_steps"), resumed_faults_jsonl=fault.get("resumed_at_step"))
+    if fault["action"] == "report":
+        row.update(recovered_after_s=0.0, lost_steps=0, note="report only: training went on")
+    else:
+        rec_s, lost, resumed = recovery(steps, onset, fault["incarnation"])
+        row.update(recovered_after_s=rec_s, lost_steps=lost, resumed_at=resumed)
+    return row
+
+
+def baseline_row(launcher: str, work: Path, args) -> dict:
+    kill = f"{args.kill_rank}:{args.fault_step}"
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run"]
+        env = launch_env()
+    else:
+        cmd = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher",
+               "--ignore-missing-fault-tol-cfg"]
+        env = launch_env()
+        if args.nvrx_path:
+            env["PYTHONPATH"] = os.pathsep.join([args.nvrx_path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    cmd += ["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts", "1", "--monitor-interval", "0.1",
+            *_script_args(work, args.steps, args.save_every, "--kill-at", kill)]
+    rc, out, t0 = _job(cmd, args.timeout, env)
+    (work / "launcher.log").write_text(out)
+    steps, kills = _step_log(work)
+    row = {"launcher": launcher, "fault": "crash", "inject": f"--kill-at {kill}", "rc": rc,
+           "completed": (work / "result.json").exists()}
+    if not kills:
+        row["note"] = f"the kill never happened; output tail: {out[-2500:]}"
+        return row
+    onset = kills[0]["t"]
+    rec_s, lost, resumed = recovery(steps, onset, 0)
+    row.update(recovered_after_s=rec_s, lost_steps=lost, resumed_at=resumed)
+    if rec_s is None:
+        errors = sorted({line.strip()[:200] for line in out.splitlines()
+                         if "Error" in line and "ChildFailedError" not in line})
+        row["note"] = f"no step after the restart; errors: {errors[:6]}"
+    return row
+
+
+def ettr_run(work: Path, args) -> dict:
+    """One job of ``--ettr-seconds`` with a random fault every ``--ettr-every`` seconds."""
+    # Calibrate steps per second from a short warm run? No: faults are placed by step, so estimate
+    # the step rate from --ettr-step-s (measured in the recovery rows) and place one fault per
+    # --ettr-every seconds of training at a random rank.
+    rng = random.Random(args.seed)
+    kinds = ["kill", "hang", "nan", "spike"]
+    every_steps = max(5, int(args.ettr_every / args.ettr_step_s))
+    injects, step = [], 0
+    n_faults = int(args.ettr_seconds // args.ettr_every)
+    for i in range(n_faults):
+        step += every_steps
+        kind = kinds[rng.randrange(len(kinds))]
+        injects.append(f"{kind}:rank={rng.randrange(args.nproc)},step={step + rng.randrange(-every_steps // 4, every_steps // 4)}")
+    wd = ["straggler_factor=0", "hang_min_timeout_s=5", "hang_initial_timeout_s=60"]
+    job = run_robust(work, args.nproc, 10**6, args.save_every, injects, wd, args.ettr_seconds + 240,
+                     ("--seconds", str(args.ettr_seconds)))
+    steps, _ = _step_log(work)
+    wall = job["t_end"] - job["t0"]
+    # The steps that count: for each step number, the latest incarnation that completed it (the
+    # earlier completions of a replayed step were lost work). Step time: rank 0's wall time.
+    kept: dict[int, dict] = {}
+    for s in steps:
+        if s["rank"] == 0 and (s["step"] not in kept or s["inc"] >= kept[s["step"]]["inc"]):
+            kept[s["step"]] = s
+    productive = sum(s["dt"] for s in kept.values())
+    all_steps = sum(s["dt"] for s in steps if s["rank"] == 0)
+    return {"injected": injects, "rc": job["rc"], "wall_s": round(wall, 1),
+            "faults": [(f["kind"], f["step"], f["suspect_ranks"], f["action"]) for f in job["faults"]],
+            "steps_kept": len(kept), "productive_s": round(productive, 1),
+            "steps_done_s": round(all_steps, 1), "ettr": round(productive / wall, 3),
+            "incarnations": 1 + max((s["inc"] for s in steps), default=0),
+            "note": "" if job["rc"] == 0 else job["out"][-2000:]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", nargs="+", required=True,
+                   choices=["crash", "hang", "nan", "spike", "straggler", "sdc", "torchrun", "ft_launcher", "ettr"])
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--fault-step", type=int, default=35)
+    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=240)
+    p.add_argument("--nvrx-path", default="")
+    p.add_argument("--ettr-seconds", type=float, default=300)
+    p.add_argument("--ettr-every", type=float, default=60)
+    p.add_argument("--ettr-step-s", type=float, default=0.25, help="expected step time (places the faults)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep", help="keep the work directories here")
+    args = p.parse_args()
+    S = args.fault_step
+    hang = ["hang_min_timeout_s=3", "hang_initial_timeout_s=60"]
+    specs = {
+        "crash": (f"kill:rank={args.kill_rank},step={S}", []),
+        "hang": (f"hang:rank=2,step={S}", hang),
+        "nan": (f"nan:rank=1,step={S}", []),
+        "spike": (f"spike:rank=3,step={S}", []),
+        "straggler": (f"slow:rank=2,step=15,seconds=0.5", ["straggler_window=10"]),
+        # every 5 steps: the flip at S-2 is found in the check at S
+        "sdc": (f"bitflip:rank=3,step={S - 2}", ["sdc_every_steps=5"]),
+    }
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="recovery-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.rows:
+        work = root / name
+        work.mkdir(parents=True, exist_ok=True)
+        t = time.monotonic()
+        if name in specs:
+            spec, wd = specs[name]
+            if name != "straggler":
+                wd = ["straggler_factor=0", *wd]
+            row = robust_row(name, spec, work, args, wd)
+        elif name in ("torchrun", "ft_launcher"):
+            row = baseline_row(name, work, args)
+        else:
+            row = ettr_run(work, args)
+        row["job_s"] = round(time.monotonic() - t, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{args.nproc} ranks, DeepSpeed ZeRO-1 tiny GPT, disk checkpoint every {args.save_every} steps, "
+          f"fault at step {S} ({root})")
+    print("| launcher | fault | injected | detected after | action | recovered after (fault -> first step) | steps lost | resumed at |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("fault") is None:
+            continue
+        rec = r.get("recovered_after_s")
+        print(f"| {r['launcher']} | {r['fault']} | `{r['inject']}` | {r.get('detected_after_s', '-')} s | "
+              f"{r.get('action', 'restart')} | {'-' if rec is None else f'{rec} s'} | {r.get('lost_steps', '-')} | "
+              f"{r.get('resumed_at', '-')} |")
+    if not args.keep:
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+if __name__ == "__main__":
+    main()
