@@ -23,7 +23,8 @@ Set by ``robust run`` for its ranks (read by ``robust_plugins.watchdog.client``;
 from memory), ``ROBUST_STRAGGLER`` (1: time collectives for the straggler detector),
 ``ROBUST_SKIP_STEPS`` (steps whose batch spiked twice: ``watchdog.skip_batch``),
 ``ROBUST_LAUNCH_WORLD_SIZE`` (world size of the job's first incarnation: ``watchdog.grad_accumulation``
-says how accumulation changed after a ``--nnodes MIN:MAX`` shrink).
+says how accumulation changed after a ``--nnodes MIN:MAX`` shrink), ``ROBUST_EMERGENCY_TIMEOUT_S``
+(bound of a rank's emergency save: ``watchdog.on_emergency``).
 """
 
 from __future__ import annotations
@@ -338,8 +339,18 @@ class WatchdogConfig:
     ``watchdog/nodes.py``) is excluded: written to ``excluded_nodes.json`` and refused at the next
     rendezvous (its agent exits 3); the others continue within ``MIN:MAX``. 0 turns exclusion off."""
 
+    emergency_save_timeout_s: float = 30.0
+    """After a crash, how long the live ranks that registered an emergency saver
+    (``robust_plugins.watchdog.on_emergency``) may take to save before the agent stops them (and
+    the longest such a rank spends saving). 0: no emergency saves."""
+
     def __post_init__(self) -> None:
         where = f"{BLOCK_KEY}.watchdog"
+        value = _expect_type(f"{where}.emergency_save_timeout_s", self.emergency_save_timeout_s,
+                             (int, float), "a number")
+        if not 0 <= value < float("inf"):
+            raise ConfigError(f"{where}.emergency_save_timeout_s = {value!r} must be a finite number "
+                              f">= 0 (0: no emergency saves).")
         _expect_type(f"{where}.exclude_after_blames", self.exclude_after_blames, (int,), "an integer")
         if self.exclude_after_blames < 0:
             raise ConfigError(f"{where}.exclude_after_blames = {self.exclude_after_blames} must be "

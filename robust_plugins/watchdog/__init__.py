@@ -23,10 +23,11 @@ from robust_plugins.watchdog.client import (
     check_params,
     grad_accumulation,
     load_state_dict,
+    on_emergency,
     ok_to_save,
     skip_batch,
     state_dict,
     step_end,
 )
 
-__all__ = ["check_params", "grad_accumulation", "load_state_dict", "ok_to_save", "skip_batch", "state_dict", "step_end"]
+__all__ = ["check_params", "grad_accumulation", "load_state_dict", "on_emergency", "ok_to_save", "skip_batch", "state_dict", "step_end"]

@@ -476,3 +476,94 @@ def grad_accumulation(global_batch: int, micro_batch: int, world_size: int | Non
               f"{accum} (was {before}) keeps the global batch of {global_batch} samples "
               f"({micro_batch} a micro-batch)", file=sys.stderr, flush=True)
     return accum
+
+
+#: Set by ``robust run``: seconds a rank may spend in its emergency save (``emergency_save_timeout_s``).
+ENV_EMERGENCY_TIMEOUT = "ROBUST_EMERGENCY_TIMEOUT_S"
+
+_emergency: dict[str, Any] = {}
+
+
+def _is_collective_failure(exc: BaseException) -> bool:
+    # What a rank sees when a peer died under it: torch's DistError family (DistBackendError,
+    # DistNetworkError), or, from older code paths, a RuntimeError naming the transport.
+    try:
+        import torch.distributed as dist
+
+        if isinstance(exc, getattr(dist, "DistError", ())):
+            return True
+    except ImportError:
+        return False
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("Gloo", "gloo", "NCCL", "Connection closed by peer", "Connection reset by peer"))
+
+
+def on_emergency(save: Any) -> None:
+    """Register ``save(step)``: this rank's emergency checkpoint when a peer dies under it.
+
+    Under ``robust run``, when an exception from a failed collective (a peer rank died; torch's
+    ``DistError`` family) ends this process, ``save`` is called once with the last step reported by
+    :func:`step_end`, before the process exits, with SIGTERM held off and a bound of the watchdog's
+    ``emergency_save_timeout_s`` (after which the rank exits anyway). The monitor waits for it
+    (bounded) before it stops the node's ranks, and records in ``faults.jsonl`` whether it happened.
+
+    Only the script knows whether its state then is the state of ``step``: it is when the failing
+    collective runs before the optimizer step (a gradient all-reduce does), and only a replicated
+    state (plain data parallelism, ZeRO 0) saved from one live rank restores every rank. ``save``
+    must not call collectives (the peer is gone). Outside ``robust run`` nothing is registered.
+    """
+    client = get_client()
+    if client is None:
+        return
+    if not _emergency:
+        previous = sys.excepthook
+
+        def hook(kind, exc, tb):
+            if _is_collective_failure(exc):
+                _emergency_save(client)
+            previous(kind, exc, tb)
+
+        sys.excepthook = hook
+    _emergency["save"] = save
+    client.send({"k": "emerg", "phase": "registered"}, wait=True)
+
+
+def _emergency_save(client: _Client) -> None:
+    import threading
+
+    save = _emergency.get("save")
+    step = client.last_step
+    if save is None or step is None or _emergency.get("done"):
+        return
+    _emergency["done"] = True
+    timeout = float(os.environ.get(ENV_EMERGENCY_TIMEOUT, "30") or 30)
+    if timeout <= 0:
+        return  # emergency_save_timeout_s = 0: turned off
+    # The agent stops the node's ranks with SIGTERM once it sees the dead one: not during the save
+    # (it waits for our "done", bounded, and SIGKILLs after its own timeout anyway).
+    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    client.send({"k": "emerg", "phase": "start", "s": step}, wait=True)
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            save(step)
+            outcome["ok"] = True
+        except BaseException as exc:  # reported, then the rank exits as it was going to
+            outcome["error"] = repr(exc)
+
+    worker = threading.Thread(target=run, name="robust-emergency-save", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    seconds = round(time.monotonic() - t0, 3)
+    if worker.is_alive():
+        outcome["error"] = f"timed out after {timeout:g} s (emergency_save_timeout_s)"
+    ok = bool(outcome.get("ok"))
+    print(f"robust_plugins: rank {client.rank} emergency save of step {step} "
+          f"{'done' if ok else 'FAILED: ' + outcome.get('error', '?')} in {seconds} s",
+          file=sys.stderr, flush=True)
+    client.send({"k": "emerg", "phase": "done", "s": step, "ok": ok, "sec": seconds,
+                 "error": outcome.get("error")}, wait=True)
+    signal.signal(signal.SIGTERM, old)

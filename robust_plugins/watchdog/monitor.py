@@ -63,10 +63,22 @@ class _RankState:
     """(step, compute seconds, wall time) of the latest steps: step time minus collective time."""
     straggling: bool = False
     """Reported as a straggler in this incarnation (once, until it recovers)."""
+    emergency: dict[str, Any] | None = None
+    """Its emergency saver (``watchdog.on_emergency``): ``{"phase": registered|start|done, ...}``."""
 
 
 #: Set for the ranks of an incarnation started by a rollback: the newest step they may restore.
 ENV_ROLLBACK_MAX_STEP = "ROBUST_ROLLBACK_MAX_STEP"
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 class Monitor:
@@ -146,6 +158,7 @@ class Monitor:
             client.ENV_SDC_EVERY: str(self.cfg.sdc_every_steps),
             client.ENV_STRAGGLER: "1" if self.cfg.straggler_factor > 0 else "0",
             client.ENV_SKIP: ",".join(str(s) for s in sorted(self.skip_steps)),
+            client.ENV_EMERGENCY_TIMEOUT: str(self.cfg.emergency_save_timeout_s),
             ENV_ROLLBACK_MAX_STEP: self._rollback_max_step(),
         }
 
@@ -242,6 +255,8 @@ class Monitor:
                     # A bad batch stays armed: every replay of its step fires it again.
                     self.pending_injections = [i for i in self.pending_injections if i.spec() != spec]
                     self._fired += [(self.incarnation, int(msg["s"]), i) for i in fired]
+            elif kind == "emerg":
+                st.emergency = {k: msg.get(k) for k in ("phase", "s", "ok", "sec", "error")}
             elif kind == "exit":
                 st.finished = True
             elif kind == "history":
@@ -413,6 +428,7 @@ class Monitor:
             klass = 0 if st.injected else 2 if code == -int(signal.SIGTERM) else 1
             return klass, getattr(failures[r], "timestamp", 0) or 0
 
+        emergency = self._await_emergency_saves()
         ranks = sorted(failures, key=cause_order)
         first = ranks[0]
         st, failure = states[first], failures[first]
@@ -433,9 +449,42 @@ class Monitor:
             action="restart" if will_restart else "report",
             detail={"exitcodes": {str(r): getattr(failures[r], "exitcode", None) for r in ranks},
                     "signal": sig, "onset": "injected" if st.injected else "last signal",
-                    "reason": f"rank {first} exited with {sig or exitcode}"},
+                    "reason": f"rank {first} exited with {sig or exitcode}",
+                    "emergency_save": emergency},
         )
         return self._record(fault)
+
+    def _await_emergency_saves(self) -> dict[str, Any] | None:
+        """Give the live ranks that registered an emergency saver a bounded chance to finish it
+        (they start when their collective fails, a moment after the peer died); return what each
+        reported, or None when no rank registered one. Called before the agent stops the ranks."""
+        timeout = self.cfg.emergency_save_timeout_s
+        if timeout <= 0:
+            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            self._drain()
+            with self._lock:
+                savers = {r: (st.emergency, st.pid) for r, st in self.ranks.items() if st.emergency}
+            if not savers:
+                return None
+            # Waiting for: a save under way, or a live rank that may still hit the failed collective.
+            pending = [r for r, (e, pid) in savers.items()
+                       if e["phase"] == "start" or (e["phase"] == "registered" and _pid_alive(pid))]
+            if not pending or timeout <= 0 or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        out: dict[str, Any] = {}
+        for r, (e, _) in sorted(savers.items()):
+            if e["phase"] == "done":
+                out[str(r)] = {"step": e["s"], "ok": bool(e["ok"]), "seconds": e["sec"],
+                               **({"error": e["error"]} if e.get("error") else {})}
+            elif e["phase"] == "start":
+                out[str(r)] = {"step": e["s"], "ok": False,
+                               "error": f"not finished within emergency_save_timeout_s = {timeout:g} s"}
+            else:
+                out[str(r)] = {"step": None, "ok": False, "error": "not started (no failed collective on this rank)"}
+        return out
 
     def check(self, will_restart: bool) -> Fault | None:
         """Look for faults (SDC, NaN/Inf, spike, hang); returns the fault if the ranks must be

@@ -7,7 +7,8 @@ by the global batch. The model and optimizer are replicated, so rank 0's checkpo
 step, atomically, to the shared ``--ckpt-dir``) restores any world size. Without ``WORLD_SIZE`` in
 the environment it runs alone without a process group (the reference the tests compare with).
 
-Rank 0 appends ``{"step", "world", "accum", "loss"}`` to ``<out>.steps.jsonl`` and writes the final
+``--emergency`` registers rank-side emergency saves (``watchdog.on_emergency``) of the same
+checkpoint. Rank 0 appends ``{"step", "world", "accum", "loss"}`` to ``<out>.steps.jsonl`` and writes the final
 parameters to ``--out``.
 """
 
@@ -40,6 +41,9 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--save-every", type=int, default=1)
+    p.add_argument("--emergency", action="store_true",
+                   help="register an emergency save (watchdog.on_emergency)")
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -61,6 +65,18 @@ def main() -> None:
         opt.load_state_dict(state["opt"])
         start = int(state["step"]) + 1
     accum = watchdog.grad_accumulation(args.global_batch, args.micro_batch, world)
+
+    def save(step: int, tag: str = "") -> None:
+        # Any rank may write: the state is replicated, and os.replace makes the file whole.
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt.with_suffix(f".tmp{rank}")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+        os.replace(tmp, ckpt)
+
+    if args.emergency:
+        # A peer's death surfaces here inside a gradient all-reduce, before opt.step(): the
+        # parameters and optimizer are then exactly those of the last reported step.
+        watchdog.on_emergency(save)
     steps_log = Path(args.out + ".steps.jsonl")
     for step in range(start, args.steps + 1):
         opt.zero_grad()
@@ -79,10 +95,8 @@ def main() -> None:
         opt.step()
         watchdog.step_end(step, loss=float(total))
         if rank == 0:
-            ckpt.parent.mkdir(parents=True, exist_ok=True)
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
-            os.replace(tmp, ckpt)
+            if step % args.save_every == 0:
+                save(step)
             with open(steps_log, "a") as f:
                 f.write(json.dumps({"step": step, "world": world, "accum": accum,
                                     "loss": float(total)}) + "\n")
@@ -93,6 +107,8 @@ def main() -> None:
             {"params": [v.flatten().tolist() for v in model.state_dict().values()],
              "world": world, "accum": accum}))
     if distributed:
+        # Leave together: a gloo rank whose peer tore its pairs down first can abort at exit.
+        dist.barrier()
         dist.destroy_process_group()
 
 

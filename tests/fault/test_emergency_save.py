@@ -1,0 +1,52 @@
+"""Emergency checkpoint before a restart: rank 1 dies, rank 0 (a live replica) saves the last step.
+
+The script checkpoints only every 100 steps (so there is no recent checkpoint at all) and
+registers ``watchdog.on_emergency``; the state is replicated (plain data parallelism), so the one
+file rank 0 writes when its gradient all-reduce fails restores both ranks at that step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from conftest import robust_run
+
+pytestmark = [pytest.mark.fault, pytest.mark.distributed]
+
+SCRIPT = str(Path(__file__).with_name("elastic_train.py"))
+STEPS = 12
+
+
+def _job(tmp_path: Path, *script_args: str):
+    return robust_run(tmp_path, 2, "--max-restarts", "1", "--inject", "kill:rank=1,step=6",
+                      timeout_s=90, script=[SCRIPT, "--steps", str(STEPS), "--save-every", "100",
+                                            *script_args])
+
+
+def _params(run_dir: Path):
+    return json.loads((run_dir / "result.json").read_text())["params"]
+
+
+@pytest.mark.timeout(200)
+def test_live_rank_saves_before_the_restart_and_the_job_resumes_there(tmp_path):
+    job = _job(tmp_path / "emergency", "--emergency")
+    assert job.returncode == 0, job.output[-4000:]
+    (crash,) = [f for f in job.faults if f["kind"] == "crash"]
+    assert crash["suspect_ranks"] == [1]
+    saves = crash["detail"]["emergency_save"]
+    assert saves["0"]["ok"] is True and saves["0"]["step"] == 6, saves
+    assert saves["1"]["ok"] is False  # the dead rank saved nothing
+    assert crash["resumed_at_step"] == 7 and crash["lost_steps"] == 0, crash
+    assert "rank 0 emergency save of step 6 done" in job.output
+    # Control: without the emergency save the restart starts over (no checkpoint at all).
+    plain = _job(tmp_path / "plain")
+    assert plain.returncode == 0, plain.output[-4000:]
+    (crash2,) = [f for f in plain.faults if f["kind"] == "crash"]
+    assert crash2["detail"]["emergency_save"] is None
+    assert crash2["resumed_at_step"] == 1, crash2
+    # Both end with the same parameters (float64, same sums in the same order).
+    for g, w in zip(_params(tmp_path / "emergency"), _params(tmp_path / "plain"), strict=True):
+        assert all(math.isclose(x, y, rel_tol=1e-12, abs_tol=1e-14) for x, y in zip(g, w, strict=True))
