@@ -1,0 +1,73 @@
+"""The monitor's bounded wait for emergency saves, fed real datagrams on its socket (no ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from robust_plugins.config import WatchdogConfig
+from robust_plugins.watchdog.client import _is_collective_failure
+from robust_plugins.watchdog.monitor import Monitor
+
+
+@pytest.fixture
+def monitor(tmp_path):
+    mon = Monitor(WatchdogConfig(emergency_save_timeout_s=0.5), tmp_path / "run")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    mon.begin_incarnation({0: os.getpid(), 1: dead.pid})  # rank 0 alive, rank 1 gone
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    def send(rank, **msg):
+        sock.sendto(json.dumps({"k": "emerg", "r": rank, "i": 0, "t": time.time(), **msg}).encode(),
+                    mon.address)
+
+    mon.send = send
+    yield mon
+    sock.close()
+    mon.close()
+
+
+def _crash(mon):
+    return mon.on_crash({1: SimpleNamespace(exitcode=-9, timestamp=0)}, will_restart=True)
+
+
+def test_a_finished_save_is_recorded_per_rank(monitor):
+    monitor.send(0, phase="registered")
+    monitor.send(1, phase="registered")
+    monitor.send(0, phase="start", s=6)
+    monitor.send(0, phase="done", s=6, ok=True, sec=0.01)
+    fault = _crash(monitor)
+    saves = fault.detail["emergency_save"]
+    assert saves["0"] == {"step": 6, "ok": True, "seconds": 0.01}
+    assert saves["1"]["ok"] is False and "not started" in saves["1"]["error"]
+
+
+def test_the_wait_is_bounded(monitor):
+    monitor.send(0, phase="registered")
+    monitor.send(0, phase="start", s=3)  # never finishes
+    t0 = time.monotonic()
+    saves = _crash(monitor).detail["emergency_save"]
+    assert 0.4 < time.monotonic() - t0 < 3.0
+    assert saves["0"]["ok"] is False and "not finished within" in saves["0"]["error"]
+
+
+def test_no_saver_means_no_wait_and_null(monitor):
+    t0 = time.monotonic()
+    assert _crash(monitor).detail["emergency_save"] is None
+    assert time.monotonic() - t0 < 0.4
+
+
+def test_collective_failures_are_recognised():
+    import torch.distributed as dist
+
+    assert _is_collective_failure(dist.DistBackendError("x"))
+    assert _is_collective_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
+    assert not _is_collective_failure(RuntimeError("shape mismatch"))
+    assert not _is_collective_failure(ValueError("Connection closed by peer"))
