@@ -76,7 +76,9 @@ KNOWN_LOSS_MISSES = {
         "256-element block (what 1-bit codes give it) costs +2 %; 1-bit codes on the sending side alone "
         "cost +8 %, and re-encoding the sum in 1 bit about 4 % more. Error feedback only delays the part "
         "of each gradient a code loses (one bucket's relative error is 0.74), and the gap grows with "
-        "training (+24 % after 400 steps, one seed). Prefer int8 or int4; nothing here is tuned to hide it."
+        "training (+24 % after 400 steps, one seed). Nothing here is tuned to hide it. With Adam, use "
+        "sign_mode 'momentum' (1-bit Adam: the momentum, not the gradient, goes 1-bit after a fp32 freeze; "
+        "its row in `robust bench compression --codecs sign sign-momentum`), or int8 / int4."
     ),
 }
 
