@@ -124,6 +124,12 @@ class MegatronCheckpointer:
         """Tag of the emergency checkpoint written after SIGTERM (None before)."""
         self.extra: Any = None
         """``extra`` of the checkpoint :meth:`load` restored (this rank's), None before."""
+        self.memory = None
+        """In-memory snapshots (``memory_every`` in the block; ``patches/megatron_memory.py``), or None."""
+        if self.config.memory_every is not None:
+            from robust_plugins.patches.megatron_memory import MegatronMemory
+
+            self.memory = MegatronMemory(ddp, optimizer, self.plugin, self.config)
 
     # ----------------------------------------------------------------------------- state
     def _optimizer_sharded(self, model_sd: dict, is_loading: bool) -> Any:
@@ -213,11 +219,27 @@ class MegatronCheckpointer:
         verification raises CheckpointError naming the file. Per-rank files are read with
         ``torch.load(weights_only=True)``.
         """
+        import time
+
         from megatron.core import dist_checkpointing
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+        from robust_plugins.checkpoint.restore import rollback_bound
+
+        t0 = time.perf_counter()
         root = self._root(root)
-        tag = self.disk.select(root, tag)
+        # After a robust run rollback nothing newer than its last good step loads.
+        bound = rollback_bound() if tag is None else None
+        if self.memory is not None and tag is None:
+            # Restore order: own memory snapshot -> a peer's copy -> newest verified disk -> older.
+            from robust_plugins.checkpoint import scan
+
+            steps = [e.manifest.step for e in scan(root)
+                     if e.manifest is not None and (bound is None or e.manifest.step <= bound)]
+            step = self.memory.restore(disk_step=max(steps, default=None))
+            if step is not None:
+                return step
+        tag = self.disk.select(root, tag, max_step=bound)
         if tag is None:
             return None
         directory = os.path.join(root, tag)
@@ -242,6 +264,11 @@ class MegatronCheckpointer:
         torch.set_rng_state(state["cpu_rng"])
         get_cuda_rng_tracker().set_states(state["tracker_rng"])
         self.extra = state["extra"]
+        if self.memory is not None:
+            from robust_plugins.patches.deepspeed_memory import record_restore
+
+            self.memory.taken_at = int(state["step"])
+            record_restore(int(state["step"]), f"disk:{tag}", time.perf_counter() - t0)
         return int(state["step"])
 
     # ------------------------------------------------------------------------ loop hooks
@@ -264,6 +291,8 @@ class MegatronCheckpointer:
 
         from robust_plugins import watchdog
 
+        if self.memory is not None:  # before the step signal: a fault injected there finds it taken
+            self.memory.on_step(step)
         watchdog.step_end(step, loss=loss, grad_norm=grad_norm)
         flag = torch.tensor([1 if self._term else 0], dtype=torch.int32)
         if dist.is_available() and dist.is_initialized():

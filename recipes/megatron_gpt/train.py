@@ -89,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="megatron distributed optimizer (GPU presets only)")
     p.add_argument("--ckpt-dir", help="verified dist_checkpointing saves go here; resumes from the newest valid one")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
+    p.add_argument("--memory-every", type=int, default=None,
+                   help="in-memory snapshot every N steps (checkpoint.memory_every; with --ckpt-dir)")
+    p.add_argument("--peer-backup", action="store_true",
+                   help="copy each snapshot to a peer rank (checkpoint.peer_backup; with --memory-every)")
     p.add_argument("--out", help="rank 0 writes the result JSON here")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints the loss every N steps (0: never)")
     return p.parse_args(argv)
@@ -198,8 +202,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ckpt = None
     start = 0
     if args.ckpt_dir:
-        ckpt = rpm.MegatronCheckpointer(parts["ddp"], parts["optimizer"], {"dir": args.ckpt_dir, "keep": 3},
-                                        plugin=parts["plugin"])
+        block = {"dir": args.ckpt_dir, "keep": 3}
+        if args.memory_every is not None:
+            block.update(memory_every=args.memory_every, peer_backup=args.peer_backup)
+        ckpt = rpm.MegatronCheckpointer(parts["ddp"], parts["optimizer"], block, plugin=parts["plugin"])
         start = ckpt.load() or 0
     losses = []
     t0 = time.perf_counter()

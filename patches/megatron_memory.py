@@ -1,0 +1,171 @@
+"""megatron-core binding of the in-memory snapshots (``checkpoint.memory_every`` / ``peer_backup``).
+
+Used by :class:`robust_plugins.megatron.MegatronCheckpointer` when its checkpoint block sets
+``memory_every``: :meth:`MegatronMemory.on_step` (called from ``step_end``, before the step signal
+reaches ``robust run``) copies the training state into this rank's shared-memory slot, and
+``MegatronCheckpointer.load()`` restores in the order own memory snapshot -> a peer's copy ->
+newest verified ``dist_checkpointing`` checkpoint -> older ones, as the DeepSpeed binding does.
+
+What one snapshot holds, so that a restored loop continues bitwise as if never stopped (same
+world size and parallel layout):
+
+* the step, ``ddp.module.state_dict()`` (this rank's shards of parameters and buffers),
+* the optimizer's ``state_dict()``: a ``torch.optim`` optimizer (what the CPU recipe steps);
+  megatron-core's own optimizers (CUDA only in 0.16) are refused, they were never run here,
+* the plugin's error-feedback residuals,
+* RNG states: torch CPU (and CUDA where initialized), numpy, Python, and megatron's
+  tensor-parallel tracker (``get_cuda_rng_tracker().get_states()``, the model-parallel streams),
+* whatever the script registers with :meth:`MegatronMemory.register` (a data position).
+
+The core (``robust_plugins.checkpoint.memory``, ``peer``, ``restore``) is shared with DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import torch
+
+from robust_plugins._logging import get_logger
+from robust_plugins.checkpoint import memory
+from robust_plugins.checkpoint.peer import PeerBackup, plan_peers
+from robust_plugins.checkpoint.restore import restore_from_memory, rollback_bound
+from robust_plugins.errors import CheckpointError, UnsupportedError
+from robust_plugins.patches.deepspeed_memory import _note_crash, _rng_state, _set_rng_state, record_restore
+
+log = get_logger(__name__)
+
+
+def _allowed() -> dict[str, type]:
+    # Snapshots hold tensors and plain data only: no class needs to be allowed.
+    return {}
+
+
+class MegatronMemory:
+    """Snapshots of one megatron-core training loop (``MegatronCheckpointer.memory``)."""
+
+    def __init__(self, ddp, optimizer, plugin, config) -> None:
+        import torch.distributed as dist
+
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise UnsupportedError(
+                f"checkpoint.memory_every with megatron-core supports torch.optim optimizers (the CPU "
+                f"recipe's AdamW); this loop has {type(optimizer).__name__}, whose state was never captured "
+                f"and restored here. Remove memory_every (disk checkpoints work) or use a torch optimizer.")
+        self.ddp, self.optimizer, self.plugin = ddp, optimizer, plugin
+        self.every, self.timeout_s = config.memory_every, config.timeout_s
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.job = memory.job_key()
+        self._user: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self.peers: PeerBackup | None = None
+        if config.peer_backup:
+            from megatron.core import parallel_state as ps
+
+            from robust_plugins.topology import discover
+
+            # A separate gloo group: the snapshot thread sends on it while training runs.
+            group = dist.new_group(backend="gloo")
+            hosts = [r.host for r in sorted(discover().records, key=lambda r: r.rank)]
+            groups = [dist.get_process_group_ranks(ps.get_model_parallel_group()),
+                      dist.get_process_group_ranks(ps.get_data_parallel_group())]
+            holders = plan_peers(hosts, groups)
+            self.peers = PeerBackup(self.job, self.rank, holders, group, timeout_s=self.timeout_s)
+            if self.rank == 0:
+                log.info("robust_plugins: peer backup holders %s (hosts %s)", holders, sorted(set(hosts)))
+        self.store = memory.SnapshotStore(self.job, self.rank, self.world, allowed=_allowed(),
+                                          after_commit=self._after_commit if self.peers is not None else None)
+        self.taken_at: int | None = None
+        self.blocking_s: list[float] = []
+        """Seconds each snapshot of this process blocked the training loop."""
+        self.restored: dict | None = None
+        """What the last restore used: ``{"step", "source", "seconds"}``."""
+        sys.excepthook = _note_crash(sys.excepthook)
+        atexit.register(self._at_exit)
+
+    def register(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
+        """Snapshot ``get()`` (tensors / plain data) under ``name``; restore by calling ``set_(value)``."""
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"register(name={name!r}): the name must be a non-empty string.")
+        self._user[name] = (get, set_)
+
+    # ------------------------------------------------------------------------------- capture
+    def capture(self, step: int) -> dict:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        rng = _rng_state()
+        rng["tracker"] = get_cuda_rng_tracker().get_states()
+        return {
+            "step": int(step),
+            "module": self.ddp.module.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "plugin": self.plugin.state_dict() if self.plugin is not None else None,
+            "rng": rng,
+            "user": {name: get() for name, (get, _) in self._user.items()},
+        }
+
+    def apply(self, state: dict) -> int:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        self.ddp.module.load_state_dict(state["module"], strict=True)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.plugin is not None:
+            if state["plugin"] is None:
+                raise CheckpointError("The in-memory snapshot holds no robust_plugins state, but this job has the "
+                                      "plugin enabled; restart with the plugin config it was taken with.")
+            self.plugin.load_state_dict(state["plugin"])
+        rng = dict(state["rng"])
+        get_cuda_rng_tracker().set_states(rng.pop("tracker"))
+        _set_rng_state(rng)
+        for name, value in state["user"].items():
+            if name not in self._user:
+                raise CheckpointError(f"The snapshot holds registered state {name!r}, which this run did not "
+                                      f"register (registered: {sorted(self._user)}). Register it before loading.")
+            self._user[name][1](value)
+        return int(state["step"])
+
+    # ---------------------------------------------------------------------------------- hooks
+    def _after_commit(self, _index: int, slot) -> None:
+        self.peers.exchange(slot)
+
+    def on_step(self, step: int) -> None:
+        """After the optimizer step ``step`` (every rank): snapshot every ``memory_every``-th."""
+        if step % self.every == 0 and step != self.taken_at:
+            self.taken_at = step
+            self.blocking_s.append(self.store.save(step, self.capture(step)))
+
+    def restore(self, disk_step: int | None) -> int | None:
+        """Own memory, then a peer's copy, on every rank (a collective); the step or None."""
+        t0 = time.perf_counter()
+        found = restore_from_memory(self.store, self.peers, self.timeout_s, disk_step=disk_step,
+                                    max_step=rollback_bound())
+        if found is None:
+            return None
+        step, state, source = found
+        if self.apply(state) != step:
+            raise CheckpointError(f"restore: the snapshot of step {step} on rank {self.rank} holds another step")
+        self.taken_at = step
+        self.restored = {"step": step, "source": source, "seconds": time.perf_counter() - t0}
+        record_restore(step, source, self.restored["seconds"])
+        return step
+
+    def close(self, remove: bool) -> None:
+        """Finish pending hand-offs; with ``remove`` delete this rank's shared-memory files."""
+        try:
+            self.store.flush(timeout_s=min(self.timeout_s, 60.0))
+        except CheckpointError as exc:
+            log.error("robust_plugins: %s", exc)
+        self.store.close(remove=remove)
+        if self.peers is not None:
+            self.peers.close(remove=remove)
+
+    def _at_exit(self) -> None:
+        # As in the DeepSpeed binding: under robust run the launcher removes the job's files once
+        # the whole job completed; outside it a normal end removes them, a crash keeps them.
+        from robust_plugins.patches import deepspeed_memory
+
+        self.close(remove=not deepspeed_memory._CRASHED and not os.environ.get("ROBUST_RUN_DIR"))

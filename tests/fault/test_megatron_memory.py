@@ -1,0 +1,64 @@
+"""megatron-core with in-memory snapshots (``MegatronCheckpointer`` + ``memory_every: 1`` +
+``peer_backup``), the CPU recipe (cpu-tiny, int8 compression) under ``robust run``:
+
+* a rank SIGKILLed at a random step resumes from shared memory (its own slot, or a peer's copy
+  when its newest was not committed yet), loses at most one step and ends bitwise equal (every
+  parameter, every later loss) to a run that never failed; the job's shared memory is removed
+  when it completes.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from conftest import robust_run
+
+from robust_plugins.checkpoint import memory
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
+
+STEPS = 16
+SCRIPT = ["-m", "robust_plugins.recipes.megatron_gpt.train", "--preset", "cpu-tiny", "--codec", "int8",
+          "--steps", str(STEPS), "--log-every", "0", "--memory-every", "1", "--peer-backup"]
+
+
+def _restores(job) -> list[dict]:
+    path = job.run_dir / "restores.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _shm_files(job) -> list[str]:
+    return memory.job_files(memory.job_key(str(job.run_dir.resolve())))
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    job = robust_run(tmp_path_factory.mktemp("mcore_mem_clean"), 2, "--max-restarts", "0", timeout_s=150,
+                     script=SCRIPT)
+    assert job.returncode == 0 and job.faults == [], job.output[-3000:]
+    return job
+
+
+def test_random_sigkill_resumes_from_memory_bitwise(tmp_path, clean):
+    rng = random.Random()
+    rank, step = rng.randrange(2), rng.randrange(3, STEPS)
+    where = f"(kill:rank={rank},step={step})"
+    job = robust_run(tmp_path / "kill", 2, "--max-restarts", "1", "--inject", f"kill:rank={rank},step={step}",
+                     timeout_s=150, script=SCRIPT)
+    assert job.returncode == 0, f"{where}\n{job.output[-3000:]}"
+    (fault,) = job.faults
+    assert (fault["kind"], fault["suspect_ranks"], fault["step"]) == ("crash", [rank], step), where
+    restores = [r for r in _restores(job) if r["incarnation"] > 0]
+    assert sorted(r["rank"] for r in restores) == [0, 1], (where, restores)
+    assert {r["source"].split(":")[0] for r in restores} <= {"memory", "peer"}, (where, restores)
+    (resumed,) = {r["step"] for r in restores}
+    assert resumed in (step - 1, step), (where, restores)  # at most one step lost
+    assert job.result["start"] == resumed
+    assert job.result["digest"] == clean.result["digest"], where
+    assert job.result["losses"] == clean.result["losses"][resumed:], where
+    assert "in-memory snapshots skipped" in clean.output  # the first incarnation found none and said so
+    assert _shm_files(clean) == [] and _shm_files(job) == []
