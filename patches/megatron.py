@@ -22,11 +22,19 @@ reduce-scatter becomes the one-phase compressed reduce-scatter
 local shard. A bucket group whose buckets all go uncompressed (codec ``none``, warm-up, below
 ``min_numel``) runs megatron's own method, bitwise identical to vanilla.
 
-The compressed collectives are synchronous: with ``overlap_grad_reduce`` the sync runs when the
-bucket group is dispatched (during backward, when its last gradient is ready, exactly where
-megatron starts its asynchronous collective) and the stored handle's ``wait()`` returns at once.
-Compute does not overlap the compressed communication; the semantics (who calls what, when the
-grads are final) are megatron's.
+With ``overlap_grad_reduce`` the compressed sync overlaps backward as megatron's own does: when a
+bucket group's last gradient is ready, its dispatch (on the training thread, inside backward) runs
+megatron's preamble and hands the group's collectives to one background thread, and the handle
+stored in ``grad_reduce_handle`` is completed by that thread; ``finish_grad_sync`` waits on it. The
+thread runs the groups in dispatch order, one at a time, on its own clones of the data-parallel
+process groups (made once at :func:`enable`, a collective): every rank dispatches the same groups in
+the same order (megatron's backward hooks are deterministic), so every rank issues the same
+sequence of collectives, and they never interleave with collectives the training thread issues on
+megatron's groups. Every bucket group then goes through the thread, uncompressed ones (warm-up,
+``min_numel``) as plain all-reduce / reduce-scatter, so there is one sequence. Codec ``none``
+without ``topology.hierarchical`` keeps megatron's own asynchronous collectives (no thread).
+Without ``overlap_grad_reduce`` the sync runs synchronously where megatron's does. Observers
+(:attr:`MegatronPlugin.observers`) see ``dispatch`` / ``start`` / ``done`` / ``wait`` events.
 
 Error-feedback residuals are keyed per bucket (``mcore.dense<g>.b<i>`` / ``mcore.expert<g>.b<i>``)
 and are training state: :meth:`MegatronPlugin.state_dict` / :meth:`MegatronPlugin.load_state_dict`,
@@ -36,6 +44,8 @@ saved by :class:`robust_plugins.megatron.MegatronCheckpointer` beside the model.
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from typing import Any, Mapping
 
 import torch
@@ -95,8 +105,14 @@ def _as_plugin_config(config: Any) -> PluginConfig:
     )
 
 
+#: Upper bound of a ``wait()`` on an overlapped sync. The collectives themselves time out with
+#: their process group (torch's default: 30 min for gloo); this only keeps a lost thread from
+#: blocking forever.
+WAIT_TIMEOUT_S = 3600.0
+
+
 class _Completed:
-    """The handle stored in ``grad_reduce_handle`` after a synchronous compressed sync."""
+    """The handle stored in ``grad_reduce_handle`` after a compressed sync run at dispatch."""
 
     def wait(self) -> None:
         """The sync already completed; nothing to wait for."""
@@ -104,6 +120,86 @@ class _Completed:
     def is_completed(self) -> bool:
         """Always true."""
         return True
+
+
+class _Handle:
+    """``grad_reduce_handle`` of an overlapped compressed sync: completed by the sync thread."""
+
+    def __init__(self, name: str, plugin: "MegatronPlugin"):
+        self.name = name
+        self._plugin = plugin
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        """Block until the group's collectives finished; re-raise what failed on the sync thread."""
+        if not self._done.wait(WAIT_TIMEOUT_S):
+            raise RobustPluginsError(
+                f"megatron bucket group {self.name}: the compressed gradient sync did not finish in "
+                f"{WAIT_TIMEOUT_S:.0f} s; a rank is probably hung (see the other ranks' logs).")
+        self._plugin._emit("wait", self.name)
+        if self.error is not None:
+            raise RobustPluginsError(f"megatron bucket group {self.name}: the compressed gradient sync "
+                                     f"failed on the sync thread: {self.error!r}") from self.error
+
+    def is_completed(self) -> bool:
+        """True once the sync thread has finished this group."""
+        return self._done.is_set()
+
+
+class _SyncThread:
+    """One background thread running bucket groups' collectives in submission order."""
+
+    def __init__(self, plugin: "MegatronPlugin"):
+        self._plugin = plugin
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="robust-mcore-grad-sync", daemon=True)
+        self._thread.start()
+
+    def submit(self, name: str, work) -> _Handle:
+        handle = _Handle(name, self._plugin)
+        self._queue.put((handle, work))
+        return handle
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            handle, work = item
+            try:
+                self._plugin._emit("start", handle.name)
+                work()
+                self._plugin._emit("done", handle.name)
+            except BaseException as exc:  # handed to the training thread by wait()
+                handle.error = exc
+            finally:
+                handle._done.set()
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the thread after the work already submitted."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+
+def _clone_groups(groups: list) -> dict:
+    """Clone each process group in ``groups`` (same ranks, same backend) for the sync thread.
+
+    ``new_group`` is collective over the whole job and must be called in the same order on every
+    rank, also by ranks outside the group: the rank lists are gathered first and every rank
+    creates the union, sorted.
+    """
+    import torch.distributed as dist
+
+    mine = {tuple(dist.get_process_group_ranks(g)): dist.get_backend(g) for g in groups}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(mine.items()))
+    clones = {}
+    for ranks, backend in sorted({item for part in gathered for item in part}):
+        group = dist.new_group(ranks=list(ranks), backend=backend)
+        if ranks in mine:
+            clones[ranks] = group
+    return {id(g): clones[tuple(dist.get_process_group_ranks(g))] for g in groups}
 
 
 class MegatronPlugin:
@@ -117,7 +213,7 @@ class MegatronPlugin:
         self.steps = 0
         """Completed gradient syncs (``ddp.finish_grad_sync`` calls): the step count that
         ``warmup_steps`` refers to and that keys reset on. Saved in :meth:`state_dict`."""
-        self.sync = (GradientSync(config.compression, step_fn=lambda: self.steps)
+        self.sync = (GradientSync(config.compression, step_fn=lambda: self.steps, topology=config.topology)
                      if config.compression is not None else None)
         """Compressed gradient sync; None without the ``compression`` sub-block."""
         self.groups: list[tuple[str, Any]] = (
@@ -125,6 +221,60 @@ class MegatronPlugin:
             + [(f"expert{i}", g) for i, g in enumerate(ddp.expert_parallel_bucket_groups)]
         )
         """(name, bucket group) pairs this plugin routes."""
+        self.observers: list = []
+        """Callables ``fn(event, group_name)`` told of every overlapped sync: ``dispatch`` (training
+        thread, inside backward), ``start`` and ``done`` (sync thread), ``wait`` (training thread,
+        in ``finish_grad_sync``). For tests and tracing; they must not block for long."""
+        self.thread: _SyncThread | None = None
+        """The sync thread (``overlap_grad_reduce`` with a compressing or hierarchical sync)."""
+        self.clones: dict = {}
+        """id(megatron process group) -> the sync thread's clone of it."""
+        self.telemetry = None
+        """The :class:`~robust_plugins.telemetry.recorder.Telemetry` recorder (``telemetry`` sub-block)."""
+        self._grad_norm: float | None = None
+        self._window = None
+
+    def step_end(self, step: int, loss: Any = None, grad_norm: Any = None) -> None:
+        """After optimizer step ``step`` on every rank: the ``robust run`` step signal
+        (:func:`robust_plugins.watchdog.step_end`, a no-op outside it) and, with the ``telemetry``
+        sub-block, the recorder's step (every ``log_every`` steps a small all-gather)."""
+        from robust_plugins import watchdog
+
+        watchdog.step_end(step, loss=loss, grad_norm=grad_norm)
+        if self.telemetry is not None:
+            if isinstance(loss, (int, float, torch.Tensor)):
+                with self.telemetry.grad_window(torch.as_tensor(loss, dtype=torch.float32)):
+                    pass  # the loss only: this window sends nothing
+            self._grad_norm = None if grad_norm is None else float(grad_norm)
+            self.telemetry.step_end(step)
+
+    def _emit(self, event: str, name: str) -> None:
+        for fn in list(self.observers):
+            fn(event, name)
+
+    @property
+    def uses_thread(self) -> bool:
+        """Whether overlapped syncs go through the sync thread (see the module docstring)."""
+        return (self.sync is not None and self.ddp.ddp_config.overlap_grad_reduce
+                and (self.sync.config.compresses or self.sync.hierarchical))
+
+    def _start_thread(self) -> None:
+        """Clone the process groups the bucket groups reduce over and start the sync thread
+        (collective: every rank calls it from :func:`enable`)."""
+        use_distopt = self.ddp.ddp_config.use_distributed_optimizer
+        pgs = [g.intra_distributed_optimizer_instance_group if use_distopt else g.data_parallel_group
+               for _, g in self.groups]
+        unique = list({id(g): g for g in pgs}.values())
+        self.clones = _clone_groups(unique)
+        self.thread = _SyncThread(self)
+
+    def close(self) -> None:
+        """Stop the sync thread (after the work already submitted) and close the telemetry recorder."""
+        if self.thread is not None:
+            self.thread.close()
+            self.thread = None
+        if self.telemetry is not None:
+            self.telemetry.close()
 
     def describe(self) -> str:
         """One line: features, megatron-core version and the DDP variant."""
@@ -198,10 +348,19 @@ def enable(ddp, config: Any = None) -> MegatronPlugin:
             "robust_plugins.checkpoint.persist_every is for DeepSpeed engines; megatron-core loops "
             "save through robust_plugins.megatron.MegatronCheckpointer.save(step) (see README)."
         )
-    _refuse_config(cfg)
+    _refuse_config(cfg, ddp)
     if cfg.compression is not None:
         _refuse(ddp)
     plugin = MegatronPlugin(ddp, cfg)
+    if plugin.sync is not None and plugin.sync.hierarchical:
+        # Build the node and rail groups now, on every rank (a collective), rather than at the
+        # first bucket, which may run on the sync thread; refuses a DP group smaller than the job.
+        pg = ddp.bucket_groups[0].data_parallel_group if ddp.bucket_groups else None
+        plugin.sync._hierarchy(pg)
+    if plugin.uses_thread:
+        plugin._start_thread()
+    if cfg.telemetry is not None:
+        _attach_telemetry(ddp, plugin)
     ddp.robust_plugins = plugin
     _guard.bind_instance(ddp, "finish_grad_sync", _ddp_finish_grad_sync(ddp, plugin))
     if plugin.sync is not None:
@@ -217,30 +376,32 @@ def disable(ddp) -> None:
     plugin = ddp.__dict__.pop("robust_plugins", None)
     if plugin is None:
         return
+    plugin.close()
     for _, group in plugin.groups:
         _guard.unbind_instance(group, "start_grad_sync")
     _guard.unbind_instance(ddp, "finish_grad_sync")
 
 
-def _refuse_config(cfg: PluginConfig) -> None:
-    """Sub-blocks (or settings) that this integration does not wire: refused, never ignored."""
+def _refuse_config(cfg: PluginConfig, ddp) -> None:
+    """Settings this integration cannot serve: refused, never ignored."""
+    distopt = ddp.ddp_config.use_distributed_optimizer
     if cfg.compression is not None and cfg.compression.sign_mode == "momentum":
         raise UnsupportedError(
             "robust_plugins.megatron: compression.sign_mode = 'momentum' (1-bit Adam) is wired for DeepSpeed "
             "ZeRO 0 only; megatron-core's optimizer is not hooked. Use sign_mode 'gradient' (the default) here."
         )
-    if cfg.compression is not None and cfg.compression.codec == "auto":
+    if cfg.compression is not None and cfg.compression.codec == "auto" and distopt:
         raise UnsupportedError(
-            "robust_plugins.megatron: compression.codec = 'auto' is not wired for megatron-core yet (it is "
-            "for DeepSpeed). Use a fixed codec: none, bf16, int8, int4 or sign."
+            "robust_plugins.megatron: compression.codec = 'auto' covers all-reduces only, and "
+            "use_distributed_optimizer = True reduce-scatters the gradients. Use a fixed codec (none, bf16, "
+            "int8, int4, sign) with the distributed optimizer, or turn it off."
         )
-    for name in ("topology", "telemetry"):
-        if getattr(cfg, name, None) is not None:
-            raise UnsupportedError(
-                f"robust_plugins.megatron: the {name!r} sub-block is not wired for megatron-core yet (it is "
-                f"for DeepSpeed). Remove it from the block passed to enable(); compression and checkpoint "
-                f"(robust_plugins.megatron.MegatronCheckpointer) are supported."
-            )
+    if cfg.topology is not None and cfg.topology.hierarchical and distopt:
+        raise UnsupportedError(
+            "robust_plugins.megatron: topology.hierarchical covers all-reduces only, and "
+            "use_distributed_optimizer = True reduce-scatters the gradients. Remove topology.hierarchical "
+            "or turn the distributed optimizer off."
+        )
 
 
 def _refuse(ddp) -> None:
@@ -259,14 +420,109 @@ def _refuse(ddp) -> None:
         )
 
 
+def _attach_telemetry(ddp, plugin: MegatronPlugin) -> None:
+    """Feed a telemetry recorder from megatron's DDP (public ``torch.nn.Module`` hooks only).
+
+    Tokens: a forward pre-hook on ``ddp.module`` counts the first integer tensor argument (token
+    ids) of each training forward. Gradient bytes and time: a hook on the model output opens
+    :meth:`Telemetry.grad_window` when backward reaches it, and ``finish_grad_sync`` closes it, so
+    every collective issued in between (bucket syncs during backward, on the sync thread too, and
+    the final waits) is counted. Loss and grad norm come from :meth:`MegatronPlugin.step_end`.
+    """
+    from megatron.core import parallel_state as ps
+
+    from robust_plugins.telemetry.recorder import Telemetry
+
+    if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_pipeline_model_parallel_world_size() > 1:
+        raise UnsupportedError(
+            "robust_plugins.megatron: the telemetry sub-block counts every collective of backward as gradient "
+            "traffic, which with tensor or pipeline parallelism would include activation traffic. It supports "
+            "tp = pp = 1 only; remove the telemetry sub-block for this layout."
+        )
+    trainable = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
+    c = ddp.ddp_config
+    grad_dtype = torch.float32 if c.grad_reduce_in_fp32 else next(ddp.module.parameters()).dtype
+    dp = ps.get_data_parallel_world_size()
+    stats = plugin.sync.stats if plugin.sync is not None else None
+    state = plugin.sync.state if plugin.sync is not None and plugin.sync.auto is None else None
+
+    def sync_info() -> dict[str, Any]:
+        total = sum(stats.by_codec.values())
+        return {"codec_share": {k: v / total for k, v in stats.by_codec.items()} if total else {},
+                "auto_decisions": [d.to_dict() if hasattr(d, "to_dict") else d for d in stats.auto_decisions]}
+
+    run_config = {"robust_plugins": dict(plugin.config.raw),
+                  "host": {"megatron-core": megatron_version(), "torch": torch.__version__,
+                           "use_distributed_optimizer": c.use_distributed_optimizer,
+                           "overlap_grad_reduce": c.overlap_grad_reduce, "dp_world_size": dp,
+                           "grad_dtype": str(grad_dtype), "trainable_params": trainable}}
+    device = next(ddp.module.parameters()).device
+    tel = Telemetry(plugin.config.telemetry, run_config=run_config, n_grad_elements=trainable,
+                    grad_element_size=torch.empty((), dtype=grad_dtype).element_size(), dp_world_size=dp,
+                    device=device, flops_per_token=6.0 * trainable,
+                    residual_sq_fn=state.residual_sq_norm if state is not None else None,
+                    grad_norm_fn=lambda: plugin._grad_norm, info_fn=sync_info if stats is not None else None)
+    plugin.telemetry = tel
+
+    def open_window(grad):
+        if plugin._window is None:
+            plugin._window = tel.grad_window(None)
+            plugin._window.__enter__()
+        return grad
+
+    def on_forward(module, args, kwargs, output):
+        if module.training and torch.is_grad_enabled():
+            ids = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)
+                        and not v.is_floating_point() and not v.is_complex()), None)
+            if ids is not None:
+                tel.count_tokens(ids.numel())
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(open_window)
+
+    tel.hook_handles.append(ddp.module.register_forward_hook(on_forward, with_kwargs=True))
+    if current_rank() == 0:
+        log.info("robust_plugins telemetry: %s -> %s", plugin.config.telemetry.describe(), tel.dir)
+
+
 def _ddp_finish_grad_sync(ddp, plugin: MegatronPlugin):
     original = ddp.finish_grad_sync
 
     def finish_grad_sync(force_all_reduce=False):
         original(force_all_reduce=force_all_reduce)
         plugin.steps += 1
+        if plugin._window is not None:  # telemetry: the gradient window opened in backward ends here
+            window, plugin._window = plugin._window, None
+            window.__exit__(None, None, None)
 
     return finish_grad_sync
+
+
+def _reduce_buckets(plugin: MegatronPlugin, buckets: list, keys: list, locals_: list, pg, op: str, reduce_op) -> None:
+    """The collectives of one bucket group (training thread, or the sync thread with cloned ``pg``).
+
+    ``locals_[i]`` is bucket i's local shard for the distributed optimizer's reduce-scatter, or None
+    for an all-reduce. Keys are from :meth:`GradientSync.route` (None: uncompressed).
+    """
+    import torch.distributed as dist
+
+    from robust_plugins.comm import compressed_all_reduce, compressed_reduce_scatter
+
+    sync = plugin.sync
+    for bucket, key, local in zip(buckets, keys, locals_):
+        if local is not None:
+            if key is None:
+                dist.reduce_scatter_tensor(local, bucket.grad_data, op=reduce_op, group=pg)
+            else:
+                compressed_reduce_scatter(local, bucket.grad_data, group=pg, op=op, state=sync.state, key=key)
+        elif key is None:
+            dist.all_reduce(bucket.grad_data, op=reduce_op, group=pg)
+        elif sync.auto is None and not sync.hierarchical:
+            compressed_all_reduce(bucket.grad_data, group=pg, op=op, state=sync.state, key=key)
+        else:
+            # codec auto / topology.hierarchical: GradientSync picks the codec and the route.
+            sync.all_reduce_sum(bucket.grad_data, pg, key)
+            if op == "avg":
+                bucket.grad_data.div_(dist.get_world_size(pg))
 
 
 def _start_grad_sync(group, name: str, plugin: MegatronPlugin):
@@ -274,15 +530,14 @@ def _start_grad_sync(group, name: str, plugin: MegatronPlugin):
     original = group.start_grad_sync
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-    from robust_plugins.comm import compressed_all_reduce, compressed_reduce_scatter
-
     cfg = group.ddp_config
 
     def start_grad_sync(force_all_reduce=False):
         if group.is_first_batch and group.grad_reduce_handle is not None:
             return  # megatron: already dispatched during the first batch
         keys = [plugin.sync.route(f"mcore.{name}.b{i}", b.grad_data.numel()) for i, b in enumerate(group.buckets)]
-        if all(k is None for k in keys):
+        threaded = plugin.thread is not None and cfg.overlap_grad_reduce
+        if not threaded and all(k is None for k in keys):
             return original(force_all_reduce=force_all_reduce)
         if group.grad_reduce_handle is not None:
             raise RobustPluginsError(
@@ -300,22 +555,35 @@ def _start_grad_sync(group, name: str, plugin: MegatronPlugin):
         reduce_op = torch.distributed.ReduceOp.AVG if cfg.average_in_collective else torch.distributed.ReduceOp.SUM
         scatter = cfg.use_distributed_optimizer and not force_all_reduce
         pg = group.intra_distributed_optimizer_instance_group if cfg.use_distributed_optimizer else group.data_parallel_group
-        state = plugin.sync.state
-        for idx, (bucket, key) in enumerate(zip(group.buckets, keys)):
-            if scatter:
-                if group.cached_grad_buffer_shard_list[idx] is None:
-                    group.cached_grad_buffer_shard_list[idx] = shard_buffer(
-                        bucket.grad_data, group.intra_distributed_optimizer_instance_size)
-                local = group.cached_grad_buffer_shard_list[idx][group.intra_distributed_optimizer_instance_rank]
-                if key is None:
-                    torch.distributed.reduce_scatter_tensor(local, bucket.grad_data, op=reduce_op, group=pg)
-                else:
-                    compressed_reduce_scatter(local, bucket.grad_data, group=pg, op=op, state=state, key=key)
-            elif key is None:
-                torch.distributed.all_reduce(bucket.grad_data, op=reduce_op, group=pg)
-            else:
-                compressed_all_reduce(bucket.grad_data, group=pg, op=op, state=state, key=key)
-        # megatron's handle contract: with overlap_grad_reduce, finish_grad_sync waits on a handle.
-        group.grad_reduce_handle = _Completed() if cfg.overlap_grad_reduce else None
+        locals_ = []
+        for idx, bucket in enumerate(group.buckets):
+            if not scatter:
+                locals_.append(None)
+                continue
+            if group.cached_grad_buffer_shard_list[idx] is None:
+                group.cached_grad_buffer_shard_list[idx] = shard_buffer(
+                    bucket.grad_data, group.intra_distributed_optimizer_instance_size)
+            locals_.append(group.cached_grad_buffer_shard_list[idx][group.intra_distributed_optimizer_instance_rank])
+        buckets = list(group.buckets)
+        if not threaded:
+            _reduce_buckets(plugin, buckets, keys, locals_, pg, op, reduce_op)
+            # megatron's handle contract: with overlap_grad_reduce, finish_grad_sync waits on a handle.
+            group.grad_reduce_handle = _Completed() if cfg.overlap_grad_reduce else None
+            return
+        clone = plugin.clones[id(pg)]
+        ready = None
+        if buckets[0].grad_data.is_cuda:  # untested (no GPU here): the thread starts after the
+            ready = torch.cuda.Event()   # kernels that produced these grads, and finishes with its own
+            ready.record()
+
+        def work():
+            if ready is not None:
+                ready.synchronize()
+            _reduce_buckets(plugin, buckets, keys, locals_, clone, op, reduce_op)
+            if ready is not None:
+                torch.cuda.current_stream().synchronize()
+
+        plugin._emit("dispatch", name)
+        group.grad_reduce_handle = plugin.thread.submit(name, work)
 
     return start_grad_sync

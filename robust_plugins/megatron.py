@@ -283,7 +283,7 @@ class MegatronCheckpointer:
         """Call once per step on every rank, after the optimizer step.
 
         Sends the step signal to ``robust run`` (:func:`robust_plugins.watchdog.step_end`; a no-op
-        outside it), then agrees with the other ranks (one tiny all-reduce) on whether any rank
+        outside it) and feeds telemetry (through ``plugin.step_end`` when there is a plugin), then agrees with the other ranks (one tiny all-reduce) on whether any rank
         received SIGTERM. If one did, every rank writes an emergency checkpoint of ``step`` and
         raises ``SystemExit(143)`` (128 + SIGTERM), so the launcher sees the usual exit code.
         """
@@ -293,7 +293,10 @@ class MegatronCheckpointer:
 
         if self.memory is not None:  # before the step signal: a fault injected there finds it taken
             self.memory.on_step(step)
-        watchdog.step_end(step, loss=loss, grad_norm=grad_norm)
+        if self.plugin is not None:  # step signal and telemetry
+            self.plugin.step_end(step, loss=loss, grad_norm=grad_norm)
+        else:
+            watchdog.step_end(step, loss=loss, grad_norm=grad_norm)
         flag = torch.tensor([1 if self._term else 0], dtype=torch.int32)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

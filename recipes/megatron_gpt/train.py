@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: the preset's)")
     p.add_argument("--codec", default=None,
                    help="robust_plugins compression codec (none, bf16, int8, int4, sign); omit for vanilla megatron")
+    p.add_argument("--plugin-json",
+                   help="JSON file holding the robust_plugins block (or a config with a 'robust_plugins' key): "
+                        "topology, telemetry, compression settings; --codec overrides its codec")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="megatron DDP overlap_grad_reduce")
     p.add_argument("--distributed-optimizer", action="store_true",
                    help="megatron distributed optimizer (GPU presets only)")
@@ -98,8 +101,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def plugin_block(codec: str | None, path: str | None) -> dict | None:
+    """The ``robust_plugins`` block: the file's (``--plugin-json``) with ``codec`` as its codec."""
+    block: dict | None = None
+    if path:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ConfigError(f"--plugin-json {path}: expected a JSON object, got {type(data).__name__}.")
+        block = dict(data.get("robust_plugins", data))
+    if codec is not None:
+        block = dict(block or {})
+        block["compression"] = {**block.get("compression", {}), "codec": codec}
+    return block
+
+
 def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: bool, distopt: bool,
-          bucket_size: int | None = None) -> dict[str, Any]:
+          bucket_size: int | None = None, block: dict | None = None) -> dict[str, Any]:
     """Initialize megatron's parallel state and build model, DDP, optimizer and plugin.
 
     Expects an initialized default process group. Returns a dict with ``ddp``, ``optimizer``,
@@ -145,7 +163,9 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
         **({"bucket_size": size} if size is not None else {}),
     )
     ddp = DistributedDataParallel(config, ddp_config, model)
-    plugin = rpm.enable(ddp, {"compression": {"codec": codec}}) if codec is not None else None
+    if block is None and codec is not None:
+        block = {"compression": {"codec": codec}}
+    plugin = rpm.enable(ddp, block) if block is not None else None
     if cpu:
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=preset.lr, weight_decay=0.0)
     else:
@@ -193,11 +213,12 @@ def param_digest(ddp) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train as ``args`` say in an initialized process group; returns the rank's result dict."""
     import robust_plugins.megatron as rpm
+    from robust_plugins import watchdog
 
     preset = PRESETS[args.preset]
     tp = args.tp if args.tp is not None else preset.tp
     parts = build(preset, tp=tp, seed=args.seed, codec=args.codec, overlap=args.overlap_grad_reduce,
-                  distopt=args.distributed_optimizer)
+                  distopt=args.distributed_optimizer, block=plugin_block(args.codec, args.plugin_json))
     corpus = load_corpus()
     ckpt = None
     start = 0
@@ -219,9 +240,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ckpt.step_end(step, loss=loss)
                 if args.save_every and step % args.save_every == 0:
                     ckpt.save(step)
+            elif parts["plugin"] is not None:
+                parts["plugin"].step_end(step, loss=loss)
+            else:
+                watchdog.step_end(step, loss=loss)
     finally:
         if ckpt is not None:
             ckpt.close()
+        if parts["plugin"] is not None:
+            parts["plugin"].close()
     return {"preset": args.preset, "codec": args.codec, "start": start, "steps": args.steps, "losses": losses,
             "train_s": time.perf_counter() - t0, "digest": param_digest(parts["ddp"]), **parts["layout"]}
 

@@ -115,3 +115,92 @@ def _build_distopt(preset, v):
     plugin = rpm.enable(ddp, {"compression": {"codec": v["codec"]}}) if v["codec"] is not None else None
     return {"ddp": ddp, "plugin": plugin,
             "layout": {"dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank()}}
+
+
+def overlap_events(rank, world, steps, gate_step):
+    """int8 with ``overlap_grad_reduce``: event order of the overlapped compressed syncs.
+
+    At ``gate_step`` the sync thread is held at the start of the first dispatched bucket group
+    until backward reaches the first transformer layer (a module backward pre-hook sets the gate);
+    a sync that ran inside its dispatch would block backward there and never see the gate open
+    (bounded: ``gate-timeout`` is recorded instead). Returns the events of that step, the losses
+    and digest of the gated run (key True), and those of the same buckets synced synchronously at
+    dispatch (key False: the plugin's sync thread stopped before training, so each group's
+    compressed collectives run inside its dispatch; megatron without overlap would use one big
+    bucket, whose blockwise codes differ).
+    """
+    import threading
+
+    from robust_plugins.recipes.megatron_gpt.train import build, param_digest, train_step
+    from robust_plugins.workloads import load_corpus
+
+    preset = _preset()
+    corpus = load_corpus()
+    out = {}
+    for overlap in (False, True):
+        parts = build(preset, tp=1, seed=0, codec="int8", overlap=True, distopt=False)
+        plugin, ddp = parts["plugin"], parts["ddp"]
+        if not overlap:
+            plugin.close()
+        events, gate, first = [], threading.Event(), []
+        state = {"on": False}
+
+        def observer(event, name):
+            if not state["on"]:
+                return
+            events.append((event, name))
+            if event == "dispatch" and not first:
+                first.append(name)
+            if event == "start" and name == first[0] and not gate.wait(20):
+                events.append(("gate-timeout", name))
+
+        def layer0_hook(module, grad_output):
+            if state["on"]:
+                events.append(("layer0-backward", None))
+                gate.set()
+
+        plugin.observers.append(observer)
+        ddp.module.decoder.layers[0].register_full_backward_pre_hook(layer0_hook)
+        losses = []
+        for s in range(1, steps + 1):
+            state["on"] = s == gate_step
+            losses.append(train_step(parts, preset, corpus, 0, s))
+            if state["on"]:
+                events.append(("step-end", None))
+        out[overlap] = {"losses": losses, "digest": param_digest(ddp), "events": events,
+                        "threaded": plugin.thread is not None, "groups": len(plugin.groups)}
+        plugin.close()
+    return out
+
+
+def block_variants(rank, world, variants, steps):
+    """Train the cpu-tiny GPT once per ``robust_plugins`` block (None: vanilla megatron-core).
+
+    ``variants``: list of dicts with ``block`` and ``overlap``. Returns losses, digest and what the
+    plugin's sync and telemetry recorded (telemetry records only on rank 0).
+    """
+    from robust_plugins.recipes.megatron_gpt.train import build, param_digest, train_step
+    from robust_plugins.workloads import load_corpus
+
+    preset = _preset()
+    corpus = load_corpus()
+    out = []
+    for v in variants:
+        parts = build(preset, tp=1, seed=0, codec=None, overlap=v["overlap"], distopt=False, block=v["block"])
+        plugin = parts["plugin"]
+        losses = []
+        for s in range(1, steps + 1):
+            losses.append(train_step(parts, preset, corpus, 0, s))
+            if plugin is not None:
+                plugin.step_end(s, loss=losses[-1])
+        info = {}
+        if plugin is not None and plugin.sync is not None:
+            st = plugin.sync.stats
+            info = {"hierarchical": st.hierarchical_elements, "by_codec": dict(st.by_codec),
+                    "auto": len(st.auto_decisions), "threaded": plugin.thread is not None}
+        if plugin is not None and plugin.telemetry is not None:
+            info["records"] = list(plugin.telemetry.records)
+        if plugin is not None:
+            plugin.close()
+        out.append({"losses": losses, "digest": param_digest(parts["ddp"]), **info})
+    return out

@@ -73,10 +73,14 @@ def test_cpu_shim_installs_once_and_undoes():
 
 
 @pytest.mark.parametrize("block, what", [
-    ({"compression": {"codec": "auto"}}, "codec = 'auto'"),
-    ({"compression": {"codec": "int8"}, "topology": {"hierarchical": True}}, "'topology' sub-block"),
-    ({"telemetry": {"log_every": 10}}, "'telemetry' sub-block"),
+    ({"compression": {"codec": "auto"}}, "codec = 'auto' covers all-reduces only"),
+    ({"compression": {"codec": "int8"}, "topology": {"hierarchical": True}}, "topology.hierarchical covers"),
 ])
-def test_enable_refuses_sub_blocks_it_does_not_wire(block, what):
+def test_enable_refuses_all_reduce_only_features_with_the_distributed_optimizer(block, what):
+    from types import SimpleNamespace
+
+    distopt = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=True))
     with pytest.raises(UnsupportedError, match=what):
-        patch._refuse_config(patch._as_plugin_config(block))
+        patch._refuse_config(patch._as_plugin_config(block), distopt)
+    plain = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=False))
+    patch._refuse_config(patch._as_plugin_config(block), plain)  # served on the all-reduce path
