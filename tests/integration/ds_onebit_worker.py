@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import uuid
 
 import robust_plugins  # noqa: F401  (installs the DeepSpeed patch)
 
@@ -100,6 +101,27 @@ def main() -> None:
                           "v_unchanged_after_freeze": all(torch.equal(a, b) for a, b in zip(v_at_save, v_end)),
                           "residual_file": os.path.isfile(os.path.join(ckpt, f"global_step{FREEZE + 3}",
                                                                        "robust_plugins_rank00000.pt"))}
+    del eng
+
+    # The same from an in-memory snapshot (checkpoint.memory_every: 1): a fresh engine of another
+    # seed restores the newest snapshot, residuals and frozen v included, and must match too.
+    from robust_plugins.checkpoint import memory
+
+    job = [uuid.uuid4().hex]
+    dist.broadcast_object_list(job, src=0)
+    os.environ[memory.ENV_JOB] = job[0]
+    with_memory = {**ONEBIT, "checkpoint": {"memory_every": 1}}
+    eng = make_engine(0, with_memory)
+    first, _ = train(eng, FREEZE + 3, corpus)
+    eng.robust_plugins.memory.store.flush()
+    del eng
+    eng = make_engine(0, with_memory, seed=SEED + 1)
+    load_path, _ = eng.load_checkpoint()
+    resumed_at = eng.global_steps
+    second, _ = train(eng, STEPS, corpus)
+    results["memory_resumed"] = {"losses": first + second, "digests": all_digests(eng), "resumed_at": resumed_at,
+                                 "load_path": str(load_path)}
+    eng.robust_plugins.memory.store.flush()
     del eng
 
     results["refused"] = {"zero1": refusal(stage=1), "sgd": refusal(opt="sgd"), "amsgrad": refusal(opt="amsgrad"),

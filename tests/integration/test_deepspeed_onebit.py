@@ -7,8 +7,9 @@ One launch of ``ds_onebit_worker.py`` (freeze_steps 4, 14 steps, tiny GPT). The 
   the two-phase sign all-reduce of the whole momentum (counted by intercepting torch.distributed),
   under 0.04x of vanilla's fp32 all-reduce;
 * replicas stay bitwise identical, the model trains, and the weights differ from vanilla's;
-* saved after the freeze and resumed into an engine built from another seed, the run ends bitwise
-  equal to the uninterrupted one; Adam's second moment did not move after the freeze;
+* saved after the freeze (to disk, and as an in-memory snapshot) and resumed into an engine built
+  from another seed, the run ends bitwise equal to the uninterrupted one; Adam's second moment did
+  not move after the freeze;
 * ZeRO 1, SGD, AMSGrad and bf16 are refused with the reason.
 """
 
@@ -60,6 +61,13 @@ def test_resume_after_freeze_is_bitwise(results):
     assert r["losses"] == ob["losses"]
     assert r["digests"] == ob["digests"]
     assert r["v_unchanged_after_freeze"]
+
+
+def test_resume_from_a_memory_snapshot_after_freeze_is_bitwise(results):
+    r, ob = results["memory_resumed"], results["onebit"]
+    assert r["resumed_at"] == results["freeze"] + 3 and r["load_path"].startswith("memory://"), r
+    assert r["losses"] == ob["losses"]
+    assert r["digests"] == ob["digests"]
 
 
 @pytest.mark.parametrize("case,words", [
