@@ -63,7 +63,11 @@ def _agent_class():
             # ranks of the new round fail to form their process group.
             if self.registry is None:
                 return
-            for rec in self.registry.refresh():
+            try:
+                new = self.registry.refresh()
+            except Exception:
+                new = []  # said by excluded() below; the rendezvous reports the unreachable store
+            for rec in new:
                 if rec["node"] != self.node:
                     print(f"robust run: node {rec['node']} is EXCLUDED from this job (blamed "
                           f"{rec['blames']} times; last: {rec['reason']}); the job continues "

@@ -137,5 +137,11 @@ class NodeRegistry:
 
     def excluded(self) -> dict[str, Any] | None:
         """This node's exclusion record, or None when it may join."""
-        self.refresh()
+        try:
+            self.refresh()
+        except Exception as exc:
+            # The store is unreachable (its host is gone): the rendezvous that follows fails with
+            # torch's own error; until then only what this node knew (its file) can refuse it.
+            log.warning("robust run: could not read the job's excluded nodes from the rendezvous "
+                        "store (%r); using %s", exc, self.path)
         return self._known.get(self.node)

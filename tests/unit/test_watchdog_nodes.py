@@ -93,3 +93,16 @@ def test_grad_accumulation_keeps_the_global_batch(monkeypatch, capsys):
         grad_accumulation(32, 4, 3)
     with pytest.raises(ConfigError, match="micro_batch = 0"):
         grad_accumulation(32, 0, 1)
+
+
+def test_unreachable_store_falls_back_to_the_run_dir_file(tmp_path):
+    class Gone:  # what a client of a store whose host died raises on every call
+        def add(self, *a):
+            raise RuntimeError("Connection reset by peer")
+
+        check = get = set = add
+
+    (tmp_path / EXCLUDED_FILE).write_text(json.dumps({"nodes": [
+        {"node": "nodeB", "blames": 2, "reason": "r", "fault": {}}]}))
+    assert NodeRegistry(Gone(), "nodeB", tmp_path, 2).excluded()["blames"] == 2
+    assert NodeRegistry(Gone(), "nodeA", tmp_path, 2).excluded() is None
