@@ -52,6 +52,55 @@ def disable(ddp) -> None:
     patch.disable(ddp)
 
 
+def apply_rank_order(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, topology_file: str | None = None,
+                     timeout: Any = None) -> dict[str, Any]:
+    """Renumber this job's ranks so that megatron-core's groups follow the topology (collective).
+
+    Call on every rank after ``torch.distributed.init_process_group`` and before megatron's
+    ``initialize_model_parallel``. Discovers the topology (:func:`robust_plugins.topology.discover`:
+    ``topology_file``, ``ROBUST_TOPOLOGY_SIM``, SLURM, host names...), computes
+    :func:`robust_plugins.topology.megatron_rank_order` for these sizes and, unless every process
+    already has its rank, re-creates the default process group with each process at its new rank
+    (same backend and store, a fresh key prefix). Then megatron's default order puts every TP
+    group inside one node (NVLink domain) and DP peers on rails. ``RANK`` in the environment keeps
+    the launcher's number (``robust run`` names processes by it).
+
+    Returns ``{"rank": new, "launcher_rank": old, "order": order, "source": ...}``.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from robust_plugins.topology import discover, inverse, megatron_rank_order
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("apply_rank_order needs an initialized default process group: call "
+                          "torch.distributed.init_process_group first.")
+    topo = discover(topology_file)
+    order = megatron_rank_order(topo.records, tp=tp, pp=pp, cp=cp, ep=ep)
+    old, world = dist.get_rank(), dist.get_world_size()
+    new = inverse(order)[old]
+    out = {"rank": new, "launcher_rank": old, "order": list(order), "source": topo.source}
+    if list(order) == list(range(world)):
+        return out
+    # torch keeps the default group's store privately; holding our own reference keeps a store
+    # hosted by this process (rank 0 without torchrun's agent store) alive across the re-init.
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get_store is None:
+        raise ConfigError(f"apply_rank_order: torch {torch.__version__} has no "
+                          f"distributed_c10d._get_default_store; launch the processes in the order "
+                          f"{list(order)} instead (RANK = position in that list).")
+    store = get_store()
+    backend = dist.get_backend()
+    dist.destroy_process_group()
+    dist.init_process_group(backend, store=dist.PrefixStore("robust_plugins/rank_order/", store), rank=new,
+                            world_size=world, timeout=timeout or datetime.timedelta(minutes=10))
+    if new == 0:
+        log.info("robust_plugins: megatron rank order from %s: process %s -> megatron ranks 0..%d",
+                 topo.source, list(order), world - 1)
+    return out
+
+
 def _checkpoint_config(config: Any) -> CheckpointConfig:
     if isinstance(config, CheckpointConfig):
         return config

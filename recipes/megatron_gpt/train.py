@@ -18,10 +18,12 @@ tensors unconditionally, and its distributed optimizer requires ``torch.cuda`` p
 so neither runs on CPU. The gradient sync, which is what robust_plugins changes, is megatron's DDP
 in both cases.
 
-Rank placement is the launcher's: megatron-core puts TP groups on consecutive ranks, so launch
-node-major (torchrun does), or compute the placement with
-:func:`robust_plugins.topology.megatron_rank_order` and start each process with that ``RANK``.
-The recipe does not renumber ranks itself.
+Rank placement: megatron-core puts TP groups on consecutive ranks. By default
+(``--rank-order topology``) the recipe discovers the topology (``--topology-file``,
+``ROBUST_TOPOLOGY_SIM``, SLURM, host names) and renumbers the ranks with
+:func:`robust_plugins.megatron.apply_rank_order` before megatron builds its groups, so every TP
+group stays inside a node whatever order the launcher started the processes in;
+``--rank-order launcher`` keeps the launcher's ranks.
 """
 
 # robust_plugins first (cheap, imports nothing heavy); megatron-core is imported in main().
@@ -87,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plugin-json",
                    help="JSON file holding the robust_plugins block (or a config with a 'robust_plugins' key): "
                         "topology, telemetry, compression settings; --codec overrides its codec")
+    p.add_argument("--rank-order", choices=("topology", "launcher"), default="topology",
+                   help="topology (default): renumber ranks so TP groups stay inside a node; launcher: keep RANK")
+    p.add_argument("--topology-file", help="topology file for --rank-order topology (default: discovered)")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="megatron DDP overlap_grad_reduce")
     p.add_argument("--distributed-optimizer", action="store_true",
                    help="megatron distributed optimizer (GPU presets only)")
@@ -249,7 +254,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ckpt.close()
         if parts["plugin"] is not None:
             parts["plugin"].close()
-    return {"preset": args.preset, "codec": args.codec, "start": start, "steps": args.steps, "losses": losses,
+    from megatron.core import parallel_state as ps
+
+    order = getattr(args, "rank_order_info", {}).get("order") or list(range(dist.get_world_size()))
+    tp_launcher = [order[r] for r in dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())]
+    return {"preset": args.preset, "codec": args.codec, "start": start, "tp_group_launcher_ranks": tp_launcher, "steps": args.steps, "losses": losses,
             "train_s": time.perf_counter() - t0, "digest": param_digest(parts["ddp"]), **parts["layout"]}
 
 
@@ -262,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
     try:
+        if args.rank_order == "topology":
+            import robust_plugins.megatron as rpm
+
+            tp = args.tp if args.tp is not None else PRESETS[args.preset].tp
+            args.rank_order_info = rpm.apply_rank_order(tp=tp, topology_file=args.topology_file,
+                                                        timeout=datetime.timedelta(seconds=600))
         result = run(args)
         if dist.get_rank() == 0:
             line = json.dumps({k: v for k, v in result.items() if k != "losses"} |

@@ -204,3 +204,23 @@ def block_variants(rank, world, variants, steps):
             plugin.close()
         out.append({"losses": losses, "digest": param_digest(parts["ddp"]), **info})
     return out
+
+
+def rank_order_tp2(rank, world, topology_file, steps):
+    """apply_rank_order, then TP=2 megatron GPT: which launcher ranks form this rank's TP group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    import robust_plugins.megatron as rpm
+    from robust_plugins.recipes.megatron_gpt.train import build, train_step
+    from robust_plugins.workloads import load_corpus
+
+    info = rpm.apply_rank_order(tp=2, topology_file=topology_file)
+    assert dist.get_rank() == info["rank"]
+    preset = _preset()
+    parts = build(preset, tp=2, seed=0, codec="int8", overlap=False, distopt=False)
+    losses = [train_step(parts, preset, load_corpus(), 0, s) for s in range(1, steps + 1)]
+    tp_group = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
+    dp_group = dist.get_process_group_ranks(ps.get_data_parallel_group())
+    return {**info, "tp_launcher": [info["order"][r] for r in tp_group],
+            "dp_launcher": [info["order"][r] for r in dp_group], "losses": losses}
