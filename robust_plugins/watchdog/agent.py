@@ -103,6 +103,10 @@ def _agent_class():
             reason = node_blame(fault, local)
             fault.detail["node_blamed"] = reason is not None
             if reason is None:
+                if fault.kind == "crash":
+                    fault.detail["reason"] = (
+                        f"{fault.detail.get('reason', '')}; not blamed on node {self.node}: a plain "
+                        f"non-zero exit is also how a rank ends whose peer on another node died")
                 return
             try:
                 record = self.registry.blame(fault, reason)

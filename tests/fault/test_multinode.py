@@ -181,6 +181,7 @@ def test_node_blamed_twice_is_excluded_and_the_other_continues(tmp_path):
     assert all(f["suspect_hosts"] == ["127.0.0.2"] for f in b_crashes)
     a_crashes = [f for f in a.jsonl("faults.jsonl") if f["kind"] == "crash"]
     assert a_crashes and not any(f["detail"]["node_blamed"] for f in a_crashes), a_crashes
+    assert all("not blamed on node 127.0.0.1" in f["detail"]["reason"] for f in a_crashes)
     rounds = a.jsonl("membership.jsonl")
     assert rounds[0]["world_size"] == 2 and rounds[-1]["world_size"] == 1, rounds
     # B came back after its first crash (it was not excluded yet) and was refused after its second.
