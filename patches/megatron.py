@@ -509,6 +509,8 @@ def _reduce_buckets(plugin: MegatronPlugin, buckets: list, keys: list, locals_: 
 
     sync = plugin.sync
     for bucket, key, local in zip(buckets, keys, locals_):
+        if key is None or (sync.auto is None and not sync.hierarchical):  # else counted by GradientSync
+            sync.stats.by_codec["none" if key is None else sync.config.codec] += bucket.grad_data.numel()
         if local is not None:
             if key is None:
                 dist.reduce_scatter_tensor(local, bucket.grad_data, op=reduce_op, group=pg)

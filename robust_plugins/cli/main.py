@@ -14,6 +14,7 @@ COMMANDS = {
     "demo": ("demo", "train a small GPT on 4 CPU ranks without and with the plugin; print a table"),
     "bench": ("bench", "run a benchmark and optionally write its rows into BENCHMARKS.md"),
     "run": ("run", "torchrun with a fault watchdog, working restarts on gloo and fault injection"),
+    "recipe": ("recipe", "run a recipe's baseline and plugin configs side by side, then the report"),
     "report": ("report", "an HTML page comparing runs: loss + forecast, throughput, bytes, ETTR, heat map"),
     "topo": ("topo", "print the discovered (or simulated) topology and the planned process groups"),
     "sim": ("sim", "run a command on a simulated multi-node cluster (network namespaces, rate-limited links)"),

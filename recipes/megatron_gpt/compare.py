@@ -1,0 +1,79 @@
+"""Baseline megatron-core against megatron-core with robust_plugins, then the telemetry report.
+
+``robust recipe compare megatron_gpt --preset cpu-tiny`` launches the recipe twice under torchrun
+with the same seed, data and model: once with ``baseline.json`` (the telemetry sub-block only: the
+gradient sync is megatron's own) and once with ``plugin.json`` (compression + telemetry; ``--codec``
+replaces its codec). Each run's telemetry goes to ``<out>/<name>/telemetry``; then
+:func:`robust_plugins.telemetry.report.build` writes ``<out>/report.html`` (the page
+``robust report`` makes) and a side-by-side table is printed: final loss, median step time,
+gradient bytes per step and their ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from robust_plugins.errors import ConfigError
+
+HERE = Path(__file__).resolve().parent
+MODULE = "robust_plugins.recipes.megatron_gpt.train"
+
+
+def _block(config: Path, telemetry_dir: Path, log_every: int) -> dict:
+    data = json.loads(config.read_text())
+    block = dict(data.get("robust_plugins", data))
+    block["telemetry"] = {**block.get("telemetry", {}), "dir": str(telemetry_dir), "log_every": log_every}
+    return block
+
+
+def _summary(name: str, run_dir: Path) -> dict[str, Any]:
+    from robust_plugins.telemetry.sinks import read_records
+
+    steps = [r for r in read_records(run_dir / "telemetry") if r.get("kind") == "step"]
+    if not steps:
+        raise ConfigError(f"run {name} wrote no telemetry step records in {run_dir}; raise --steps above "
+                          f"--log-every.")
+    result = json.loads((run_dir / "result.json").read_text())
+    return {"name": name, "final_loss": statistics.mean(result["losses"][-5:]),
+            "step_time_s": statistics.median(r["step_time_s"] for r in steps),
+            "grad_bytes_per_step": statistics.median(r["grad_bytes_per_step_rank0"] for r in steps),
+            "digest": result["digest"]}
+
+
+def compare(*, out_dir: str | Path, preset: str = "cpu-tiny", nproc: int = 2, steps: int = 20, codec: str | None = None,
+            log_every: int = 5, seed: int = 0, timeout_s: float = 600.0, extra: list[str] | None = None) -> dict:
+    """Run baseline and plugin, write the report; returns the two summaries and the report path."""
+    from robust_plugins.launch import run_torchrun
+    from robust_plugins.telemetry.report import build
+
+    if steps < log_every:
+        raise ConfigError(f"--steps {steps} must be >= --log-every {log_every} (telemetry writes one record "
+                          f"every log_every steps).")
+    out = Path(out_dir)
+    summaries = []
+    for name in ("baseline", "plugin"):
+        run_dir = out / name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        block_path = run_dir / "robust_plugins.json"
+        block_path.write_text(json.dumps(_block(HERE / f"{name}.json", run_dir / "telemetry", log_every), indent=1))
+        args = ["--preset", preset, "--steps", str(steps), "--seed", str(seed), "--plugin-json", str(block_path),
+                "--out", str(run_dir / "result.json"), "--log-every", str(log_every), *(extra or [])]
+        if codec is not None and name == "plugin":
+            args += ["--codec", codec]
+        print(f"[{name}] torchrun --nproc-per-node {nproc} -m {MODULE} {' '.join(args)}", flush=True)
+        run_torchrun(MODULE, args, nproc=nproc, timeout_s=timeout_s, log_path=run_dir / "launch.log")
+        summaries.append(_summary(name, run_dir))
+    report = build([out / "baseline" / "telemetry", out / "plugin" / "telemetry"], out / "report.html")
+    base, plug = summaries
+    ratio = plug["grad_bytes_per_step"] / base["grad_bytes_per_step"] if base["grad_bytes_per_step"] else None
+    print(f"{'run':<10}{'final loss':>12}{'step time (median)':>20}{'grad bytes/step rank0':>24}")
+    for s in summaries:
+        print(f"{s['name']:<10}{s['final_loss']:>12.4f}{s['step_time_s'] * 1e3:>17.1f} ms{s['grad_bytes_per_step']:>24.0f}")
+    if ratio is not None:
+        print(f"plugin / baseline: gradient bytes {ratio:.3f}x, step time "
+              f"{plug['step_time_s'] / base['step_time_s']:.2f}x, final loss {plug['final_loss'] / base['final_loss']:.4f}x")
+    print(f"report: {report.resolve()}")
+    return {"baseline": base, "plugin": plug, "bytes_ratio": ratio, "report": str(report)}
