@@ -9,7 +9,6 @@ or stops ranks.
 from __future__ import annotations
 
 import json
-import select
 from collections import deque
 import os
 import signal
@@ -29,6 +28,7 @@ from robust_plugins.watchdog.detect import (
     STEP_WINDOW,
     RankProgress,
     RunningMedian,
+    in_collective,
     is_bad_number,
     localize,
     stalled_ranks,
@@ -38,8 +38,16 @@ from robust_plugins.watchdog.faults import Fault, FaultLog
 
 log = get_logger(__name__)
 
-#: Receiver thread's poll period: also the bound on how long stop() waits for it.
-_RECV_POLL_S = 0.2
+#: The receiver thread drains the socket this often instead of waking for every datagram. Waking
+#: for each one made a rank's ``sendto`` hand its core to the monitor thread (the kernel favours a
+#: woken sleeper): ~200 us a step on each of 4 ranks sharing 2 cores, the largest part of the
+#: watchdog's overhead (BENCHMARKS.md). Nothing is detected later for it: the agent thread drains
+#: before every check, and ranks stamp their signals with their own clock. Also bounds stop().
+_RECV_POLL_S = 0.05
+
+#: Receive buffer asked for (the kernel caps it at net.core.rmem_max): datagrams queue for up to
+#: one drain period; a full queue makes ranks drop signals (they warn once), never wait.
+_RECV_BUFFER_BYTES = 4 << 20
 
 
 @dataclass
@@ -140,6 +148,10 @@ class Monitor:
         if os.path.exists(self.address):
             os.unlink(self.address)  # left by a launcher that was killed; nobody listens there
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RECV_BUFFER_BYTES)
+        except OSError:
+            pass  # the default buffer; ranks drop signals only if it stays full
         self._sock.bind(self.address)
         self._recv_lock = threading.Lock()
         self._thread = threading.Thread(target=self._receive, name="robust-watchdog-recv", daemon=True)
@@ -207,13 +219,10 @@ class Monitor:
 
     # -- receiving -----------------------------------------------------------------------------
     def _receive(self) -> None:
-        while not self._stop.is_set():
-            try:
-                ready, _, _ = select.select([self._sock], [], [], _RECV_POLL_S)
-            except (OSError, ValueError):
+        while not self._stop.wait(_RECV_POLL_S):
+            if self._sock.fileno() < 0:
                 return  # socket closed
-            if ready:
-                self._drain()
+            self._drain()
 
     def _drain(self) -> None:
         """Handle every datagram already queued. Receiving and handling happen under one lock, so
@@ -694,7 +703,11 @@ class Monitor:
             evidence=sorted(d.path for d in dumps.values() if d.path),
             detail={"timeout_s": round(timeout, 3), "stalled_ranks": stalled, "reason": where.reason,
                     "groups": where.groups, "stack_tools": {str(r): d.tool for r, d in dumps.items()},
-                    "stack_dump_s": round(dump_s, 3)},
+                    "stack_dump_s": round(dump_s, 3),
+                    # Per rank with a readable stack: waiting in a collective (for a peer, maybe on
+                    # another node) or not (stuck itself). Node blame uses it (watchdog/nodes.py).
+                    "in_collective": {str(r): in_collective(d.frames) for r, d in dumps.items()
+                                      if d.frames}},
         )
         return self._record(fault)
 

@@ -18,10 +18,12 @@ peer"), and their agents each see a crash. Only evidence that points at the loca
 - a crash whose first cause is an announced injected fault or death by a signal other than the
   agent's own SIGTERM (SIGKILL by the OOM killer, SIGSEGV, SIGBUS, SIGABRT...);
 - a silent-data-corruption verdict whose minority ranks run on this node (every replica computes
-  the same verdict from the all-gathered hashes).
+  the same verdict from the all-gathered hashes);
+- a hang whose suspects on this node were stuck outside any collective (their stacks were read):
+  its peers elsewhere wait inside a collective, for it, and are not blamed.
 
-A plain non-zero exit code, a hang (each node sees only its own ranks' stacks), NaN and spikes
-(data, not hardware) blame no node. So a real Python exception on a faulty node is not counted:
+A plain non-zero exit code, a hang without readable stacks or with the suspects inside a
+collective, NaN and spikes (data, not hardware) blame no node. So a real Python exception on a faulty node is not counted:
 an honest gap, preferred to evicting healthy nodes whose ranks merely lost a peer.
 """
 
@@ -82,6 +84,13 @@ def node_blame(fault: Any, local_ranks: set[int]) -> str | None:
         return None
     if fault.kind == "sdc":
         return f"silent data corruption on rank(s) {sorted(suspects)} at step {fault.step}"
+    if fault.kind == "hang":
+        # Each node sees only its own ranks' stacks. A rank waiting inside a collective waits for
+        # a peer (perhaps on another node); one stuck outside any collective is the evidence.
+        where = (fault.detail or {}).get("in_collective") or {}
+        if all(where.get(str(r)) is False for r in suspects):
+            return f"rank(s) {sorted(suspects)} hung outside any collective at step {fault.step}"
+        return None
     return None
 
 

@@ -189,3 +189,21 @@ def test_node_blamed_twice_is_excluded_and_the_other_continues(tmp_path):
     steps = [json.loads(x) for x in (tmp_path / "result.json.steps.jsonl").read_text().splitlines()]
     assert steps[-1]["step"] == STEPS and steps[-1]["world"] == 1
     _assert_close(json.loads((tmp_path / "result.json").read_text())["params"], _reference(tmp_path))
+
+
+@pytest.mark.timeout(150)
+def test_node_whose_rank_hangs_twice_is_excluded(tmp_path):
+    # B's rank hangs (in Python, outside any collective) twice; B's monitor sees it with py-spy and
+    # blames B; A's rank waits inside the all-reduce for it and is not blamed.
+    fast_hangs = ("--watchdog", "hang_warmup_steps=1", "--watchdog", "hang_min_timeout_s=2",
+                  "--watchdog", "hang_initial_timeout_s=3", "--watchdog", "hang_factor=2")
+    a, b = _run_nodes(tmp_path, b_extra=(*fast_hangs, "--inject", "hang:rank=1,step=3;hang:rank=1,step=7"))
+    assert b.proc.returncode == 3, b.output[-4000:]
+    assert a.proc.returncode == 0, a.output[-4000:]
+    hangs = [f for f in b.jsonl("faults.jsonl") if f["kind"] == "hang"]
+    assert [(f["suspect_ranks"], f["detail"]["in_collective"], f["detail"]["node_blamed"]) for f in hangs] \
+        == [([1], {"1": False}, True)] * 2, hangs
+    excluded = json.loads((a.run_dir / "excluded_nodes.json").read_text())["nodes"]
+    assert [(e["node"], e["blames"], e["fault"]["kind"]) for e in excluded] == [("127.0.0.2", 2, "hang")]
+    assert not any(f["detail"].get("node_blamed") for f in a.jsonl("faults.jsonl"))
+    _assert_close(json.loads((tmp_path / "result.json").read_text())["params"], _reference(tmp_path))

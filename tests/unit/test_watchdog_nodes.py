@@ -106,3 +106,14 @@ def test_unreachable_store_falls_back_to_the_run_dir_file(tmp_path):
         {"node": "nodeB", "blames": 2, "reason": "r", "fault": {}}]}))
     assert NodeRegistry(Gone(), "nodeB", tmp_path, 2).excluded()["blames"] == 2
     assert NodeRegistry(Gone(), "nodeA", tmp_path, 2).excluded() is None
+
+
+def test_a_hang_blames_the_node_only_when_its_suspects_are_outside_a_collective():
+    def hang(where):
+        return Fault(kind="hang", step=7, suspect_ranks=[1], suspect_hosts=["h"], detected_after_s=3.0,
+                     action="restart", detail={"in_collective": where})
+
+    assert "hung outside any collective" in node_blame(hang({"1": False}), {1})
+    assert node_blame(hang({"1": True}), {1}) is None   # waiting for a peer elsewhere
+    assert node_blame(hang({}), {1}) is None            # no readable stack: no evidence
+    assert node_blame(hang({"1": False}), {0}) is None  # suspect on another node
