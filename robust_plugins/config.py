@@ -147,7 +147,8 @@ class CompressionConfig:
 
     auto_link_gbit: float | None = None
     """``auto`` only: the inter-node link rate in Gbit/s if known; ``null`` measures it with one
-    4 MB fp32 all-reduce per probe."""
+    4 MB fp32 all-reduce per probe (and, with ``topology.hierarchical``, times the candidate
+    routes on the real bucket; a given rate leaves the choice to the cost model alone)."""
 
     auto_recheck_steps: int = 1000
     """``auto`` only: measure again (and re-decide) every this many optimizer steps; 0: only at
@@ -631,8 +632,10 @@ class TopologyConfig:
     hierarchical: bool = False
     """Reduce data-parallel gradients hierarchically: fp32 reduce-scatter inside each node, the
     ``compression`` codec across nodes on rail groups, fp32 all-gather inside the node. Needs the
-    ``compression`` sub-block (``"codec": "none"`` for an all-fp32 hierarchy) and a data-parallel
-    group that spans the whole job."""
+    ``compression`` sub-block (``"codec": "none"`` for an all-fp32 hierarchy). A data-parallel
+    group smaller than the job (tensor/pipeline parallelism) gets a hierarchy planned on its own
+    ranks. With ``"codec": "auto"`` this allows the hierarchy: ``auto`` then chooses per bucket
+    size between the flat all-reduce and the hierarchy, and the codec."""
 
     file: str | None = None
     """Topology file (JSON, or YAML with PyYAML) keyed by host name; ``None``: discovered

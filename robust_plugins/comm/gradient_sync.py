@@ -13,8 +13,8 @@ slice each step, which is what error feedback needs. A key whose size changes is
 
 With ``topology.hierarchical`` every routed bucket (``codec: none`` included) goes through
 :func:`~robust_plugins.topology.hierarchical_all_reduce`: the groups are discovered and built at the
-first bucket (a collective over the whole job, which is why the data-parallel group must be the
-whole job). With ``codec: auto`` an :class:`~robust_plugins.comm.autocodec.AutoCodec` picks the
+first bucket (a collective over the whole job; with a data-parallel group smaller than the job,
+tensor or pipeline parallelism, each group's hierarchy is planned on its own ranks). With ``codec: auto`` an :class:`~robust_plugins.comm.autocodec.AutoCodec` picks the
 codec per bucket size and each codec keeps its own residuals; when a bucket's codec changes (at a
 re-check) its old residuals are dropped, with a log line. With both, ``auto`` also picks the
 layout per bucket size: ``flat none`` (the plain all-reduce), flat or hierarchical with a codec,
@@ -188,20 +188,22 @@ class GradientSync:
         if self._groups is None:
             import torch.distributed as dist
 
-            from robust_plugins.topology import build_groups, discover
-
-            if group is not None and dist.get_world_size(group) != dist.get_world_size():
-                raise UnsupportedError(
-                    f"topology.hierarchical needs the data-parallel group to span the whole job; it has "
-                    f"{dist.get_world_size(group)} of {dist.get_world_size()} ranks (tensor, pipeline or expert "
-                    f"parallelism). Remove topology.hierarchical or train data-parallel only."
-                )
+            from robust_plugins.topology import build_dp_groups, build_groups, discover
             from robust_plugins.topology.sources import K8sEnv
 
             t = self.topology
             k8s = K8sEnv(t.k8s_node_env, t.k8s_switch_envs, t.k8s_domain_env) if t.k8s_node_env else None
             topo = discover(t.file, k8s=k8s)
-            self._groups = build_groups(topo.records)
+            if group is not None and dist.get_world_size(group) != dist.get_world_size():
+                # Tensor/pipeline parallelism: the data-parallel group is a subset of the job. Every
+                # rank learns every rank's group (one all-gather over the job, at the first bucket)
+                # and plans each group's hierarchy on its own ranks.
+                everyone: list = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, dist.get_process_group_ranks(group))
+                dp_groups = sorted({tuple(sorted(g)) for g in everyone})
+                self._groups = build_dp_groups(topo.records, dp_groups, group)
+            else:
+                self._groups = build_groups(topo.records)
             log_rank0(log, logging.INFO,
                       "hierarchical gradient all-reduce over %s: node of %d ranks, rail of %d ranks%s", topo.source,
                       len(self._groups.intra_ranks), len(self._groups.rail_ranks),

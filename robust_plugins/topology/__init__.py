@@ -7,7 +7,7 @@ all-reduce) ; ``megatron`` maps megatron-core's rank order onto the topology.
 
 from __future__ import annotations
 
-from robust_plugins.topology.builder import TopologyGroups, build_groups, clear_cache
+from robust_plugins.topology.builder import TopologyGroups, build_dp_groups, build_groups, clear_cache
 from robust_plugins.topology.discover import (
     SIM_ENV,
     Topology,
@@ -20,7 +20,7 @@ from robust_plugins.topology.discover import (
 )
 from robust_plugins.topology.hierarchical import hierarchical_all_reduce
 from robust_plugins.topology.megatron import inverse, megatron_rank_order
-from robust_plugins.topology.planner import TopologyPlan, check_records, plan_groups
+from robust_plugins.topology.planner import TopologyPlan, check_dp_groups, check_records, plan_groups, plan_within
 from robust_plugins.topology.records import RankRecord, TopologyError, UnevenTopologyError
 
 __all__ = [
@@ -31,7 +31,9 @@ __all__ = [
     "TopologyGroups",
     "TopologyPlan",
     "UnevenTopologyError",
+    "build_dp_groups",
     "build_groups",
+    "check_dp_groups",
     "check_records",
     "clear_cache",
     "discover",
@@ -42,6 +44,7 @@ __all__ = [
     "parse_sim",
     "parse_slurm_topology_addr",
     "plan_groups",
+    "plan_within",
     "records_from_gathered",
     "records_from_host_table",
 ]

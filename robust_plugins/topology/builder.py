@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from robust_plugins._logging import get_logger, log_rank0
 from robust_plugins.errors import RobustPluginsError
-from robust_plugins.topology.planner import TopologyPlan, plan_groups
+from robust_plugins.topology.planner import TopologyPlan, check_dp_groups, plan_groups, plan_within
 from robust_plugins.topology.records import RankRecord, UnevenTopologyError
 
 _log = get_logger(__name__)
@@ -37,6 +37,9 @@ class TopologyGroups:
     """Global ranks of ``rail``, in group-rank order."""
     by_name: dict[str, Any] = field(default_factory=dict)
     """Every group this rank belongs to, by name (``intra/<domain>``, ``rail/<k>``, ``switch<t>/<name>``)."""
+    group: Any = None
+    """The group the hierarchy spans (a data-parallel group from :func:`build_dp_groups`); ``None``:
+    the default group. The flat fallback reduces over it."""
 
 
 def build_groups(records: Sequence[RankRecord], *, tp: int = 1) -> TopologyGroups:
@@ -90,6 +93,57 @@ def build_groups(records: Sequence[RankRecord], *, tp: int = 1) -> TopologyGroup
     )
     _CACHE[key] = groups
     return groups
+
+
+def build_dp_groups(records: Sequence[RankRecord], dp_groups: Sequence[Sequence[int]], group: Any) -> TopologyGroups:
+    """Hierarchies inside data-parallel groups smaller than the job (tensor/pipeline parallelism).
+
+    ``dp_groups`` lists every data-parallel group of the job (global ranks; a partition of all
+    ranks) and ``group`` is this rank's data-parallel process group. Each group's intra-node and
+    rail groups are planned on its own ranks (:func:`~robust_plugins.topology.planner.plan_within`)
+    and created; a collective over the whole job (``new_group``), so every rank calls it alike. A
+    group whose ranks sit unevenly on the nodes gets no hierarchy (``fallback_reason``; the
+    hierarchical all-reduce then reduces flat over ``group``). Cached like :func:`build_groups`.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RobustPluginsError("build_dp_groups needs an initialized torch.distributed default group.")
+    groups = check_dp_groups(dp_groups, dist.get_world_size())
+    key = ("dp", tuple(records), groups, id(dist.group.WORLD))
+    if key in _CACHE:
+        return _CACHE[key]
+    me = dist.get_rank()
+    result = None
+    created = 0
+    for members in groups:
+        try:
+            plan = plan_within(records, members)
+        except UnevenTopologyError as exc:
+            if me in members:
+                result = TopologyGroups(plan=None, fallback_reason=str(exc), group=group)
+            continue
+        tag = f"dp{members[0]}"
+        named = [(f"intra/{n}", g) for n, g in zip(plan.domain_names, plan.intra)]
+        named += [(f"rail/{k}", g) for k, g in enumerate(plan.rails)]
+        mine: dict[str, Any] = {}
+        for name, ranks in named:
+            pg = dist.new_group(ranks=list(ranks), group_desc=f"robust_topo:{tag}:{name}")
+            created += 1
+            if me in ranks:
+                mine[name] = pg
+        if me in members:
+            of_me = plan.groups_of(me)
+            intra_name = next(n for n, g in named if n.startswith("intra/") and g == of_me["intra"])
+            rail_name = next(n for n, g in named if n.startswith("rail/") and g == of_me["rail"])
+            result = TopologyGroups(plan=plan, intra=mine[intra_name], rail=mine[rail_name],
+                                    intra_ranks=of_me["intra"], rail_ranks=of_me["rail"], by_name=mine, group=group)
+    if result is None:
+        raise RobustPluginsError(f"rank {me} is in none of the data-parallel groups {[list(g) for g in groups]}.")
+    log_rank0(_log, 20, "topology groups inside %d data-parallel groups of %d ranks: %d groups created",
+              len(groups), len(groups[0]), created)
+    _CACHE[key] = result
+    return result
 
 
 def clear_cache() -> None:

@@ -37,13 +37,16 @@ def hierarchical_all_reduce(
     key: Hashable | None = None,
     block_size: int | None = None,
 ) -> torch.Tensor:
-    """Average or sum ``tensor`` over all ranks, in place, hierarchically; compressed across nodes.
+    """Average or sum ``tensor`` over the planned ranks (all ranks, or one data-parallel group), in
+    place, hierarchically; compressed across nodes.
 
     Args:
         tensor: contiguous float tensor, any shape; overwritten with the result in its dtype.
         groups: from :func:`robust_plugins.topology.build_groups`. If the layout was uneven
             (``groups.fallback_reason``) this warns once, naming the reason, and runs the flat
-            :func:`~robust_plugins.comm.compressed_all_reduce` over the default group.
+            :func:`~robust_plugins.comm.compressed_all_reduce` over ``groups.group`` (the
+            data-parallel group the hierarchy was planned in; the default group for
+            :func:`~robust_plugins.topology.build_groups`).
         codec, state, block_size: as for ``compressed_all_reduce``; they apply to the rail step.
         op: ``avg`` or ``sum`` (over all ranks).
         key: error-feedback key of this bucket; the rail step stores its residuals under
@@ -62,7 +65,8 @@ def hierarchical_all_reduce(
             _log, "hierarchical-fallback",
             "hierarchical all-reduce falls back to a FLAT compressed all-reduce: %s", groups.fallback_reason,
         )
-        return compressed_all_reduce(tensor, codec=codec, op=op, state=state, key=key, block_size=block_size)
+        return compressed_all_reduce(tensor, codec=codec, group=groups.group, op=op, state=state, key=key,
+                                     block_size=block_size)
     if not isinstance(tensor, torch.Tensor):
         raise RobustPluginsError(f"hierarchical_all_reduce needs a tensor, got {type(tensor).__name__}.")
     if not tensor.is_floating_point() or not tensor.is_contiguous():

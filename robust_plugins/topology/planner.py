@@ -164,3 +164,60 @@ def _histogram(sizes: Sequence[int]) -> str:
     for s in sizes:
         counts[s] += 1
     return ", ".join(f"{c} x {s}" for s, c in sorted(counts.items()))
+
+
+def check_dp_groups(dp_groups: Sequence[Sequence[int]], world_size: int) -> tuple[tuple[int, ...], ...]:
+    """The data-parallel groups, each sorted, ordered by lowest rank, after checking they split
+    ranks ``0..world_size-1`` into disjoint groups (every rank in exactly one)."""
+    groups = tuple(sorted((tuple(sorted(g)) for g in dp_groups), key=lambda g: g[0] if g else -1))
+    seen: dict[int, int] = {}
+    for i, g in enumerate(groups):
+        if not g:
+            raise TopologyError("an empty data-parallel group was given; every group needs at least one rank.")
+        for r in g:
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size:
+                raise TopologyError(f"data-parallel group {list(g)} names rank {r!r}, outside 0..{world_size - 1}.")
+            if r in seen:
+                raise TopologyError(
+                    f"rank {r} is in two data-parallel groups ({_short(groups[seen[r]])} and {_short(g)}); "
+                    f"data-parallel groups must split the job into disjoint groups."
+                )
+            seen[r] = i
+    if len(seen) != world_size:
+        missing = sorted(set(range(world_size)) - set(seen))
+        raise TopologyError(
+            f"the data-parallel groups leave out {len(missing)} rank(s) of {world_size}: {_short(missing)}; "
+            f"pass the data-parallel group of every rank."
+        )
+    return groups
+
+
+def plan_within(records: Sequence[RankRecord], members: Sequence[int]) -> TopologyPlan:
+    """Plan the intra-node and rail groups of the data-parallel group ``members`` (global ranks).
+
+    With tensor or pipeline parallelism a data-parallel group holds only some ranks of each node;
+    its hierarchy is planned on those ranks alone: "node" = the group's ranks on one NVLink
+    domain, rail ``k`` = the ``k``-th of them on every domain. The plan's rank lists are global
+    ranks and its ``world_size`` is the group's size (what an average divides by).
+
+    Raises:
+        TopologyError: a member without a record; the errors of :func:`plan_groups`.
+        UnevenTopologyError: the group holds different numbers of ranks on different domains.
+    """
+    recs = {r.rank: r for r in check_records(records)}
+    order = sorted(members)
+    absent = [m for m in order if m not in recs]
+    if absent:
+        raise TopologyError(f"data-parallel ranks {_short(absent)} have no topology record (world {len(recs)}).")
+    local = [RankRecord(i, recs[g].host, recs[g].nvlink_domain, recs[g].local_index, recs[g].switches)
+             for i, g in enumerate(order)]
+    try:
+        plan = plan_groups(local)
+    except UnevenTopologyError as exc:
+        raise UnevenTopologyError(f"data-parallel group {_short(order)}: {exc}") from None
+
+    def glob(groups: Groups) -> Groups:
+        return tuple(tuple(order[i] for i in g) for g in groups)
+
+    return TopologyPlan(len(order), glob(plan.intra), glob(plan.rails),
+                        tuple(glob(t) for t in plan.switch_tiers), plan.domain_names, plan.switch_names)

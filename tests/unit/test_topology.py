@@ -200,3 +200,32 @@ def test_domain_smaller_than_tp():
         plan_groups(cluster(4, 6), tp=4)
     with pytest.raises(TopologyError, match="tp = 0"):
         plan_groups(cluster(2, 2), tp=0)
+
+
+# -- hierarchies inside data-parallel groups smaller than the job ---------------------------------
+from robust_plugins.topology import check_dp_groups, parse_sim, plan_within  # noqa: E402
+from robust_plugins.topology.records import TopologyError as _TopoErr, UnevenTopologyError as _Uneven  # noqa: E402
+
+
+def test_plan_within_a_dp_group_uses_only_its_ranks():
+    recs = parse_sim("4x8")  # 32 ranks; TP = 4 (blocks of 4 consecutive ranks), DP groups stride 4
+    dp = check_dp_groups([range(s, 32, 4) for s in range(4)], 32)
+    assert dp[1] == (1, 5, 9, 13, 17, 21, 25, 29)
+    plan = plan_within(recs, dp[1])
+    assert plan.world_size == 8 and plan.intra == ((1, 5), (9, 13), (17, 21), (25, 29))
+    assert plan.rails == ((1, 9, 17, 25), (5, 13, 21, 29))
+    assert plan.groups_of(13) == {"intra": (9, 13), "rail": (5, 13, 21, 29)}
+
+
+def test_dp_groups_must_split_the_job_and_sit_evenly():
+    with pytest.raises(_TopoErr, match="rank 2 is in two data-parallel groups"):
+        check_dp_groups([[0, 2], [1, 2, 3]], 4)
+    with pytest.raises(_TopoErr, match="leave out 1 rank"):
+        check_dp_groups([[0, 2], [1]], 4)
+    with pytest.raises(_TopoErr, match="outside 0..3"):
+        check_dp_groups([[0, 2], [1, 3, 7]], 4)
+    # Three ranks on node 0 and one on node 1: no rails; the error names the group.
+    with pytest.raises(_Uneven, match=r"data-parallel group \[0, 1, 2, 4\]: uneven nodes"):
+        plan_within(parse_sim("2x4"), [0, 1, 2, 4])
+    with pytest.raises(_TopoErr, match="no topology record"):
+        plan_within(parse_sim("2x2"), [0, 9])
