@@ -1,13 +1,19 @@
-"""Rank program of ``robust bench comm --train-steps N``: training steps of the text GPT under DDP.
+"""Rank program of ``robust bench comm --train-steps N``: training steps of the text GPT.
 
 Started once per rank inside the simulator. Every method trains the same GPT (same seed, same
-batches) for ``--steps`` optimizer steps with PyTorch ``DistributedDataParallel`` over gloo and a
-different gradient communication: DDP's own fp32 all-reduce, PyTorch's ``fp16_compress_hook``,
-and this package's reductions through a DDP comm hook (flat int8 with error feedback, and
-:class:`~robust_plugins.comm.gradient_sync.GradientSync` with ``topology.hierarchical`` and int8 or
-``auto``). PyTorch's ``powerSGD_hook`` is not run: it hung on gloo after its first compressed
-steps in two trials on these machines (../shared/HOSTS.md). Rank 0 prints one JSON line with
-each method's step times (barrier to barrier) and held-out loss after the last step.
+batches) for ``--steps`` optimizer steps with a different gradient communication:
+
+* PyTorch ``DistributedDataParallel`` over gloo: its own fp32 all-reduce (``ddp fp32``), its
+  ``fp16_compress_hook`` and its ``powerSGD_hook`` at rank 4 (``start_powerSGD_iter=2``, with
+  error feedback and warm start; it hung on gloo in earlier trials, so ``robust bench comm`` runs
+  it in a launch of its own with a short bound);
+* DeepSpeed ZeRO-0 (``deepspeed.initialize``, AdamW): its default fp32 all-reduce (``ds fp32``),
+  ``communication_data_type: bf16`` (``ds bf16``), and this package's integration through the
+  ``robust_plugins`` block: flat and hierarchical int8/int4 and hierarchical ``auto``
+  (``ds hier auto``: ``auto`` chooses flat or hierarchical, and the codec).
+
+Rank 0 prints one JSON line with each method's step times (barrier to barrier) and held-out
+loss after the last step.
 """
 
 from __future__ import annotations
@@ -20,7 +26,12 @@ import time
 import torch
 import torch.distributed as dist
 
-METHODS = ("ddp fp32", "ddp fp16_compress_hook", "plugin flat int8", "plugin hier int8", "plugin hier auto")
+METHODS = ("ddp fp32", "ddp fp16_compress_hook", "ds fp32", "ds bf16", "ds flat int8", "ds flat int4",
+           "ds hier int8", "ds hier int4", "ds hier auto", "ddp powerSGD_hook",
+           "plugin flat int8", "plugin hier int8", "plugin hier auto")
+#: What ``robust bench comm --train-steps`` runs by default (the ``plugin *`` rows are the same
+#: reductions through DDP comm hooks; ``ddp powerSGD_hook`` runs in a launch of its own).
+DEFAULT_METHODS = METHODS[:9]
 
 
 def _sync_hook(sync, world: int):
@@ -55,6 +66,12 @@ def _install(name: str, ddp, world: int, step_ref: list) -> object | None:
     if name == "ddp fp16_compress_hook":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
+    if name == "ddp powerSGD_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        return None
     if name == "plugin flat int8":
         ddp.register_comm_hook(CompressionState(codec="int8"), ddp_comm_hook)
         return None
@@ -65,6 +82,33 @@ def _install(name: str, ddp, world: int, step_ref: list) -> object | None:
     return sync
 
 
+def _ds_block(name: str) -> dict | None:
+    """The DeepSpeed config entries of a ``ds *`` method beyond the common ones."""
+    if name == "ds fp32":
+        return {}
+    if name == "ds bf16":
+        return {"communication_data_type": "bf16"}
+    _, layout, codec = name.split()
+    block: dict = {"compression": {"codec": codec}}
+    if layout == "hier":
+        block["topology"] = {"hierarchical": True}
+    return {"robust_plugins": block}
+
+
+def _ds_engine(name: str, model, micro_batch: int):
+    import robust_plugins  # noqa: F401  (installs the DeepSpeed patch before initialize)
+    import deepspeed
+
+    cfg = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+           "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
+           # CPU: DeepSpeed's 5e8-element default buckets cost seconds a step (HOSTS.md).
+           "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6},
+           **_ds_block(name)}
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
 def main() -> int:
     """Train each method; rank 0 prints the JSON result."""
     from robust_plugins.topology import build_groups, discover
@@ -73,7 +117,7 @@ def main() -> int:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS)
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=2)
@@ -88,20 +132,31 @@ def main() -> int:
     out: dict = {"world_size": world, "methods": {}}
     for name in args.methods:
         model = build_gpt("small", seed=0, d_model=args.d_model, n_layer=args.layers, seq_len=args.seq_len)
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
         step_ref = [0]
-        sync = _install(name, ddp, world, step_ref)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+        engine = ddp = opt = sync = None
+        if name.startswith("ds "):
+            engine = _ds_engine(name, model, args.micro_batch)
+            plugin = getattr(engine, "robust_plugins", None)
+            sync = plugin.sync if plugin is not None else None
+        else:
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            sync = _install(name, ddp, world, step_ref)
+            opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
         times, losses = [], []
         for step in range(args.steps):
             x, y = get_batch(corpus, "train", seed=0, step=step, rank=rank, world_size=world,
                              micro_batch=args.micro_batch, seq_len=args.seq_len)
             dist.barrier()
             start = time.perf_counter()
-            loss = ddp(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if engine is not None:
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+            else:
+                loss = ddp(x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             dist.barrier()
             times.append(time.perf_counter() - start)
             losses.append(float(loss))
@@ -118,9 +173,10 @@ def main() -> int:
         if sync is not None and sync.auto is not None:
             everyone = [None] * world
             dist.all_gather_object(everyone, sync.stats.auto_decisions)
-            res["choice"] = "/".join(sorted({d["codec"] for ds in everyone for d in ds}))
+            res["choice"] = "/".join(sorted({d.get("route", d["codec"]) for ds in everyone for d in ds}))
+            res["decisions"] = everyone[0]
         out["methods"][name] = res
-        del ddp, opt
+        del ddp, opt, engine, sync
     if rank == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()

@@ -77,5 +77,40 @@ def test_train_rows_and_targets():
     targets = {r[0]: r[1:] for r in bench_comm.train_target_rows(results)}
     slow = targets["200mbit: plugin hier auto >= 1.3x faster than fp16_compress_hook, val loss no worse (+0.5 %)"]
     assert slow == ["1.43x, val loss +1.00%", "MISS"]  # fast enough, but the loss is 1 % worse
-    fast = targets["10gbit: plugin hier auto within 5 % of the fastest fixed method (ddp fp32)"]
+    fast = targets["10gbit: plugin hier auto within 5 % of the fastest fixed ddp method (ddp fp32)"]
     assert fast == ["chose none, 1.10x its time", "MISS"]
+
+
+def test_a_single_rate_is_judged_only_by_the_targets_of_its_kind():
+    one = {"methods": {"flat fp32": {"times_s": [1.0], "rel_error": 0.0},
+                       "flat auto": {"times_s": [1.02], "rel_error": 0.0, "choice": "none"},
+                       "hier int8": {"times_s": [3.0], "rel_error": 0.01}}}
+    rows = [r[0] for r in bench_comm.target_rows({"10gbit": one})]
+    assert rows == ["10gbit: flat auto within 5 % of the fastest fixed method (flat fp32)"]
+    slow = [r[0] for r in bench_comm.target_rows({"200mbit": one})]
+    assert slow and all(r.startswith("200mbit: ") for r in slow) and not any("within 5 %" in r for r in slow)
+    assert bench_comm.target_rows({"2gbit": one}) == []  # neither slow nor fast: no targets
+    assert bench_comm.link_kind("1gbit") == "slow" and bench_comm.link_kind("5gbit") == "fast"
+
+
+def test_ds_training_targets_and_a_hung_powersgd_row():
+    def m(t, loss, **kw):
+        return {"times_s": [t], "val_loss": loss, "params": 10, **kw}
+
+    results = {
+        "200mbit": {"methods": {"ddp fp32": m(1.8, 3.0), "ddp fp16_compress_hook": m(1.0, 3.0),
+                                "ds fp32": m(1.9, 3.0), "ds hier auto": m(0.7, 2.99, choice="hier int8"),
+                                "ddp powerSGD_hook": {"failed": "hung or failed within the 60 s bound (x)"}}},
+        "10gbit": {"methods": {"ddp fp32": m(0.25, 3.0), "ddp fp16_compress_hook": m(0.3, 3.0),
+                               "ds fp32": m(0.30, 3.0), "ds hier auto": m(0.31, 3.0, choice="flat none")}},
+    }
+    rows = {r[0]: r[1:] for r in bench_comm.train_rows(results)}
+    assert rows["ddp powerSGD_hook"][:4] == ["hung or failed within the 60 s bound (x)", "-", "-", "not run"]
+    assert rows["ds hier auto"][-1] == "hier int8, flat none"
+    t = {r[0]: r[1:] for r in bench_comm.train_target_rows(results)}
+    assert t["200mbit: ds hier auto >= 1.3x faster than fp16_compress_hook, val loss no worse (+0.5 %)"] == [
+        "1.43x, val loss -0.33%", "ok"]
+    assert t["10gbit: ds hier auto within 5 % of the fastest fixed ds method (ds fp32)"] == [
+        "chose flat none, 1.03x its time", "ok"]
+    assert t["10gbit: ds hier auto within 5 % of the fastest fixed method (ddp fp32)"] == [
+        "chose flat none, 1.24x its time", "MISS"]
