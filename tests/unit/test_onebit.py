@@ -161,3 +161,14 @@ def test_check_config_says_what_the_momentum_mode_needs(tmp_path, extra, expect)
     p = tmp_path / "ds.json"
     p.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "robust_plugins": {"compression": MOMENTUM}, **extra}))
     assert expect in "\n".join(check_config.check(str(p)))
+
+
+def test_megatron_refuses_the_momentum_mode():
+    from types import SimpleNamespace
+
+    from robust_plugins.patches import megatron as patch
+
+    ddp = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=False))
+    with pytest.raises(UnsupportedError, match="sign_mode = 'momentum' .* wired for DeepSpeed ZeRO 0 only"):
+        patch._refuse_config(patch._as_plugin_config({"compression": MOMENTUM}), ddp)
+    patch._refuse_config(patch._as_plugin_config({"compression": {"codec": "sign"}}), ddp)  # gradient mode is served
