@@ -6,7 +6,9 @@ What one snapshot holds, so that a restored engine continues bitwise as if never
 * ``engine.module.state_dict()`` (parameters and buffers),
 * the optimizer: for ZeRO 1/2 ``DeepSpeedZeroOptimizer.state_dict()`` (loss scaler, fp32 master
   partition, base optimizer state; restored through its own ``load_state_dict`` with
-  ``load_from_fp32_weights``), for ZeRO 0 a torch optimizer's ``state_dict()``,
+  ``load_from_fp32_weights``), for ZeRO 0 a torch optimizer's ``state_dict()`` or, with bf16/fp16
+  on ZeRO 0, ``FP16_UnfusedOptimizer.state_dict()`` (loss-scale settings, wrapped optimizer,
+  fp32 master copies; its ``load_state_dict`` copies them back),
 * the LR scheduler, DeepSpeed's step counters (``global_steps``, ``global_samples``,
   ``skipped_steps``, ``micro_steps``),
 * RNG states: torch (CPU and, where initialized, CUDA), numpy and Python's ``random``,
@@ -83,14 +85,24 @@ def _zero_optimizer(engine):
     return engine.optimizer if isinstance(engine.optimizer, DeepSpeedZeroOptimizer) else None
 
 
+def _unfused_wrapper(opt) -> bool:
+    # ZeRO 0's FP16_UnfusedOptimizer (bf16 on CPU): its state_dict holds everything it steps from
+    # (loss-scale settings, the wrapped optimizer's state, the fp32 master copies, as tensors and
+    # plain data) and its load_state_dict copies the masters back in place: exact. The other
+    # wrappers (fused FP16_Optimizer, BF16_Optimizer) run on GPUs only and were never checked here.
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    return isinstance(opt, FP16_UnfusedOptimizer)
+
+
 def check_engine(engine) -> None:
     """Refuse optimizers whose state this binding cannot restore exactly."""
     opt = engine.optimizer
-    if _zero_optimizer(engine) is None and not isinstance(opt, torch.optim.Optimizer):
+    if _zero_optimizer(engine) is None and not isinstance(opt, torch.optim.Optimizer) and not _unfused_wrapper(opt):
         raise UnsupportedError(
             f"robust_plugins.checkpoint.memory_every supports ZeRO 1/2 (DeepSpeedZeroOptimizer) and, "
-            f"with ZeRO 0, plain torch optimizers; this engine has {type(opt).__name__} (fp16/bf16 "
-            f"wrappers of ZeRO 0 are not supported yet). Remove memory_every or use ZeRO 1/2."
+            f"with ZeRO 0, plain torch optimizers and DeepSpeed's FP16_UnfusedOptimizer; this engine has "
+            f"{type(opt).__name__}, whose exact capture was not verified. Remove memory_every or use ZeRO 1/2."
         )
 
 
