@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections import deque
 import os
+import select
 import signal
 import socket
 import tempfile
@@ -38,16 +39,8 @@ from robust_plugins.watchdog.faults import Fault, FaultLog
 
 log = get_logger(__name__)
 
-#: The receiver thread drains the socket this often instead of waking for every datagram. Waking
-#: for each one made a rank's ``sendto`` hand its core to the monitor thread (the kernel favours a
-#: woken sleeper): ~200 us a step on each of 4 ranks sharing 2 cores, the largest part of the
-#: watchdog's overhead (BENCHMARKS.md). Nothing is detected later for it: the agent thread drains
-#: before every check, and ranks stamp their signals with their own clock. Also bounds stop().
-_RECV_POLL_S = 0.05
-
-#: Receive buffer asked for (the kernel caps it at net.core.rmem_max): datagrams queue for up to
-#: one drain period; a full queue makes ranks drop signals (they warn once), never wait.
-_RECV_BUFFER_BYTES = 4 << 20
+#: Receiver thread's poll period: also the bound on how long stop() waits for it.
+_RECV_POLL_S = 0.2
 
 
 @dataclass
@@ -148,10 +141,6 @@ class Monitor:
         if os.path.exists(self.address):
             os.unlink(self.address)  # left by a launcher that was killed; nobody listens there
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RECV_BUFFER_BYTES)
-        except OSError:
-            pass  # the default buffer; ranks drop signals only if it stays full
         self._sock.bind(self.address)
         self._recv_lock = threading.Lock()
         self._thread = threading.Thread(target=self._receive, name="robust-watchdog-recv", daemon=True)
@@ -219,10 +208,13 @@ class Monitor:
 
     # -- receiving -----------------------------------------------------------------------------
     def _receive(self) -> None:
-        while not self._stop.wait(_RECV_POLL_S):
-            if self._sock.fileno() < 0:
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([self._sock], [], [], _RECV_POLL_S)
+            except (OSError, ValueError):
                 return  # socket closed
-            self._drain()
+            if ready:
+                self._drain()
 
     def _drain(self) -> None:
         """Handle every datagram already queued. Receiving and handling happen under one lock, so
