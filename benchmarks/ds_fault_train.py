@@ -108,18 +108,21 @@ def main() -> None:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         loss_value = float(mean) / world
-        log.write(json.dumps({"step": step, "t": time.time(), "dt": time.perf_counter() - t_step,
-                              "inc": inc, "pid": os.getpid()}) + "\n")
+        dt = time.perf_counter() - t_step
         if kill is not None and inc == 0 and (rank, step) == kill:
+            log.write(json.dumps({"step": step, "t": time.time(), "dt": dt, "inc": inc, "pid": os.getpid()}) + "\n")
             log.write(json.dumps({"kill": step, "t": time.time()}) + "\n")
             os.kill(os.getpid(), signal.SIGKILL)
         # What the watchdog costs this rank per step, wall and CPU (the overhead benchmark).
         w0, c0 = time.perf_counter(), time.process_time()
         watchdog.step_end(step, loss=loss_value)
         agree = watchdog.check_params(step, engine.module)
-        wd_wall += time.perf_counter() - w0
-        wd_cpu += time.process_time() - c0
+        wd, wd_c = time.perf_counter() - w0, time.process_time() - c0
+        wd_wall += wd
+        wd_cpu += wd_c
         wd_steps += 1
+        log.write(json.dumps({"step": step, "t": time.time(), "dt": dt, "inc": inc, "pid": os.getpid(),
+                              "wd": wd, "wd_cpu": wd_c}) + "\n")
         # save_checkpoint is collective: every rank gets the same answer from the node monitor.
         if step % args.save_every == 0 and agree and watchdog.ok_to_save(step):
             engine.save_checkpoint(args.ckpt_dir)

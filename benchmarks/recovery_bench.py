@@ -184,7 +184,7 @@ def ettr_run(work: Path, args) -> dict:
         kind = kinds[rng.randrange(len(kinds))]
         injects.append(f"{kind}:rank={rng.randrange(args.nproc)},step={step + rng.randrange(-every_steps // 4, every_steps // 4)}")
     wd = ["straggler_factor=0", "hang_min_timeout_s=5", "hang_initial_timeout_s=60"]
-    job = run_robust(work, args.nproc, 10**6, args.save_every, injects, wd, args.ettr_seconds + 240,
+    job = run_robust(work, args.nproc, 10**6, args.save_every, injects, wd, args.ettr_seconds + 60,
                      ("--seconds", str(args.ettr_seconds)))
     steps, _ = _step_log(work)
     wall = job["t_end"] - job["t0"]
@@ -201,6 +201,7 @@ def ettr_run(work: Path, args) -> dict:
             "steps_kept": len(kept), "productive_s": round(productive, 1),
             "steps_done_s": round(all_steps, 1), "ettr": round(productive / wall, 3),
             "incarnations": 1 + max((s["inc"] for s in steps), default=0),
+            "first_step_after_s": round(min(s["t"] for s in steps) - job["t0"], 1) if steps else None,
             "note": "" if job["rc"] == 0 else job["out"][-2000:]}
 
 

@@ -62,11 +62,14 @@ def run_job(arm: str, work: Path, args) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=launch_env(),
                             start_new_session=True)
     cpu = None
+    samples: list[tuple[float, float]] = []
     deadline = time.monotonic() + args.timeout
     out = b""
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             cpu = _own_cpu_s(proc.pid) or cpu
+            if cpu is not None:
+                samples.append((time.time(), cpu))
             try:
                 out += proc.communicate(timeout=0.2)[0] or b""
             except subprocess.TimeoutExpired:
@@ -79,15 +82,57 @@ def run_job(arm: str, work: Path, args) -> dict:
         proc.wait()
     if proc.returncode != 0:
         raise RuntimeError(f"{arm} job failed ({proc.returncode}): {out.decode(errors='replace')[-2000:]}")
-    dts = []
+    dts, wd, wd_check, wd_first, t_steps = [], [], [], [], {}
     for f in (work / "steps").glob("steps-rank*.jsonl"):
-        dts += [r["dt"] for r in map(json.loads, f.read_text().splitlines()) if r.get("step", 0) > args.skip]
+        recs = [r for r in map(json.loads, f.read_text().splitlines()) if "step" in r]
+        dts += [r["dt"] for r in recs if r["step"] > args.skip]
+        wd_first += [r["wd"] for r in recs if r["step"] == 1]
+        wd += [r["wd"] for r in recs if r["step"] > 1 and r["step"] % args.sdc_every]
+        wd_check += [r["wd"] for r in recs if r["step"] % args.sdc_every == 0]
+        if f.name == "steps-rank0.jsonl":
+            t_steps = {r["step"]: r["t"] for r in recs}
     res = json.loads((work / "result.json").read_text())
+    # The launcher's CPU between the end of warm-up and the last step: its steady per-step cost,
+    # without the one-time work of starting (imports, rendezvous) and stopping the job.
+    t_a, t_b = t_steps[args.skip], t_steps[max(t_steps)]
+    inside = [c for t, c in samples if t_a <= t <= t_b]
+    res["launcher_cpu_per_step_s"] = ((inside[-1] - inside[0]) / (max(t_steps) - args.skip)
+                                      if len(inside) >= 2 else None)
+    res["wd_step_median_s"] = statistics.median(wd)
+    res["wd_check_median_s"] = statistics.median(wd_check) if wd_check else 0.0
+    res["wd_first_median_s"] = statistics.median(wd_first)
     if arm == "robust run":
         faults = (work / "run" / "faults.jsonl")
         acting = [json.loads(x) for x in faults.read_text().splitlines()] if faults.exists() else []
         res["faults"] = [(f["kind"], f["action"]) for f in acting]
     return {"median_step_s": statistics.median(dts), "dts": dts, "launcher_cpu_s": cpu, **res}
+
+
+def monitor_cost(nproc: int, n: int = 2000) -> dict[str, float]:
+    """CPU microseconds the node monitor spends (in process, ``time.process_time``): handling one
+    rank's step datagram (decoded as the receiver does), and one ``check`` of ``nproc`` ranks with
+    full detector windows (the agent calls it every monitor interval)."""
+    from robust_plugins.config import WatchdogConfig
+    from robust_plugins.watchdog.monitor import Monitor
+
+    with tempfile.TemporaryDirectory(prefix="wd-mon-") as tmp:
+        mon = Monitor(WatchdogConfig(), tmp, host="bench")
+        try:
+            mon.begin_incarnation({r: 0 for r in range(nproc)})
+            c0 = time.process_time()
+            for step in range(1, n + 1):
+                for r in range(nproc):
+                    data = json.dumps({"k": "end", "r": r, "i": 0, "s": step, "t": time.time(), "l": 2.0,
+                                       "g": 1.0, "w": 0.045, "c": 0.02}).encode()
+                    mon._handle(json.loads(data), time.monotonic())
+            per_msg = (time.process_time() - c0) / (n * nproc)
+            c0 = time.process_time()
+            for _ in range(n // 4):
+                mon.check(will_restart=True)
+            per_check = (time.process_time() - c0) / (n // 4)
+        finally:
+            mon.close()
+    return {"per_msg_us": per_msg * 1e6, "per_check_us": per_check * 1e6}
 
 
 def main() -> None:
@@ -107,8 +152,11 @@ def main() -> None:
                 res = run_job(arm, Path(tmp) / f"{r}-{arm.replace(' ', '_')}", args)
                 arms[arm].append(res)
                 print(f"round {r} {arm}: median step {res['median_step_s'] * 1e3:.2f} ms, launcher CPU "
-                      f"{res['launcher_cpu_s']:.2f} s, watchdog on rank {res['watchdog_wall_s_per_step'] * 1e6:.1f} us "
-                      f"wall / {res['watchdog_cpu_s_per_step'] * 1e6:.1f} us CPU a step"
+                      f"{res['launcher_cpu_s']:.2f} s ({(res['launcher_cpu_per_step_s'] or 0) * 1e6:.0f} us a "
+                      f"step after warm-up), watchdog on rank: mean {res['watchdog_wall_s_per_step'] * 1e6:.1f} "
+                      f"us wall / {res['watchdog_cpu_s_per_step'] * 1e6:.1f} us CPU a step; median step "
+                      f"{res['wd_step_median_s'] * 1e6:.1f} us, check step {res['wd_check_median_s'] * 1e3:.2f} ms, "
+                      f"first step {res['wd_first_median_s'] * 1e3:.2f} ms"
                       + (f", faults {res['faults']}" if res.get("faults") else ""), flush=True)
     sys.path.insert(0, str(HERE))
     from watchdog_bench import rank_side_cost
@@ -125,6 +173,11 @@ def main() -> None:
     colls = statistics.median(r["timed_collectives_per_step"] or 0 for r in rb)
     mon = (statistics.median(r["launcher_cpu_s"] for r in rb)
            - statistics.median(r["launcher_cpu_s"] for r in arms["torchrun"])) / steps_done
+    mon_steady = (statistics.median(r["launcher_cpu_per_step_s"] or 0 for r in rb)
+                  - statistics.median(r["launcher_cpu_per_step_s"] or 0 for r in arms["torchrun"]))
+    wd_step = statistics.median(r["wd_step_median_s"] for r in rb)
+    wd_check = statistics.median(r["wd_check_median_s"] for r in rb)
+    wd_first = statistics.median(r["wd_first_median_s"] for r in rb)
     print(f"\n{args.nproc} ranks, {args.steps} steps (first {args.skip} left out), {args.rounds} rounds, "
           f"sdc_every_steps={args.sdc_every}")
     print("| launcher | median step time (pooled) | per-round medians | vs torchrun |")
@@ -135,15 +188,29 @@ def main() -> None:
               f"{pooled[arm] / base:.4f}x |")
     print(f"per-round ratios robust/torchrun: {', '.join(f'{x:.4f}' for x in ratios)} "
           f"(min {min(ratios):.4f}, max {max(ratios):.4f})")
-    added = rank_wall + colls * timed_us * 1e-6
+    steady = wd_step + wd_check / args.sdc_every
+    added = steady + colls * timed_us * 1e-6
     print("\ndirect cost per step (robust run):")
-    print(f"| rank: step_end + check_params | {rank_wall * 1e6:.1f} us wall, {rank_cpu * 1e6:.1f} us CPU | "
-          f"{rank_wall / base * 100:.3f} % of the step |")
+    print(f"| rank: step_end + check_params, mean over the run | {rank_wall * 1e6:.1f} us wall, {rank_cpu * 1e6:.1f} "
+          f"us CPU | {rank_wall / base * 100:.3f} % of the step (includes one-time costs) |")
+    print(f"| rank: of which the first step (opens the collective timer) | {wd_first * 1e3:.2f} ms once | - |")
+    print(f"| rank: a plain step's step_end + check_params (median) | {wd_step * 1e6:.1f} us | "
+          f"{wd_step / base * 100:.3f} % |")
+    print(f"| rank: a hash-check step (every {args.sdc_every}; hash + all-gather, including waiting for peers) | "
+          f"{wd_check * 1e3:.2f} ms | {wd_check / args.sdc_every / base * 100:.3f} % amortized |")
     print(f"| rank: collective timing | {colls:.1f} collectives x {timed_us:.1f} us | "
           f"{colls * timed_us * 1e-6 / base * 100:.3f} % |")
-    print(f"| node monitor (launcher CPU, robust run - torchrun) | {mon * 1e6:.0f} us CPU a step | "
-          f"{mon / base * 100:.3f} % of one step's wall time on one core |")
-    print(f"rank-side total: {added * 1e6:.1f} us = {added / base * 100:.3f} % of the {base * 1e3:.2f} ms step")
+    print(f"| node monitor (launcher CPU, robust run - torchrun, whole job / steps) | {mon * 1e6:.0f} us CPU a step | "
+          f"{mon / base * 100:.3f} % of one step's wall time on one core (includes start-up) |")
+    print(f"| node monitor (launcher CPU after warm-up, robust run - torchrun) | {mon_steady * 1e6:.0f} us CPU a step | "
+          f"{mon_steady / base * 100:.3f} % of one step's wall time on one core |")
+    mc = monitor_cost(args.nproc)
+    per_step_mon = args.nproc * mc["per_msg_us"] + mc["per_check_us"] * min(1.0, base / 0.1)
+    print(f"| node monitor, in process: {args.nproc} step datagrams x {mc['per_msg_us']:.1f} us + one check "
+          f"({args.nproc} ranks, full windows) {mc['per_check_us']:.1f} us every 0.1 s | {per_step_mon:.0f} us CPU a step | "
+          f"{per_step_mon * 1e-6 / base * 100:.3f} % of one step's wall time on one core |")
+    print(f"rank-side steady total (plain step + amortized check + collective timing): {added * 1e6:.1f} us = "
+          f"{added / base * 100:.3f} % of the {base * 1e3:.2f} ms step")
 
 
 if __name__ == "__main__":
