@@ -23,7 +23,7 @@ Run under the shared lock, each command under 6 minutes::
 
     python benchmarks/recovery_bench.py --rows crash hang nan
     python benchmarks/recovery_bench.py --rows spike straggler sdc torchrun ft_launcher
-    python benchmarks/recovery_bench.py --rows ettr --ettr-seconds 300 --seed 1
+    python benchmarks/recovery_bench.py --rows ettr --ettr-seconds 270 --ettr-step-s 0.05 --save-every 50 --seed 1
 
 ``ft_launcher`` needs ``nvidia-resiliency-ext`` importable; ``--nvrx-path DIR[:DIR]`` is prepended
 to ``PYTHONPATH`` for that row only (a throwaway ``pip install --target`` works).
@@ -171,9 +171,8 @@ def baseline_row(launcher: str, work: Path, args) -> dict:
 
 def ettr_run(work: Path, args) -> dict:
     """One job of ``--ettr-seconds`` with a random fault every ``--ettr-every`` seconds."""
-    # Calibrate steps per second from a short warm run? No: faults are placed by step, so estimate
-    # the step rate from --ettr-step-s (measured in the recovery rows) and place one fault per
-    # --ettr-every seconds of training at a random rank.
+    # Injections fire at a step, not a time: one fault per --ettr-every seconds of training at the
+    # step time --ettr-step-s (measured in the recovery rows), at a random rank.
     rng = random.Random(args.seed)
     kinds = ["kill", "hang", "nan", "spike"]
     every_steps = max(5, int(args.ettr_every / args.ettr_step_s))
