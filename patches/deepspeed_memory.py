@@ -215,12 +215,14 @@ class MemorySnapshots:
     def note_client_state(self, client_state) -> None:
         """``save_checkpoint(client_state=...)`` was called: keep a copy in the snapshots (module
         docstring), re-taking this step's snapshot if it was taken already."""
-        cs = copy.deepcopy(dict(client_state or {}))
+        cs = dict(client_state or {})
         try:
             flat.flatten(cs, _allowed())  # refuse now, naming the key, not at the next step
         except CheckpointError as exc:
             raise CheckpointError(f"save_checkpoint(client_state=...) cannot go into an in-memory snapshot "
-                                  f"(checkpoint.memory_every): {exc}") from exc
+                                  f"(checkpoint.memory_every): {exc} Keep client_state to tensors and plain "
+                                  f"data, or remove memory_every; nothing was saved.") from exc
+        cs = copy.deepcopy(cs)  # the caller may change its dict or tensors after the call
         n = self.engine.global_steps
         self.client_state = {"step": n, "state": cs}
         if self.taken_at == n:

@@ -256,3 +256,48 @@ def test_a_slow_peer_send_or_disk_save_does_not_delay_the_next_commit(job):
     release.set()
     st.flush()
     st.close()
+
+
+def test_client_state_that_cannot_be_snapshotted_is_refused_before_any_save():
+    """save_checkpoint(client_state=...) with memory snapshots: an object that is neither a tensor
+    nor plain data is refused, naming its path, before anything is written."""
+    pytest.importorskip("deepspeed")
+    from types import SimpleNamespace
+
+    from robust_plugins.patches.deepspeed_memory import MemorySnapshots
+
+    mem = MemorySnapshots.__new__(MemorySnapshots)  # only note_client_state's inputs are needed
+    mem.engine, mem.taken_at, mem.client_state = SimpleNamespace(global_steps=3), None, None
+
+    class Sampler:
+        pass
+
+    with pytest.raises(CheckpointError, match=r"client_state.*state\['sampler'\].*Sampler.*nothing was saved"):
+        mem.note_client_state({"epoch": 1, "sampler": Sampler()})
+    assert mem.client_state is None
+    given = {"epoch": 1, "pos": torch.arange(3)}
+    mem.note_client_state(given)
+    given["pos"].add_(10)  # the caller changes its tensor after the call: the copy does not move
+    assert mem.client_state["step"] == 3 and mem.client_state["state"]["pos"].tolist() == [0, 1, 2]
+
+
+def test_replace_newest_rewrites_the_newest_slot_and_keeps_the_older(tmp_path):
+    """A second snapshot of one step (save_checkpoint's client_state) goes into the newest slot:
+    the older slot keeps the previous step, and the next step overwrites that older slot."""
+    st = memory.SnapshotStore("replace", 0, 1, root=str(tmp_path))
+    try:
+        st.save(1, {"x": torch.ones(3)})
+        st.save(2, {"x": torch.full((3,), 2.0)})
+        st.flush()
+        st.save(2, {"x": torch.full((3,), 5.0), "cs": "given"}, replace_newest=True)
+        st.flush()
+        snaps = {s.step: s.slot for s in st.own_snapshots()}
+        assert sorted(snaps) == [1, 2]
+        state = st.load(snaps[2])[1]
+        assert state["cs"] == "given" and state["x"].tolist() == [5.0, 5.0, 5.0]
+        assert st.load(snaps[1])[1]["x"].tolist() == [1.0, 1.0, 1.0]
+        st.save(3, {"x": torch.full((3,), 3.0)})
+        st.flush()
+        assert sorted(s.step for s in st.own_snapshots()) == [2, 3]
+    finally:
+        st.close(remove=True)
