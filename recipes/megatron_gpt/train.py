@@ -15,8 +15,9 @@ On CPU the recipe installs the CPU shim (``patches/megatron_cpu.py``), passes an
 mask (megatron's default mask is built with ``device="cuda"``) and steps a ``torch.optim.AdamW`` on
 ``param.main_grad``: megatron-core 0.16's optimizers (``get_megatron_optimizer``) allocate CUDA
 tensors unconditionally, and its distributed optimizer requires ``torch.cuda`` parameter types,
-so neither runs on CPU. The gradient sync, which is what robust_plugins changes, is megatron's DDP
-in both cases.
+so neither runs on CPU; with ``--distributed-optimizer`` the CPU presets use :class:`ShardedAdamW`
+(AdamW on each rank's shard of megatron's buffers). The gradient sync, which is what robust_plugins
+changes, is megatron's DDP in every case.
 
 Rank placement: megatron-core puts TP groups on consecutive ranks. By default
 (``--rank-order topology``) the recipe discovers the topology (``--topology-file``,
@@ -94,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topology-file", help="topology file for --rank-order topology (default: discovered)")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="megatron DDP overlap_grad_reduce")
     p.add_argument("--distributed-optimizer", action="store_true",
-                   help="megatron distributed optimizer (GPU presets only)")
+                   help="megatron distributed optimizer (grad reduce-scatter; on CPU presets: ShardedAdamW)")
     p.add_argument("--ckpt-dir", help="verified dist_checkpointing saves go here; resumes from the newest valid one")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (0: never)")
     p.add_argument("--memory-every", type=int, default=None,
@@ -104,6 +105,74 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="rank 0 writes the result JSON here")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints the loss every N steps (0: never)")
     return p.parse_args(argv)
+
+
+class ShardedAdamW:
+    """The distributed optimizer of the CPU presets: AdamW on this rank's shard of megatron's buffers.
+
+    megatron-core 0.16's ``DistributedOptimizer`` needs CUDA. With ``use_distributed_optimizer``
+    megatron's DDP already does the distributed part on CPU too: parameters live in one contiguous
+    buffer per dtype, and each bucket's gradients are reduce-scattered so that data-parallel rank r
+    holds the reduced gradients of shard r. This class steps a ``torch.optim.AdamW`` over those
+    shards only (each rank keeps 1/dp of the moments, as a distributed optimizer does), then
+    megatron's ``start_param_sync`` all-gathers the updated parameters. Its optimizer state is
+    checkpointed sharded: :meth:`sharded_state_dict` gives one ``ShardedTensor`` per bucket and
+    moment, at the rank's offset in the bucket.
+    """
+
+    def __init__(self, ddp, lr: float, dp_rank: int, dp_size: int):
+        from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+        self.ddp, self.dp_rank, self.dp_size = ddp, dp_rank, dp_size
+        self.params: list[torch.nn.Parameter] = []
+        self._grads: list[torch.Tensor] = []
+        for buffer in ddp.buffers:
+            for bucket in buffer.buckets:
+                # Parameter() of a view aliases its storage: stepping it updates megatron's buffer.
+                self.params.append(torch.nn.Parameter(shard_buffer(bucket.param_data, dp_size)[dp_rank]))
+                self._grads.append(shard_buffer(bucket.grad_data, dp_size)[dp_rank])
+        self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+
+    def zero_grad(self) -> None:
+        """Nothing to do: the gradient shards are views of megatron's buffer (``zero_grad_buffer``)."""
+
+    def step(self) -> None:
+        """AdamW on the local shards (after ``finish_grad_sync``), then all-gather the parameters."""
+        for p, g in zip(self.params, self._grads):
+            p.grad = g
+        self.opt.step()
+        self.ddp.start_param_sync(force_sync=True)
+
+    def _ensure_state(self) -> None:
+        for p in self.params:
+            if not self.opt.state[p]:
+                self.opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                     "exp_avg_sq": torch.zeros_like(p)}
+
+    def sharded_state_dict(self, model_sd: dict, is_loading: bool = False) -> dict:
+        """dist_checkpointing view of the moments (one global tensor per bucket and moment)."""
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        self._ensure_state()
+        shards = {}
+        for i, p in enumerate(self.params):
+            st = self.opt.state[p]
+            for name in ("exp_avg", "exp_avg_sq"):
+                shards[f"b{i}.{name}"] = ShardedTensor.from_rank_offsets(
+                    f"optimizer.distopt.bucket{i}.{name}", st[name], (0, self.dp_rank, self.dp_size))
+        return {"shards": shards, "steps": [self.opt.state[p]["step"].clone() for p in self.params],
+                "lr": [g["lr"] for g in self.opt.param_groups]}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore what :meth:`sharded_state_dict` saved (as loaded by ``dist_checkpointing.load``)."""
+        self._ensure_state()
+        for i, p in enumerate(self.params):
+            st = self.opt.state[p]
+            for name in ("exp_avg", "exp_avg_sq"):
+                st[name].copy_(sd["shards"][f"b{i}.{name}"])
+            st["step"] = sd["steps"][i].clone()
+        for g, lr in zip(self.opt.param_groups, sd["lr"]):
+            g["lr"] = lr
 
 
 def plugin_block(codec: str | None, path: str | None) -> dict | None:
@@ -130,9 +199,6 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     """
     cpu = preset.device == "cpu"
     if cpu:
-        if distopt:
-            raise ConfigError("--distributed-optimizer needs a GPU: megatron-core 0.16's DistributedOptimizer "
-                              "accepts only torch.cuda parameter types. Drop it for CPU presets.")
         from robust_plugins.patches import megatron_cpu
 
         megatron_cpu.install()
@@ -171,7 +237,9 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     if block is None and codec is not None:
         block = {"compression": {"codec": codec}}
     plugin = rpm.enable(ddp, block) if block is not None else None
-    if cpu:
+    if cpu and distopt:
+        optimizer = ShardedAdamW(ddp, preset.lr, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+    elif cpu:
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=preset.lr, weight_decay=0.0)
     else:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -202,7 +270,7 @@ def train_step(parts: dict[str, Any], preset: Preset, corpus, seed: int, step: i
         for p in ddp.parameters():
             p.grad = p.main_grad
         opt.step()
-    else:
+    else:  # ShardedAdamW (CPU) or megatron's optimizer
         opt.step()
     return float(loss.detach())
 
