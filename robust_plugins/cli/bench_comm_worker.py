@@ -96,7 +96,8 @@ def main() -> int:
         if hasattr(op, "sync"):
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, op.sync.stats.auto_decisions)
-            out["methods"][name]["choice"] = "/".join(sorted({d["codec"] for ds in everyone for d in ds}))
+            out["methods"][name]["choice"] = "/".join(sorted({d.get("route", d["codec"]) for ds in everyone
+                                                               for d in ds}))
             out["methods"][name]["decisions"] = everyone
     if rank == 0:
         print(json.dumps(out), flush=True)

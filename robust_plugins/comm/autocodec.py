@@ -472,8 +472,10 @@ class AutoCodec:
         w = dist.get_world_size(group)
         costs = {c: measure_codec(c, sample[: self.sample_numel], w, self.block_size)
                  for c in self.candidates if c != "none"}
-        measured = {"flat": self._link(group, self.link_gbit), "intra": self._link(intra, None),
-                    "rail": self._link(rail, self.link_gbit)}
+        none = (0.0, 0.0, 1)  # no hierarchy: a node and a rail of one rank each
+        measured = {"flat": self._link(group, self.link_gbit),
+                    "intra": none if intra is None else self._link(intra, None),
+                    "rail": none if rail is None else self._link(rail, self.link_gbit)}
         names = sorted(costs)
         flat_values = [v for kind in ("flat", "intra", "rail") for v in measured[kind][:2]]
         agreed = _max_over_group(flat_values + [costs[c].seconds_per_element for c in names]
@@ -516,7 +518,8 @@ class AutoCodec:
         A collective on ``group``: probes the links when this group was never probed or
         ``recheck_steps`` steps have passed, and, unless ``link_gbit`` is given, runs the candidate
         routes on copies of ``tensor`` through ``run(route, copy)`` (which must reduce without
-        error feedback) at the first bucket of each size.
+        error feedback) at the first bucket of each size. Without a hierarchy (``intra`` and
+        ``rail`` ``None``) only the flat routes, i.e. the codecs, are candidates.
         """
         self._calls += 1
         numel = tensor.numel() if numel is None else numel

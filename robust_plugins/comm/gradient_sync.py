@@ -234,15 +234,19 @@ class GradientSync:
             self.stats.hierarchical_elements += tensor.numel()
             return hierarchical_all_reduce(tensor, groups, codec=None if state else codec, op="sum",
                                            state=state, key=key)
+        import torch.distributed as dist
+
+        if self.auto is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            return self._auto_route(tensor, group, None, key)
         codec = self._codec(tensor, group, tensor.numel(), key)
         state = self.states.get(codec)
         return compressed_all_reduce(tensor, group=group, codec=None if state else codec, op="sum",
                                      state=state, key=key)
 
     def _auto_route(self, tensor: torch.Tensor, group, groups, key: str) -> torch.Tensor:
-        """``auto`` with ``topology.hierarchical``: the layout (flat or hierarchical) is chosen
-        with the codec, from measured trial runs (see ``robust_plugins.comm.autocodec``); ``flat
-        none`` is the plain uncompressed all-reduce the host would run."""
+        """``auto``: the codec, and with ``topology.hierarchical`` (``groups``) the layout (flat or
+        hierarchical), chosen from measured trial runs (see ``robust_plugins.comm.autocodec``);
+        ``flat none`` is the plain uncompressed all-reduce the host would run."""
         from robust_plugins.comm import compressed_all_reduce
         from robust_plugins.topology import hierarchical_all_reduce
 
@@ -254,8 +258,11 @@ class GradientSync:
                 compressed_all_reduce(t, group=group, codec=codec, op="sum")
 
         before = len(self.auto.history)
-        d = self.auto.route_for(tensor, group=group, intra=groups.intra, rail=groups.rail,
-                                per_node=len(groups.intra_ranks), run=run)
+        if groups is None:  # flat only: the codec, timed on the real bucket like the routes
+            d = self.auto.route_for(tensor, group=group, intra=None, rail=None, per_node=1, run=run)
+        else:
+            d = self.auto.route_for(tensor, group=group, intra=groups.intra, rail=groups.rail,
+                                    per_node=len(groups.intra_ranks), run=run)
         if len(self.auto.history) != before:
             self.stats.auto_decisions = self.auto.decisions()
         last = self._last_codec.get(key)
