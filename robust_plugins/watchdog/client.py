@@ -167,7 +167,11 @@ class _Client:
         self.last_end = now
         if self.comm is not None:
             self.last_comm_s = self.comm.seconds
-        self.send(msg)
+        # A plain step's signal may be dropped when the monitor is behind (the next one
+        # supersedes it), but a NaN/Inf is the fault itself: the queue holds only
+        # net.unix.max_dgram_qlen (10) datagrams, so under load it must wait for room (bounded).
+        bad = any(v is not None and not math.isfinite(v) for v in (loss, grad_norm))
+        self.send(msg, wait=bad)
 
     def _open_comm_timer(self) -> None:
         # Opened at the first step, after the host built its communication backend (DeepSpeed
