@@ -406,8 +406,8 @@ def add_step_observer(engine, observer, first: bool = False) -> None:
                     fn(engine)
             return result
 
-        # Not bind_instance: that skips an attribute robust_plugins already shadowed, and the
-        # observers must also run around persist_every's wrapper.
+        # Installed once per engine (the list above is the guard), around whatever is bound
+        # now, persist_every's wrapper included, so observers see the step after its save.
         engine.step = _guard.wrap(inner, step)
     if observer not in observers:
         observers.insert(0, observer) if first else observers.append(observer)

@@ -78,9 +78,8 @@ class StepSignals:
 def attach_watchdog(engine, plugin) -> StepSignals | None:
     """Make ``engine`` report its steps to ``robust run``'s monitor; ``None`` outside ``robust run``.
 
-    Call after every other feature has shadowed ``engine.backward`` (telemetry does, with
-    ``bind_instance``, which skips an attribute robust_plugins already shadowed): this wraps
-    whatever is there.
+    Call after every other feature has shadowed ``engine.backward`` (telemetry does): this wraps
+    whatever is there, so the loss is recorded whichever features are on.
     """
     from robust_plugins.watchdog import client
 
@@ -101,7 +100,7 @@ def attach_watchdog(engine, plugin) -> StepSignals | None:
         signals.losses.append(loss.detach())
         return inner(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
-    # Not bind_instance: it would skip an engine whose backward telemetry already shadowed.
+    # Called once per engine, from deepspeed.initialize; wraps telemetry's backward if it is there.
     engine.backward = _guard.wrap(inner, backward)
     save = engine.save_checkpoint
 
