@@ -126,7 +126,34 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class MemorySnapshots:
+class SnapshotBinding:
+    """What the DeepSpeed and megatron-core snapshot bindings share: registered user state and
+    the end of the job. A subclass sets ``store``, ``peers``, ``timeout_s`` and ``_user``."""
+
+    def register(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
+        """Snapshot ``get()`` (tensors / plain data) under ``name``; restore by calling ``set_(value)``."""
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(f"register(name={name!r}): the name must be a non-empty string.")
+        self._user[name] = (get, set_)
+
+    def close(self, remove: bool) -> None:
+        """Finish pending hand-offs; with ``remove`` delete this rank's shared-memory files."""
+        try:
+            self.store.flush(timeout_s=min(self.timeout_s, 60.0))
+        except CheckpointError as exc:
+            log.error("robust_plugins: %s", exc)
+        self.store.close(remove=remove)
+        if self.peers is not None:
+            self.peers.close(remove=remove)
+
+    def _at_exit(self) -> None:
+        # Under `robust run` the launcher removes the job's files once the whole job completed: a
+        # rank that exits normally while a peer died must not take the restart's source with it.
+        # Outside it, a normal end of the script ends the job; an unhandled exception does not.
+        self.close(remove=not _CRASHED and not os.environ.get("ROBUST_RUN_DIR"))
+
+
+class MemorySnapshots(SnapshotBinding):
     """Snapshots of one engine; reachable as ``engine.robust_plugins.memory``."""
 
     def __init__(self, engine, plugin) -> None:
@@ -188,12 +215,6 @@ class MemorySnapshots:
         self._persisted_step: int | None = None
         sys.excepthook = _note_crash(sys.excepthook)
         atexit.register(self._at_exit)
-
-    def register(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
-        """Snapshot ``get()`` (tensors / plain data) under ``name``; restore by calling ``set_(value)``."""
-        if not isinstance(name, str) or not name:
-            raise CheckpointError(f"register(name={name!r}): the name must be a non-empty string.")
-        self._user[name] = (get, set_)
 
     # ------------------------------------------------------------------------------- capture
     def capture(self) -> dict:
@@ -308,21 +329,6 @@ class MemorySnapshots:
         self.apply(state)
         self.taken_at = step
 
-    def close(self, remove: bool) -> None:
-        """Finish pending hand-offs; with ``remove`` delete this rank's shared-memory files."""
-        try:
-            self.store.flush(timeout_s=min(self.timeout_s, 60.0))
-        except CheckpointError as exc:
-            log.error("robust_plugins: %s", exc)
-        self.store.close(remove=remove)
-        if self.peers is not None:
-            self.peers.close(remove=remove)
-
-    def _at_exit(self) -> None:
-        # Under `robust run` the launcher removes the job's files once the whole job completed: a
-        # rank that exits normally while a peer died must not take the restart's source with it.
-        # Outside it, a normal end of the script ends the job; an unhandled exception does not.
-        self.close(remove=not _CRASHED and not os.environ.get("ROBUST_RUN_DIR"))
 
 
 def record_restore(step: int, source: str, seconds: float) -> None:

@@ -23,7 +23,6 @@ The core (``robust_plugins.checkpoint.memory``, ``peer``, ``restore``) is shared
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import time
 from typing import Any, Callable
@@ -35,7 +34,8 @@ from robust_plugins.checkpoint import memory
 from robust_plugins.checkpoint.peer import PeerBackup, plan_peers
 from robust_plugins.checkpoint.restore import restore_from_memory, rollback_bound
 from robust_plugins.errors import CheckpointError, UnsupportedError
-from robust_plugins.patches.deepspeed_memory import _note_crash, _rng_state, _set_rng_state, record_restore
+from robust_plugins.patches.deepspeed_memory import (SnapshotBinding, _note_crash, _rng_state, _set_rng_state,
+                                                      record_restore)
 
 log = get_logger(__name__)
 
@@ -45,7 +45,7 @@ def _allowed() -> dict[str, type]:
     return {}
 
 
-class MegatronMemory:
+class MegatronMemory(SnapshotBinding):
     """Snapshots of one megatron-core training loop (``MegatronCheckpointer.memory``)."""
 
     def __init__(self, ddp, optimizer, plugin, config) -> None:
@@ -85,12 +85,6 @@ class MegatronMemory:
         """What the last restore used: ``{"step", "source", "seconds"}``."""
         sys.excepthook = _note_crash(sys.excepthook)
         atexit.register(self._at_exit)
-
-    def register(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
-        """Snapshot ``get()`` (tensors / plain data) under ``name``; restore by calling ``set_(value)``."""
-        if not isinstance(name, str) or not name:
-            raise CheckpointError(f"register(name={name!r}): the name must be a non-empty string.")
-        self._user[name] = (get, set_)
 
     # ------------------------------------------------------------------------------- capture
     def capture(self, step: int) -> dict:
@@ -152,20 +146,3 @@ class MegatronMemory:
         self.restored = {"step": step, "source": source, "seconds": time.perf_counter() - t0}
         record_restore(step, source, self.restored["seconds"])
         return step
-
-    def close(self, remove: bool) -> None:
-        """Finish pending hand-offs; with ``remove`` delete this rank's shared-memory files."""
-        try:
-            self.store.flush(timeout_s=min(self.timeout_s, 60.0))
-        except CheckpointError as exc:
-            log.error("robust_plugins: %s", exc)
-        self.store.close(remove=remove)
-        if self.peers is not None:
-            self.peers.close(remove=remove)
-
-    def _at_exit(self) -> None:
-        # As in the DeepSpeed binding: under robust run the launcher removes the job's files once
-        # the whole job completed; outside it a normal end removes them, a crash keeps them.
-        from robust_plugins.patches import deepspeed_memory
-
-        self.close(remove=not deepspeed_memory._CRASHED and not os.environ.get("ROBUST_RUN_DIR"))
