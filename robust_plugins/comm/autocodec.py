@@ -131,6 +131,22 @@ def predict_seconds(codec: str, numel: int, link: LinkEstimate, cost: CodecCost 
     return 2 * link.latency_s + bus + numel * cost.seconds_per_element
 
 
+def _usable_codecs(candidates, costs: Mapping[str, CodecCost], max_error: float) -> tuple[list[str], dict[str, str]]:
+    """``none`` plus every candidate measured and within ``max_error``; the rest with the reason."""
+    usable, excluded = ["none"], {}
+    for codec in dict.fromkeys(candidates):
+        if codec == "none":
+            continue
+        cost = costs.get(codec)
+        if cost is None:
+            excluded[codec] = "not measured"
+        elif cost.rel_error > max_error:
+            excluded[codec] = f"error {cost.rel_error:.3g} > max_error {max_error:g}"
+        else:
+            usable.append(codec)
+    return usable, excluded
+
+
 def choose_codec(
     numel: int,
     link: LinkEstimate,
@@ -151,18 +167,9 @@ def choose_codec(
         raise ConfigError(f"min_gain = {min_gain!r} must lie in [0, 1).")
     if not link.bus_bytes_per_s > 0:
         raise ConfigError(f"bus bandwidth {link.bus_bytes_per_s!r} must be > 0 (inf for a group of one).")
-    predicted = {"none": predict_seconds("none", numel, link, None, block_size)}
-    excluded: dict[str, str] = {}
-    for codec in candidates:
-        if codec == "none":
-            continue
-        cost = costs.get(codec)
-        if cost is None:
-            excluded[codec] = "not measured"
-        elif cost.rel_error > max_error:
-            excluded[codec] = f"error {cost.rel_error:.3g} > max_error {max_error:g}"
-        else:
-            predicted[codec] = predict_seconds(codec, numel, link, cost, block_size)
+    usable, excluded = _usable_codecs(candidates, costs, max_error)
+    predicted = {c: predict_seconds(c, numel, link, costs.get(c) if c != "none" else None, block_size)
+                 for c in usable}
     best = min(predicted, key=lambda c: (predicted[c], c != "none"))
     if link.group_size <= 1:
         return Decision(numel, "none", predicted, "group of one: nothing crosses a link", excluded)
@@ -236,18 +243,7 @@ def choose_route(
         raise ConfigError(f"min_gain = {min_gain!r} must lie in [0, 1).")
     if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
         raise ConfigError(f"per_node = {per_node!r} must be an int >= 1.")
-    excluded: dict[str, str] = {}
-    codecs = ["none"]
-    for codec in dict.fromkeys(candidates):
-        if codec == "none":
-            continue
-        cost = costs.get(codec)
-        if cost is None:
-            excluded[codec] = "not measured"
-        elif cost.rel_error > max_error:
-            excluded[codec] = f"error {cost.rel_error:.3g} > max_error {max_error:g}"
-        else:
-            codecs.append(codec)
+    codecs, excluded = _usable_codecs(candidates, costs, max_error)
     layouts = ("flat", "hier") if hierarchical else ("flat",)
     predicted = {f"{lay} {c}": predict_route_seconds(f"{lay} {c}", numel, links, costs, block_size, per_node)
                  for lay in layouts for c in codecs}
