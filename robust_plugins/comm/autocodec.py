@@ -372,21 +372,7 @@ class AutoCodec:
                  for c in self.candidates if c != "none"}
         latency, seconds_per_byte = 0.0, 0.0
         if w > 1:
-            tiny = torch.zeros(1)
-            lat = []
-            for _ in range(3):
-                start = time.perf_counter()
-                dist.all_reduce(tiny, group=group)
-                lat.append(time.perf_counter() - start)
-            latency = min(lat)
-            if self.link_gbit is None:
-                buf = torch.zeros(max(self.probe_bytes // 4, 1))
-                start = time.perf_counter()
-                dist.all_reduce(buf, group=group)
-                elapsed = max(time.perf_counter() - start - latency, 1e-9)
-                seconds_per_byte = elapsed / (2 * (w - 1) / w * buf.numel() * 4)
-            else:
-                seconds_per_byte = 8 / (self.link_gbit * 1e9)
+            latency, seconds_per_byte, _ = self._link(group, self.link_gbit)
         names = sorted(costs)
         # Max over the group (the slowest rank's view): identical inputs on every rank, so every
         # rank makes the same decision.
