@@ -57,7 +57,11 @@ SIGN_MODES = ("gradient", "momentum")
 #: ``compression.codec = "auto"``: measure the link and each codec's cost, then pick per bucket
 #: size among ``auto_candidates`` (``robust_plugins.comm.autocodec``).
 AUTO_CODEC = "auto"
-AUTO_CANDIDATES = ("none", "bf16", "int8", "int4")
+#: An ``auto`` candidate that is no codec of the two-phase collectives: the host's plain all-reduce
+#: on a bf16 copy (DeepSpeed's ``communication_data_type: bf16``), with error feedback of the cast
+#: (``robust_plugins.comm.collectives.bf16_all_reduce``); a flat route only.
+BF16_ALLREDUCE = "bf16_allreduce"
+AUTO_CANDIDATES = ("none", "bf16", BF16_ALLREDUCE, "int8", "int4")
 
 BLOCK_SIZE_MIN = 32
 BLOCK_SIZE_MAX = 4096
@@ -143,7 +147,9 @@ class CompressionConfig:
 
     auto_candidates: tuple = AUTO_CANDIDATES
     """``auto`` only: codecs it may choose among (``none`` always is one); a list of
-    ``none``, ``bf16``, ``int8``, ``int4``."""
+    ``none``, ``bf16``, ``bf16_allreduce``, ``int8``, ``int4``. ``bf16`` is the two-phase codec (fp32
+    sums, both roundings fed back); ``bf16_allreduce`` is one bf16 all-reduce of the whole bucket
+    (bf16 sums in the backend; the cast's rounding fed back when ``error_feedback``), flat only."""
 
     auto_link_gbit: float | None = None
     """``auto`` only: the inter-node link rate in Gbit/s if known; ``null`` measures it with one

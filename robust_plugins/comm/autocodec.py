@@ -26,6 +26,19 @@ bucket in the two-phase scheme)::
 
 where ``bpe`` is the codec's bytes per element including its fp32 scale per block.
 
+``bf16_allreduce`` is not a two-phase codec but the host's own collective on a bf16 copy
+(:func:`~robust_plugins.comm.collectives.bf16_all_reduce`, the scheme of DeepSpeed's
+``communication_data_type: bf16``): one collective, so one latency, 2 bytes an element, and the
+cast (with error feedback of its rounding) as compute cost::
+
+    bf16_allreduce: latency + 2 (W-1)/W * n * 2 / bus_bandwidth + n * cost_per_element
+
+It is the candidate for fast links, where a two-phase codec's encode and second collective cost
+more than the bytes they save (BENCHMARKS.md: at 10 Gbit/s DeepSpeed's bf16 all-reduce was 9 %
+faster a training step than fp32, every two-phase codec slower). Its quality guard counts the
+backend's bf16 additions too (see :func:`measure_codec`). It exists as a flat route only: the
+hierarchy's rail step is a two-phase codec.
+
 **Routes** (``topology.hierarchical`` with ``auto``): the choice is then a *route*, a layout and a
 codec, among ``flat <codec>`` (``flat none`` is the host's own uncompressed all-reduce) and
 ``hier <codec>`` (intra-node fp32 reduce-scatter + all-gather, the codec on the rail). The model
@@ -56,21 +69,22 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from robust_plugins._logging import get_logger, log_rank0
+from robust_plugins.config import AUTO_CANDIDATES, BF16_ALLREDUCE
 from robust_plugins.errors import ConfigError
 
 _log = get_logger(__name__)
 
-#: Codecs ``auto`` may choose among (``sign`` is left out: it needs error feedback to converge at
-#: all and its loss penalty, +14 % in BENCHMARKS.md, is not a speed trade-off).
-AUTO_CANDIDATES = ("none", "bf16", "int8", "int4")
+#: Candidates that are a plain collective on the whole bucket, not a codec for the hierarchy's
+#: rail step: ``auto`` offers them as flat routes only.
+FLAT_ONLY = (BF16_ALLREDUCE,)
 
 
 def bytes_per_element(codec: str, block_size: int) -> float:
     """Wire bytes per gradient element, scales included."""
-    code = {"none": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5, "sign": 0.125}
+    code = {"none": 4.0, "bf16": 2.0, BF16_ALLREDUCE: 2.0, "int8": 1.0, "int4": 0.5, "sign": 0.125}
     if codec not in code:
         raise ConfigError(f"codec {codec!r} has no wire size; allowed: {', '.join(code)}.")
-    scale = 0.0 if codec in ("none", "bf16") else 4.0 / block_size
+    scale = 0.0 if codec in ("none", "bf16", BF16_ALLREDUCE) else 4.0 / block_size
     return code[codec] + scale
 
 
@@ -128,7 +142,8 @@ def predict_seconds(codec: str, numel: int, link: LinkEstimate, cost: CodecCost 
         return link.latency_s + bus
     if cost is None:
         raise ConfigError(f"no measured cost for codec {codec!r}: probe it or drop it from the candidates.")
-    return 2 * link.latency_s + bus + numel * cost.seconds_per_element
+    collectives = 1 if codec == BF16_ALLREDUCE else 2
+    return collectives * link.latency_s + bus + numel * cost.seconds_per_element
 
 
 def _usable_codecs(candidates, costs: Mapping[str, CodecCost], max_error: float) -> tuple[list[str], dict[str, str]]:
@@ -202,6 +217,8 @@ def predict_route_seconds(route: str, numel: int, links: Mapping[str, LinkEstima
         return predict_seconds(codec, numel, links["flat"], cost, block_size)
     if layout != "hier":
         raise ConfigError(f"route {route!r}: the layout must be flat or hier.")
+    if codec in FLAT_ONLY:
+        raise ConfigError(f"route {route!r}: {codec} is a flat route only (the rail step needs a codec).")
     shard = -(-numel // per_node)
     return (predict_seconds("none", numel, links["intra"], None, block_size)
             + predict_seconds(codec, shard, links["rail"], cost, block_size))
@@ -234,8 +251,9 @@ def choose_route(
     """Pick the route (layout and codec) for a bucket of ``numel`` elements (pure).
 
     Routes are ``flat <codec>`` and, with ``hierarchical``, ``hier <codec>`` for every candidate
-    codec passing the quality guard (``max_error``, as in :func:`choose_codec`). The times compared
-    are ``measured`` (trial runs, for the routes that were run) when given, else the predictions of
+    codec except :data:`FLAT_ONLY` ones, each passing the quality guard (``max_error``, as in
+    :func:`choose_codec`). The times compared are ``measured`` (trial runs, for the routes that
+    were run) when given, else the predictions of
     :func:`predict_route_seconds`. The fastest exact route (codec ``none``) wins unless a lossy
     route is at least ``min_gain`` faster than it.
     """
@@ -246,7 +264,7 @@ def choose_route(
     codecs, excluded = _usable_codecs(candidates, costs, max_error)
     layouts = ("flat", "hier") if hierarchical else ("flat",)
     predicted = {f"{lay} {c}": predict_route_seconds(f"{lay} {c}", numel, links, costs, block_size, per_node)
-                 for lay in layouts for c in codecs}
+                 for lay in layouts for c in codecs if lay == "flat" or c not in FLAT_ONLY}
     if measured:
         unknown = set(measured) - set(predicted)
         if unknown:
@@ -286,9 +304,13 @@ def measure_codec(codec: str, sample: torch.Tensor, group_size: int, block_size:
     (encode the bucket, decode-sum-requantize its own chunk from ``group_size`` rows, decode every
     chunk), with this rank's rows standing in for the others'. The error is that of one quantization
     round trip of ``sample`` (no error feedback), ``||decoded - sample|| / ||sample||``.
+
+    ``bf16_allreduce`` (see :func:`measure_bf16_allreduce`) is timed and judged differently.
     """
     from robust_plugins.comm import _twophase
 
+    if codec == BF16_ALLREDUCE:
+        return measure_bf16_allreduce(sample, group_size)
     flat = sample.detach().reshape(-1).float().contiguous()
     n = flat.numel()
     layout = _twophase.plan(n, group_size, codec, block_size)
@@ -302,6 +324,47 @@ def measure_codec(codec: str, sample: torch.Tensor, group_size: int, block_size:
     roundtrip = _twophase.decode(send, layout)
     norm = float(flat.norm())
     err = float((roundtrip - flat).norm()) / norm if norm > 0 else 0.0
+    return CodecCost(elapsed / max(n, 1), err)
+
+
+#: At most this many elements of the sample go through the simulated bf16 sum of ``group_size``
+#: ranks (its cost grows with the group; 4M element-additions take about 20 ms on one core).
+_BF16_SUM_ELEMENTS = 1 << 22
+
+
+def measure_bf16_allreduce(sample: torch.Tensor, group_size: int) -> CodecCost:
+    """Cost and error of :func:`~robust_plugins.comm.collectives.bf16_all_reduce` on ``sample``.
+
+    The cost is this rank's compute outside the collective: the cast with error feedback (add the
+    residual, cast, keep the new residual) and the cast back; the bf16 additions happen inside
+    the backend's all-reduce, whose time the link estimate holds. The error is the quality
+    guard's worst case: ``group_size`` ranks whose gradients are rotations of ``sample`` (as
+    unlike each other as the sample's own elements) summed in rank order with every partial sum
+    rounded to bf16, as gloo's ring does, against their fp32 sum (no error feedback, which cannot
+    reach the backend's roundings anyway).
+    """
+    flat = sample.detach().reshape(-1).float().contiguous()
+    n = flat.numel()
+    elapsed = math.inf
+    for _ in range(2):  # the faster of two: the first pays for allocations
+        residual = torch.zeros_like(flat)
+        start = time.perf_counter()
+        residual.add_(flat)
+        wire = residual.to(torch.bfloat16)
+        residual.sub_(wire)
+        residual.nan_to_num_(0.0, 0.0, 0.0)
+        flat.new_empty(n).copy_(wire)
+        elapsed = min(elapsed, time.perf_counter() - start)
+    m = min(n, max(1 << 12, _BF16_SUM_ELEMENTS // max(group_size, 1)))
+    x = flat[:m]
+    exact = x.double().clone()
+    acc = x.to(torch.bfloat16)
+    for r in range(1, max(group_size, 1)):
+        part = torch.roll(x, shifts=(r * 7919) % m)  # a prime stride: another rank's "gradient"
+        exact += part.double()
+        acc = (acc.float() + part.to(torch.bfloat16).float()).to(torch.bfloat16)
+    norm = float(exact.norm())
+    err = float((acc.double() - exact).norm()) / norm if norm > 0 else 0.0
     return CodecCost(elapsed / max(n, 1), err)
 
 
@@ -369,7 +432,7 @@ class AutoCodec:
 
         w = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         costs = {c: measure_codec(c, sample[: self.sample_numel], w, self.block_size)
-                 for c in self.candidates if c != "none"}
+                 for c in self._codec_candidates() if c != "none"}
         latency, seconds_per_byte = 0.0, 0.0
         if w > 1:
             latency, seconds_per_byte, _ = self._link(group, self.link_gbit)
@@ -385,8 +448,14 @@ class AutoCodec:
         bandwidth = 1 / seconds_per_byte if seconds_per_byte > 0 else math.inf
         return LinkEstimate(bandwidth, latency, w), costs
 
+    def _codec_candidates(self) -> tuple[str, ...]:
+        """The candidates that are codecs of the two-phase collectives (what :meth:`codec_for`
+        picks among: the rail step, a reduce): all but :data:`FLAT_ONLY`."""
+        return tuple(c for c in self.candidates if c not in FLAT_ONLY)
+
     def codec_for(self, tensor: torch.Tensor, group=None, numel: int | None = None, agree_group=None) -> str:
-        """The codec for reducing ``tensor`` (or a bucket of ``numel`` of its elements) over ``group``.
+        """The two-phase codec for reducing ``tensor`` (or a bucket of ``numel`` of its elements) over
+        ``group`` (never a :data:`FLAT_ONLY` candidate: those are routes, see :meth:`route_for`).
 
         Probes first when this group was never probed or ``recheck_steps`` steps have passed (a
         collective: call it on every rank of ``group`` and of ``agree_group``, see :meth:`probe`,
@@ -404,8 +473,8 @@ class AutoCodec:
         decision = self._decisions.get((gkey, numel))
         if decision is None:
             _, link, costs = probed
-            decision = choose_codec(numel, link, costs, candidates=self.candidates, block_size=self.block_size,
-                                    min_gain=self.min_gain, max_error=self.max_error)
+            decision = choose_codec(numel, link, costs, candidates=self._codec_candidates(),
+                                    block_size=self.block_size, min_gain=self.min_gain, max_error=self.max_error)
             self._decisions[(gkey, numel)] = decision
             record = {"step": step, "group": list(gkey), "link_bytes_per_s": link.bus_bytes_per_s,
                       "latency_s": link.latency_s, **decision.to_dict()}

@@ -19,7 +19,10 @@ codec per bucket size and each codec keeps its own residuals; when a bucket's co
 re-check) its old residuals are dropped, with a log line. With both, ``auto`` also picks the
 layout per bucket size: ``flat none`` (the plain all-reduce), flat or hierarchical with a codec,
 from trial runs of the candidate routes on the first bucket of each size (``topology.hierarchical``
-then means "the hierarchy may be used").
+then means "the hierarchy may be used"). Among the routes is ``flat bf16_allreduce``, one bf16
+all-reduce of the whole bucket (DeepSpeed's ``communication_data_type: bf16``), with error feedback
+of the cast's rounding when ``error_feedback`` is on (residuals under the bucket's key, like a
+codec's, and checkpointed with them).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Callable, Optional
 import torch
 
 from robust_plugins._logging import get_logger, log_rank0, warn_once
-from robust_plugins.config import AUTO_CODEC, CompressionConfig, TopologyConfig
+from robust_plugins.config import AUTO_CODEC, BF16_ALLREDUCE, CompressionConfig, TopologyConfig
 from robust_plugins.errors import CheckpointError, UnsupportedError
 
 log = get_logger(__name__)
@@ -94,12 +97,15 @@ class GradientSync:
             codecs = [c for c in self.auto.candidates if c != "none"]
         else:
             codecs = [config.codec]
+        # bf16_allreduce keeps only a sender residual of its cast; a bf16 CompressionState stores it
+        # (the state's codec names the rounding, bf16, and is checked when a checkpoint loads).
         self.states = {
-            c: CompressionState(codec=c, block_size=config.block_size, error_feedback=config.error_feedback,
+            c: CompressionState(codec="bf16" if c == BF16_ALLREDUCE else c, block_size=config.block_size,
+                                error_feedback=config.error_feedback,
                                 min_numel=config.min_numel if self.auto is None else 0)
             for c in codecs
         }
-        """One error-feedback state per codec this sync may send with."""
+        """One error-feedback state per codec (or ``bf16_allreduce`` route) this sync may send with."""
         self.stats = SyncStats()
         self._key_step: Optional[int] = None
         self._site_calls: collections.Counter = collections.Counter()
@@ -248,11 +254,19 @@ class GradientSync:
         hierarchical), chosen from measured trial runs (see ``robust_plugins.comm.autocodec``);
         ``flat none`` is the plain uncompressed all-reduce the host would run."""
         from robust_plugins.comm import compressed_all_reduce
+        from robust_plugins.comm.collectives import bf16_all_reduce
         from robust_plugins.topology import hierarchical_all_reduce
 
-        def run(route: str, t: torch.Tensor) -> None:  # trial runs: no error feedback
+        ef = self.config.error_feedback
+
+        def run(route: str, t: torch.Tensor) -> None:  # trial runs: no residual is kept
             layout, codec = route.split()
-            if layout == "hier":
+            if codec == BF16_ALLREDUCE:
+                # Its error feedback is most of its compute (3 passes of 4 over the bucket), so the
+                # trial pays for it, on a scratch residual that is thrown away.
+                scratch = torch.zeros(t.numel(), dtype=torch.float32, device=t.device) if ef else None
+                bf16_all_reduce(t, group=group, op="sum", residual=scratch)
+            elif layout == "hier":
                 hierarchical_all_reduce(t, groups, codec=codec, op="sum")
             else:
                 compressed_all_reduce(t, group=group, codec=codec, op="sum")
@@ -279,6 +293,10 @@ class GradientSync:
         self.stats.by_codec[d.codec] += tensor.numel()
         self.stats.by_route[d.route] += tensor.numel()
         state = self.states.get(d.codec)
+        if d.codec == BF16_ALLREDUCE:
+            residual = (state.sender_residual(key, tensor.numel(), tensor.device)
+                        if state is not None and state.error_feedback else None)
+            return bf16_all_reduce(tensor, group=group, op="sum", residual=residual)
         if d.layout == "hier":
             self.stats.hierarchical_elements += tensor.numel()
             return hierarchical_all_reduce(tensor, groups, codec=None if state else d.codec, op="sum",

@@ -15,7 +15,8 @@ from robust_plugins.errors import ConfigError
 
 # Costs of the order measured on this machine's CPU (plain-torch codecs): seconds per element of
 # one rank's encode + reduce + decode, and one round trip's relative error on a gradient.
-COSTS = {"bf16": CodecCost(3e-9, 0.003), "int8": CodecCost(12e-9, 0.01), "int4": CodecCost(15e-9, 0.15)}
+COSTS = {"bf16": CodecCost(3e-9, 0.003), "bf16_allreduce": CodecCost(1.5e-9, 0.004), "int8": CodecCost(12e-9, 0.01),
+         "int4": CodecCost(15e-9, 0.15)}
 N = 16 * 2**20  # 64 MB of fp32
 
 
@@ -39,9 +40,27 @@ def test_prediction_follows_the_cost_model():
 
 
 def test_fast_link_keeps_none():
-    d = choose_codec(N, link(10), COSTS)
+    d = choose_codec(N, link(100), COSTS)
     assert d.codec == "none" and d.reason == "none is predicted fastest"
-    assert d.predicted_s["none"] < d.predicted_s["bf16"] < d.predicted_s["int8"]
+    assert d.predicted_s["none"] < d.predicted_s["bf16_allreduce"] < d.predicted_s["bf16"] < d.predicted_s["int8"]
+
+
+def test_fast_link_picks_the_plain_bf16_allreduce_over_the_two_phase_codecs():
+    # At 10 Gbit/s half the bytes pay for a cast, but not for the two-phase codecs' encode and
+    # second collective: bf16_allreduce (one collective, 2 bytes an element) beats none and bf16.
+    lk = link(10, w=4)
+    d = choose_codec(N, lk, COSTS)
+    assert d.codec == "bf16_allreduce" and "faster than none" in d.reason, d
+    p = d.predicted_s
+    assert p["bf16_allreduce"] < 0.9 * p["none"] and p["none"] < p["bf16"]
+    # One collective: one latency, not two, and the wire bytes of bf16.
+    assert p["bf16_allreduce"] == pytest.approx(2e-4 + 1.5 * N * 2 / 1.25e9 + N * 1.5e-9)
+    assert bytes_per_element("bf16_allreduce", 256) == 2
+    # The quality guard applies to it like to any codec (its error includes the backend's bf16 sums).
+    strict = choose_codec(N, lk, COSTS, max_error=0.0035)
+    assert strict.codec == "none" and strict.excluded["bf16_allreduce"] == "error 0.004 > max_error 0.0035"
+    # Without it, the fast link stays uncompressed, as before it existed.
+    assert choose_codec(N, lk, COSTS, candidates=("none", "bf16", "int8")).codec == "none"
 
 
 def test_slow_link_picks_int8_and_the_guard_excludes_int4():
@@ -80,7 +99,7 @@ def test_group_of_one_and_bad_inputs():
         choose_codec(N, link(1), COSTS, min_gain=1.0)
     with pytest.raises(ConfigError, match="must be > 0"):
         choose_codec(N, LinkEstimate(0.0, 0.0, 2), COSTS)
-    with pytest.raises(ConfigError, match="allowed are none, bf16, int8, int4"):
+    with pytest.raises(ConfigError, match="allowed are none, bf16, bf16_allreduce, int8, int4"):
         AutoCodec(candidates=("sign",))
 
 
@@ -119,7 +138,9 @@ def test_gradient_sync_auto_keeps_one_state_per_codec_and_refuses_the_single_sta
     from robust_plugins.errors import UnsupportedError
 
     sync = GradientSync(CompressionConfig(codec="auto"), step_fn=lambda: 0)
-    assert sorted(sync.states) == ["bf16", "int4", "int8"]
+    assert sorted(sync.states) == ["bf16", "bf16_allreduce", "int4", "int8"]
+    # bf16_allreduce's residuals (of its cast) live in a bf16 state: the rounding it feeds back.
+    assert sync.states["bf16_allreduce"].codec == "bf16" and sync.states["bf16_allreduce"].error_feedback
     with pytest.raises(UnsupportedError, match="chooses the codec per bucket"):
         sync.state  # noqa: B018
     t = torch.randn(1000)
@@ -127,7 +148,7 @@ def test_gradient_sync_auto_keeps_one_state_per_codec_and_refuses_the_single_sta
     sync.all_reduce_sum(t, None, sync.route("site", t.numel()))
     assert torch.equal(t, want) and sync.stats.by_codec == {"none": 1000}  # world of one: none
     assert sync.stats.auto_decisions[0]["codec"] == "none"
-    assert set(sync.state_dict()["compression_auto"]) == {"bf16", "int4", "int8"}
+    assert set(sync.state_dict()["compression_auto"]) == {"bf16", "bf16_allreduce", "int4", "int8"}
 
 
 def test_a_single_compression_state_refuses_auto():
@@ -160,13 +181,43 @@ def test_route_model_slow_link_goes_hierarchical_fast_link_stays_flat_none():
     slow = choose_route(N, links(0.2, 20), COSTS, per_node=2)
     assert slow.route == "hier int8" and slow.layout == "hier", slow
     assert "predicted" in slow.reason and slow.excluded == {"int4": "error 0.15 > max_error 0.1"}
-    # A fast inter-node link with a node link no faster (loopback on shared cores): flat none.
+    # A fast inter-node link with a node link no faster (loopback on shared cores): flat, and the
+    # plain bf16 all-reduce (half the bytes for a cheap cast) ahead of none.
     fast = choose_route(N, links(10, 10), COSTS, per_node=2)
-    assert fast.route == "flat none", fast
+    assert fast.route == "flat bf16_allreduce", fast
     assert fast.predicted_s["flat none"] < fast.predicted_s["hier none"]
+    # bf16_allreduce is a whole-bucket collective, never the rail step of the hierarchy.
+    assert "hier bf16_allreduce" not in fast.predicted_s and "hier bf16" in fast.predicted_s
+    with pytest.raises(ConfigError, match="flat route only"):
+        predict_route_seconds("hier bf16_allreduce", N, links(10, 10), COSTS, 256, 2)
+    without = choose_route(N, links(10, 10), COSTS, per_node=2, candidates=("none", "bf16", "int8"))
+    assert without.route == "flat none", without
     # Without the hierarchy only flat routes exist.
     flat = choose_route(N, links(0.2, 20), COSTS, per_node=2, hierarchical=False)
     assert flat.layout == "flat" and all(r.startswith("flat ") for r in flat.predicted_s)
+
+
+def test_measured_bf16_allreduce_wins_only_by_min_gain():
+    lk = links(10, 10)
+    d = choose_route(N, lk, COSTS, per_node=2, measured={"flat none": 0.100, "flat bf16_allreduce": 0.080,
+                                                          "flat bf16": 0.120})
+    assert d.route == "flat bf16_allreduce" and d.codec == "bf16_allreduce" and "20% faster than flat none" in d.reason
+    d = choose_route(N, lk, COSTS, per_node=2, measured={"flat none": 0.100, "flat bf16_allreduce": 0.095})
+    assert d.route == "flat none" and "only 5% faster" in d.reason
+    with pytest.raises(ConfigError, match="not candidates"):
+        choose_route(N, lk, COSTS, per_node=2, measured={"hier bf16_allreduce": 0.01})
+
+
+def test_measure_bf16_allreduce_counts_the_backends_bf16_sums():
+    g = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
+    two, eight = measure_codec("bf16_allreduce", g, 2, 256), measure_codec("bf16_allreduce", g, 8, 256)
+    cast = float((g.to(torch.bfloat16).float() - g).norm() / g.norm())
+    # More ranks, more bf16 roundings of partial sums: the guard's error grows with the group,
+    # and is above one cast's round trip.
+    assert cast < two.rel_error < eight.rel_error < 0.02, (cast, two, eight)
+    assert two.seconds_per_element > 0
+    # A group of one sends nothing but still casts: the cast's error alone.
+    assert measure_codec("bf16_allreduce", g, 1, 256).rel_error == pytest.approx(cast, rel=1e-6)
 
 
 def test_measured_times_overrule_the_model_and_min_gain_keeps_exact():
