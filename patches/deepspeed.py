@@ -295,6 +295,9 @@ class DeepSpeedPlugin:
         """In-memory snapshots (``checkpoint.memory_every``, ``patches/deepspeed_memory.py``); or None."""
         self.watchdog = None
         """Step signals to ``robust run`` (``patches/deepspeed_watchdog.py``); None outside it."""
+        self.resumed: tuple | None = None
+        """``(load_path, client_state)`` of the load ``checkpoint.resume`` made in
+        ``deepspeed.initialize`` (``patches/deepspeed_emergency.py``); None without it."""
 
     @property
     def has_state(self) -> bool:
@@ -363,6 +366,9 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
     from robust_plugins.patches import deepspeed_watchdog
 
     deepspeed_watchdog.attach_watchdog(engine, plugin)
+    from robust_plugins.patches import deepspeed_emergency
+
+    deepspeed_emergency.attach_emergency(engine, plugin)  # checkpoint.emergency_save, under robust run
 
     comm_dtype = engine.communication_data_type
     if (config.compression is not None and config.compression.compresses
@@ -380,6 +386,8 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
             "robust_plugins active: %s | DeepSpeed %s, ZeRO stage %d, dp_world_size %d, grads %s",
             config.describe(), _ds_version(), stage, engine.dp_world_size, engine.get_data_types()[0],
         )
+    # Last: the load goes through every wrapper bound above (memory, verified disk, watchdog).
+    deepspeed_emergency.resume_at_init(engine, plugin)
     return plugin
 
 

@@ -488,6 +488,22 @@ class CheckpointConfig:
     agreeing on the tag to load). A rank that does not answer in time fails the save / load with
     CheckpointError instead of hanging."""
 
+    resume: bool = False
+    """Load the newest checkpoint that verifies from ``dir`` inside ``deepspeed.initialize`` (own
+    memory snapshot, a peer's copy, disk, in that order, as ``engine.load_checkpoint(dir)``), so an
+    unchanged script restarted by ``robust run`` continues at ``engine.global_steps + 1``. A
+    fresh start (nothing in ``dir``) is logged and trains from step 1. Needs ``dir``."""
+
+    emergency_save: bool = True
+    """Under ``robust run``: when a peer rank dies, the live ranks' failing collective writes a
+    verified checkpoint of the last completed step into ``dir`` without any collective
+    (``robust_plugins.watchdog.on_emergency``; one rank writes, the others see it and stop).
+    Possible only where one rank holds the whole state: DeepSpeed ZeRO 0 without compression
+    residuals; ZeRO 1/2 shard the optimizer state, so the dead rank's shard is gone and the save
+    is skipped, with the reason in ``faults.jsonl``. No effect without ``dir``, with
+    ``memory_every`` (its snapshots outlive the dead rank and restore every stage) or outside
+    ``robust run``."""
+
     def __post_init__(self) -> None:
         where = f"{BLOCK_KEY}.checkpoint"
         _check_optional_dir(self, where)
@@ -517,6 +533,13 @@ class CheckpointConfig:
                 f"{where}.persist_every = {self.persist_every} needs {where}.dir: automatic saves "
                 f"have no directory to go to. Set dir or remove persist_every."
             )
+        for name in ("resume", "emergency_save"):
+            _expect_type(f"{where}.{name}", getattr(self, name), (bool,), "true or false")
+        if self.resume and self.dir is None:
+            raise ConfigError(
+                f"{where}.resume = true needs {where}.dir: there is no directory to resume from. "
+                f"Set dir or remove resume."
+            )
         if self.peer_backup and self.memory_every is None:
             raise ConfigError(
                 f"{where}.peer_backup = true needs {where}.memory_every: peers back up in-memory "
@@ -530,7 +553,7 @@ class CheckpointConfig:
                if self.memory_every else "")
         return (
             f"checkpoint(dir={self.dir}, persist {every}{mem}, keep={self.keep}, verify={self.verify}, "
-            f"timeout_s={self.timeout_s:g})"
+            f"timeout_s={self.timeout_s:g}{', resume' if self.resume else ''})"
         )
 
 

@@ -142,7 +142,10 @@ class MegatronCheckpointer:
         plugin: the :class:`~robust_plugins.patches.megatron.MegatronPlugin` from :func:`enable`,
             whose residuals are saved (default: ``ddp.robust_plugins`` if present).
         emergency_save: install a SIGTERM handler; :meth:`step_end` then saves and exits when
-            any rank was asked to stop.
+            any rank was asked to stop. Under ``robust run`` also register with
+            :func:`robust_plugins.watchdog.on_emergency`: when a peer rank dies no save is possible
+            (``dist_checkpointing.save`` needs every rank), and the saver records why in
+            ``faults.jsonl``; in-memory snapshots (``memory_every``) restore such a crash.
     """
 
     def __init__(self, ddp, optimizer=None, config: Any = None, plugin=None, emergency_save: bool = True):
@@ -169,6 +172,8 @@ class MegatronCheckpointer:
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
             if self._previous_handler is None:  # installed from C: restore the default on close
                 self._previous_handler = signal.SIG_DFL
+        if emergency_save and self.config.memory_every is None:  # with snapshots, those restore a crash
+            self._register_emergency()
         self.emergency_tag: str | None = None
         """Tag of the emergency checkpoint written after SIGTERM (None before)."""
         self.extra: Any = None
@@ -319,6 +324,27 @@ class MegatronCheckpointer:
             self.memory.taken_at = int(state["step"])
             record_restore(int(state["step"]), f"disk:{tag}", time.perf_counter() - t0)
         return int(state["step"])
+
+    def _register_emergency(self) -> None:
+        # robust run's monitor-triggered path (a peer died, this rank's collective failed): the
+        # saver runs and reports why it cannot save, so faults.jsonl says so per rank. A
+        # dist_checkpointing.save gathers sharding metadata from every rank, the dead one included;
+        # the SIGTERM path above covers a job stopped while every rank is alive.
+        from robust_plugins import watchdog
+        from robust_plugins.checkpoint import emergency
+
+        layout = _layout()
+        why = emergency.plan(zero_stage=1 if hasattr(self.optimizer, "sharded_state_dict") else 0,
+                             model_parallel=layout["tp"] * layout["pp"], host="megatron-core",
+                             has_residuals=self.plugin is not None)
+        reason = why or ("megatron-core's dist_checkpointing.save is collective over every rank; with "
+                         "a dead peer no rank can write it alone")
+
+        def save(step: int) -> None:
+            raise emergency.EmergencySkip(f"no emergency save on rank {self.rank}: {reason} (checkpoint."
+                                          f"memory_every snapshots survive a rank's death and restore it)")
+
+        watchdog.on_emergency(save)
 
     # ------------------------------------------------------------------------ loop hooks
     def _on_sigterm(self, signum, frame) -> None:
