@@ -151,8 +151,9 @@ def _agent_class():
 
         def _start_workers(self, worker_group):
             # Start the worker processes with our variables: the elastic subprocess handler
-            # copies this process's environment into each rank's.
-            os.environ.update(self.monitor.worker_env())
+            # copies this process's environment into each rank's. The monitor also creates the
+            # step rings of the global ranks about to start here.
+            os.environ.update(self.monitor.worker_env(w.global_rank for w in worker_group.workers))
             os.environ[ENV_LAUNCH_WORLD] = str(self._launch_world or "")
             pids = super()._start_workers(worker_group)
             by_rank = {worker_group.workers[lr].global_rank: pid for lr, pid in pids.items()}

@@ -1,9 +1,14 @@
 """The rank side of the watchdog: step signals to the node monitor, fault injection, stack dumps.
 
-Signals are single datagrams on a Unix socket the monitor binds (``ROBUST_WATCHDOG_SOCKET``), sent
-with ``MSG_DONTWAIT``: a step costs one small ``sendto`` (a few microseconds) and never waits for
-the monitor. If the monitor is gone the datagram is dropped and training goes on (a warning is
-logged once). Outside ``robust run`` the variable is unset and every call returns at once.
+Every step goes into this rank's shared-memory ring (:mod:`.ring`; its path prefix in
+``ROBUST_WATCHDOG_RING``), which the monitor reads when it polls: a step costs a record written
+to memory, no system call and no wake-up of the monitor. Rare events go as single datagrams on a
+Unix socket the monitor binds (``ROBUST_WATCHDOG_SOCKET``): the rank's hello, a NaN/Inf loss or
+gradient norm (also in the ring; the datagram makes it immediate and unlosable), injected
+faults, parameter hashes, ``ok_to_save`` questions, emergency saves, the rank's exit. If the
+monitor is gone, datagrams are dropped, ring records go unread, and training goes on: a warning is
+logged once (a failed send, or a monitor heartbeat in the ring older than
+``MONITOR_STALE_S``). Outside ``robust run`` the variables are unset and every call returns at once.
 
 On first use a rank also
 - registers :mod:`faulthandler` on SIGUSR1, writing to ``<run_dir>/stacks/``, the fallback the
@@ -31,10 +36,12 @@ from typing import Any
 
 from robust_plugins._logging import get_logger, warn_once
 from robust_plugins.watchdog import inject as _inject
+from robust_plugins.watchdog.ring import RingError, RingWriter
 
 log = get_logger(__name__)
 
 ENV_SOCKET = "ROBUST_WATCHDOG_SOCKET"
+ENV_RING = "ROBUST_WATCHDOG_RING"
 ENV_RUN_DIR = "ROBUST_RUN_DIR"
 ENV_INJECT = "ROBUST_INJECT"
 ENV_INCARNATION = "ROBUST_INCARNATION"
@@ -46,6 +53,14 @@ ENV_SKIP = "ROBUST_SKIP_STEPS"
 HANG_INJECT_MAX_S = 3600.0
 
 _PR_SET_PDEATHSIG = 1
+
+#: A rank warns once when the monitor's heartbeat in its ring is older than this: the monitor
+#: stopped reading (it polls every ~0.1 s; a hang's stack collection holds it up to
+#: ``stack_dump_timeout_s``, 15 s by default, and an emergency-save wait up to 30 s).
+MONITOR_STALE_S = 60.0
+
+#: How often (seconds of steps) a rank looks at the monitor's heartbeat.
+HEARTBEAT_CHECK_S = 1.0
 
 
 class _Client:
@@ -76,10 +91,28 @@ class _Client:
         if self.can_ask:
             self.sock.bind("")
         self.dropped = 0
+        self.ring = self._open_ring()
+        self._next_beat_check = 0.0
         self.fh_path = self._register_faulthandler()
         _die_with_parent()
-        self.send({"k": "hello", "pid": os.getpid(), "fh": self.fh_path})
+        # Waits (bounded) for room: the monitor learns the faulthandler file from it, and removes
+        # the ring's file name once the rank has mapped it.
+        self.send({"k": "hello", "pid": os.getpid(), "fh": self.fh_path, "ring": self.ring is not None},
+                  wait=True)
         atexit.register(self._bye)
+
+    def _open_ring(self) -> RingWriter | None:
+        prefix = os.environ.get(ENV_RING)
+        if not prefix:
+            return None  # a monitor without rings (it logged why): a datagram a step
+        path = f"{prefix}{self.rank}"
+        try:
+            return RingWriter(path)
+        except (OSError, RingError) as exc:
+            log.warning("robust watchdog: rank %d cannot map its step ring %s (%s); it sends a "
+                        "datagram a step instead, which costs more per step on busy cores.",
+                        self.rank, path, exc)
+            return None
 
     def _register_faulthandler(self) -> str | None:
         run_dir = os.environ.get(ENV_RUN_DIR)
@@ -156,22 +189,46 @@ class _Client:
             if fault.kind == "slow":
                 self.slow_s = float(fault.option)
                 time.sleep(self.slow_s)
-        now = time.perf_counter()
-        msg: dict[str, Any] = {"k": "end", "s": step, "l": loss, "g": grad_norm}
+        # CLOCK_MONOTONIC: one clock for every process of the host, so the monitor can use the
+        # step-end time written here as the time of progress.
+        now = time.monotonic()
+        wall = comm = None
         if self.last_end is not None:
-            msg["w"] = now - self.last_end  # wall time since the previous step's end
-            self.step_times.append(msg["w"])
+            wall = now - self.last_end  # since the previous step's end
+            self.step_times.append(wall)
             del self.step_times[:-STEP_TIMES_KEPT]
             if self.comm is not None:
-                msg["c"] = self.comm.seconds - self.last_comm_s  # of which inside collectives
+                comm = self.comm.seconds - self.last_comm_s  # of which inside collectives
         self.last_end = now
         if self.comm is not None:
             self.last_comm_s = self.comm.seconds
+        bad = any(v is not None and not math.isfinite(v) for v in (loss, grad_norm))
+        if self.ring is not None:
+            self.ring.write(step, loss, grad_norm, wall, comm, now)
+            if bad:
+                # The fault itself: also a datagram (waiting, bounded, for room in the queue), so
+                # it reaches the monitor even if the ring were lapped before the next poll.
+                self.send({"k": "bad", "s": step, "l": loss, "g": grad_norm}, wait=True)
+            if now >= self._next_beat_check:
+                self._check_monitor(now)
+            return
+        msg: dict[str, Any] = {"k": "end", "s": step, "l": loss, "g": grad_norm}
+        if wall is not None:
+            msg["w"] = wall
+            if comm is not None:
+                msg["c"] = comm
         # A plain step's signal may be dropped when the monitor is behind (the next one
         # supersedes it), but a NaN/Inf is the fault itself: the queue holds only
         # net.unix.max_dgram_qlen (10) datagrams, so under load it must wait for room (bounded).
-        bad = any(v is not None and not math.isfinite(v) for v in (loss, grad_norm))
         self.send(msg, wait=bad)
+
+    def _check_monitor(self, now: float) -> None:
+        self._next_beat_check = now + HEARTBEAT_CHECK_S
+        beat = self.ring.monitor_heartbeat()
+        if beat is not None and now - beat > MONITOR_STALE_S:
+            warn_once(log, "watchdog-stale", "robust watchdog: the node monitor has not read rank %d's "
+                      "step ring for %.0f s; training goes on, but hangs, NaN/Inf, spikes and "
+                      "stragglers are not being detected.", self.rank, now - beat)
 
     def _open_comm_timer(self) -> None:
         # Opened at the first step, after the host built its communication backend (DeepSpeed

@@ -2,8 +2,10 @@
 
 It lives in the ``robust run`` launcher process (the elastic agent), which calls
 :meth:`Monitor.check` every monitor interval and :meth:`Monitor.on_crash` when a rank exits
-badly. A receiver thread reads datagrams; the agent thread decides. Only the agent thread starts
-or stops ranks.
+badly. Steps arrive in one shared-memory ring per rank (:mod:`.ring`), created here before the
+ranks start and read at every poll; rare events arrive as datagrams. A receiver thread reads the
+datagrams as they come and polls the rings at least every ``_RECV_POLL_S``; the agent thread
+drains both before it decides. Only the agent thread starts or stops ranks.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from robust_plugins._logging import get_logger
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.watchdog import inject as _inject
+from robust_plugins.watchdog import ring as _ring
 from robust_plugins.watchdog import stacks as _stacks
 from robust_plugins.watchdog.detect import (
     STEP_WINDOW,
@@ -39,7 +42,8 @@ from robust_plugins.watchdog.faults import Fault, FaultLog
 
 log = get_logger(__name__)
 
-#: Receiver thread's poll period: also the bound on how long stop() waits for it.
+#: Receiver thread's poll period: the longest the rings go unread while the agent thread is busy
+#: (e.g. collecting stacks), and the bound on how long close() waits for the thread.
 _RECV_POLL_S = 0.2
 
 
@@ -86,7 +90,8 @@ class Monitor:
     """Fault detection for the ranks of one node."""
 
     def __init__(self, cfg: WatchdogConfig, run_dir: str | os.PathLike,
-                 injections: list[_inject.Injection] | None = None, host: str | None = None) -> None:
+                 injections: list[_inject.Injection] | None = None, host: str | None = None,
+                 ring_entries: int = _ring.DEFAULT_ENTRIES) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -143,16 +148,33 @@ class Monitor:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sock.bind(self.address)
         self._recv_lock = threading.Lock()
+        self.ring_entries = ring_entries
+        self._ring_dir = _ring.ring_dir(self.run_dir)
+        stale = _ring.sweep_stale(self._ring_dir)
+        if stale:
+            log.info("robust watchdog: removed %d step rings left in %s by launchers that are gone",
+                     len(stale), self._ring_dir)
+        self._ring_seq = 0
+        self._rings: dict[int, _ring.RingReader] = {}
+        """This incarnation's step rings by global rank (read under ``_recv_lock``)."""
+        self._pending_rings: dict[int, _ring.RingReader] = {}
+        """Rings created for the next incarnation, attached by ``begin_incarnation``."""
+        self.ring_missed: dict[int, int] = {}
+        """Step records per rank overwritten before the monitor read them, over the job."""
         self._thread = threading.Thread(target=self._receive, name="robust-watchdog-recv", daemon=True)
         self._thread.start()
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def worker_env(self) -> dict[str, str]:
-        """Variables the next incarnation's ranks need (set by the agent before starting them)."""
+    def worker_env(self, ranks: Iterable[int] | None = None) -> dict[str, str]:
+        """Variables the next incarnation's ranks need (set by the agent before starting them).
+
+        With ``ranks`` (the global ranks about to start on this node) it also creates their step
+        rings; without, the ranks send a datagram a step."""
         from robust_plugins.watchdog import client
 
         return {
             client.ENV_SOCKET: self.address,
+            client.ENV_RING: self._create_rings(ranks) if ranks is not None else "",
             client.ENV_RUN_DIR: str(self.run_dir),
             client.ENV_INJECT: _inject.to_env(self.pending_injections),
             client.ENV_INCARNATION: str(self.incarnation + 1),
@@ -173,20 +195,53 @@ class Monitor:
             limit = self._rollback_limit
         return "" if limit is None else str(limit[0])
 
+    def _create_rings(self, ranks: Iterable[int]) -> str:
+        """Create the next incarnation's rings (replacing rings made for a start that did not
+        happen); returns their path prefix, or "" (said in a warning) when they cannot be made."""
+        with self._recv_lock:
+            self._close_rings(self._pending_rings)
+            self._pending_rings = {}
+            self._ring_seq += 1
+            prefix = _ring.ring_prefix(self._ring_dir, self._ring_seq)
+            try:
+                for r in ranks:
+                    self._pending_rings[int(r)] = _ring.RingReader.create(f"{prefix}{r}", self.ring_entries)
+            except (OSError, ValueError) as exc:
+                self._close_rings(self._pending_rings)
+                self._pending_rings = {}
+                log.warning("robust watchdog: cannot create step rings under %s (%r); the ranks send "
+                            "a datagram a step instead, which costs more per step on busy cores.",
+                            self._ring_dir, exc)
+                return ""
+        return prefix
+
+    @staticmethod
+    def _close_rings(rings: dict[int, _ring.RingReader]) -> None:
+        for ring in rings.values():
+            ring.close()
+
     def begin_incarnation(self, pids: dict[int, int]) -> None:
         """New ranks ``{global_rank: pid}`` started; forget the previous incarnation's state."""
-        now = time.monotonic()
-        with self._lock:
-            for st in self.ranks.values():
-                self._history.extend(st.progress.step_times)
-            del self._history[:-STEP_WINDOW * max(1, len(pids))]
-            self.incarnation += 1
-            self._incarnation_started = now
-            # A script that reported steps before will again: watch the new ranks from their start
-            # (a restarted rank can hang before its first step, e.g. in init_process_group).
-            self.ranks = {r: _RankState(pid=p, registered=self._uses_api) for r, p in pids.items()}
-            for st in self.ranks.values():
-                st.progress.last_progress = now
+        with self._recv_lock:
+            # The previous ranks are stopped by now: whatever they wrote since the last poll
+            # (steps past a fault extend a rollback's bad range) is read under their incarnation.
+            self._drain_locked()
+            now = time.monotonic()
+            with self._lock:
+                for st in self.ranks.values():
+                    self._history.extend(st.progress.step_times)
+                del self._history[:-STEP_WINDOW * max(1, len(pids))]
+                self.incarnation += 1
+                self._incarnation_started = now
+                # A script that reported steps before will again: watch the new ranks from their start
+                # (a restarted rank can hang before its first step, e.g. in init_process_group).
+                self.ranks = {r: _RankState(pid=p, registered=self._uses_api) for r, p in pids.items()}
+                for st in self.ranks.values():
+                    st.progress.last_progress = now
+            old, self._rings = self._rings, {r: g for r, g in self._pending_rings.items() if r in pids}
+            self._close_rings(old)
+            self._close_rings({r: g for r, g in self._pending_rings.items() if r not in pids})
+            self._pending_rings = {}
         with open(self.run_dir / "workers.jsonl", "a") as f:
             f.write(json.dumps({"incarnation": self.incarnation, "host": self.host,
                                 "pids": {str(r): p for r, p in sorted(pids.items())}}) + "\n")
@@ -194,9 +249,14 @@ class Monitor:
                  {r: p for r, p in sorted(pids.items())})
 
     def close(self) -> None:
-        """Stop the receiver, write a fault still waiting for its resume step, remove the socket."""
+        """Stop the receiver, write a fault still waiting for its resume step, remove the socket
+        and the step rings."""
         self._stop.set()
         self._thread.join(timeout=2 * _RECV_POLL_S + 1.0)
+        with self._recv_lock:
+            self._close_rings(self._rings)
+            self._close_rings(self._pending_rings)
+            self._rings, self._pending_rings = {}, {}
         self._sock.close()
         self._flush_pending()
         try:
@@ -210,30 +270,64 @@ class Monitor:
     def _receive(self) -> None:
         while not self._stop.is_set():
             try:
-                ready, _, _ = select.select([self._sock], [], [], _RECV_POLL_S)
+                select.select([self._sock], [], [], _RECV_POLL_S)
             except (OSError, ValueError):
                 return  # socket closed
-            if ready:
-                self._drain()
+            # On a datagram, or every _RECV_POLL_S: the rings are read even while the agent
+            # thread is busy, so they cannot be lapped unless a rank outruns this poll.
+            self._drain()
 
     def _drain(self) -> None:
-        """Handle every datagram already queued. Receiving and handling happen under one lock, so
-        when the agent thread calls this, no datagram is half-way (read but not yet handled): a
-        rank's last words (an injected fault's announcement) are known before its exit is judged,
-        however late the receiver thread got scheduled."""
+        """Handle every datagram already queued and every step record in the rings. Receiving
+        and handling happen under one lock, so when the agent thread calls this, nothing is
+        half-way (read but not yet handled): a rank's last words (an injected fault's
+        announcement, its last steps) are known before its exit is judged, however late the
+        receiver thread got scheduled."""
         with self._recv_lock:
-            while True:
-                try:
-                    data, addr = self._sock.recvfrom(65536, socket.MSG_DONTWAIT)
-                except (BlockingIOError, InterruptedError):
-                    return
-                except OSError:
-                    return
-                try:
-                    self._handle(json.loads(data), time.monotonic(), addr)
-                except Exception as exc:  # one bad datagram must not end the receiver
-                    log.warning("robust watchdog: dropped a malformed signal (%d bytes): %r",
-                                len(data), exc)
+            self._drain_locked()
+
+    def _drain_locked(self) -> None:
+        while True:
+            try:
+                data, addr = self._sock.recvfrom(65536, socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                break
+            try:
+                self._handle(json.loads(data), time.monotonic(), addr)
+            except Exception as exc:  # one bad datagram must not end the receiver
+                log.warning("robust watchdog: dropped a malformed signal (%d bytes): %r",
+                            len(data), exc)
+        self._poll_rings()
+
+    def _poll_rings(self) -> None:
+        """Handle the step records written since the last poll (under ``_recv_lock``)."""
+        if not self._rings:
+            return
+        # A record carries the rank's monotonic step-end time; its wall time is derived here.
+        wall_offset = time.time() - time.monotonic()
+        for rank, ring in self._rings.items():
+            records, missed = ring.poll()
+            if missed:
+                self.ring_missed[rank] = self.ring_missed.get(rank, 0) + missed
+                log.warning("robust watchdog: rank %d wrote %d step records that were overwritten "
+                            "before the monitor read them (ring of %d entries; %d lost in this job): "
+                            "their loss, gradient norm and step time are not judged. NaN/Inf steps "
+                            "also arrive as datagrams and are never lost this way.", rank, missed,
+                            ring.capacity, self.ring_missed[rank])
+            if not records:
+                continue
+            with self._lock:
+                st = self.ranks.get(rank)
+                if st is None:
+                    continue
+                for rec in records:
+                    try:
+                        self._on_step(st, rank, rec.step, rec.loss, rec.grad_norm, rec.wall_s,
+                                      rec.comm_s, rec.t_mono + wall_offset, rec.t_mono)
+                    except Exception as exc:  # one bad record must not end the receiver
+                        log.warning("robust watchdog: dropped a step record of rank %d: %r", rank, exc)
 
     def _handle(self, msg: dict[str, Any], now: float, addr: Any = None) -> None:
         with self._lock:
@@ -248,6 +342,15 @@ class Monitor:
                 st.registered = self._uses_api = True
                 st.pid = msg.get("pid", st.pid)
                 st.fh_path = msg.get("fh")
+                ring = self._rings.get(msg.get("r"))
+                if msg.get("ring") and ring is not None:
+                    # Both sides have it mapped: the name can go now, so nothing is left in
+                    # /dev/shm whatever happens to either process later.
+                    ring.unlink()
+            elif kind == "bad":
+                # A NaN/Inf step, also in the ring: flagged at once, and never lost to a lapped ring.
+                st.registered = self._uses_api = True
+                self._note_bad_number(st, int(msg["s"]), msg.get("l"), msg.get("g"), msg["t"])
             elif kind == "inject":
                 st.injected = msg
                 spec = msg.get("spec")
@@ -291,40 +394,53 @@ class Monitor:
                 elif msg.get("why") and st.sdc is None:
                     st.sdc = (int(msg["s"]), [int(r) for r in msg["bad"]], str(msg["why"]), msg["t"])
             elif kind == "end":
-                st.registered = self._uses_api = True  # also if its hello came too early
-                step = int(msg["s"])
-                self._note_resume(step)
-                limit = self._rollback_limit
-                if limit is not None and self.incarnation > limit[1]:
-                    # The ranks that were stopped may have snapshotted one step past the last
-                    # they reported. Beyond that, every snapshot the bad steps left was replaced.
-                    if step > limit[2] + 1:
-                        self._rollback_limit = None
-                elif limit is not None:
-                    limit[2] = max(limit[2], step)  # the faulty ranks run on until they are stopped
-                st.progress.on_step(step, now)
-                if msg.get("w") is not None and msg.get("c") is not None:
-                    st.compute.append((step, max(0.0, float(msg["w"]) - float(msg["c"])), msg["t"]))
-                if self.cfg.nan_check and st.bad_number is None:
-                    for what, key in (("loss", "l"), ("grad_norm", "g")):
-                        if is_bad_number(msg.get(key)):
-                            st.bad_number = (step, what, msg.get(key), msg["t"])
-                            break
-                for what, key in (("loss", "l"), ("grad_norm", "g")):
-                    # Medians live across incarnations: a restarted job needs no new warm-up.
-                    med = self._medians.setdefault((msg["r"], what), RunningMedian(self.cfg.spike_window))
-                    median = med.spike(msg.get(key), self.cfg.spike_factor, self.cfg.spike_warmup_steps)
-                    if median is not None and st.spike is None:
-                        st.spike = (step, what, float(msg[key]), median, msg["t"])
+                # A step as a datagram: from a rank without a ring.
+                self._on_step(st, msg["r"], int(msg["s"]), msg.get("l"), msg.get("g"), msg.get("w"),
+                              msg.get("c"), msg["t"], now)
 
-    def _note_resume(self, step: int) -> None:
+    def _on_step(self, st: _RankState, rank: int, step: int, loss: float | None,
+                 grad_norm: float | None, wall_s: float | None, comm_s: float | None,
+                 t_wall: float, now: float) -> None:
+        """A rank finished ``step`` at monotonic time ``now`` (wall time ``t_wall``); under ``_lock``."""
+        st.registered = self._uses_api = True  # also if its hello came too early
+        st.last_msg_wall = t_wall
+        self._note_resume(step, now)
+        limit = self._rollback_limit
+        if limit is not None and self.incarnation > limit[1]:
+            # The ranks that were stopped may have snapshotted one step past the last
+            # they reported. Beyond that, every snapshot the bad steps left was replaced.
+            if step > limit[2] + 1:
+                self._rollback_limit = None
+        elif limit is not None:
+            limit[2] = max(limit[2], step)  # the faulty ranks run on until they are stopped
+        st.progress.on_step(step, now)
+        if wall_s is not None and comm_s is not None:
+            st.compute.append((step, max(0.0, float(wall_s) - float(comm_s)), t_wall))
+        self._note_bad_number(st, step, loss, grad_norm, t_wall)
+        for what, value in (("loss", loss), ("grad_norm", grad_norm)):
+            # Medians live across incarnations: a restarted job needs no new warm-up.
+            med = self._medians.setdefault((rank, what), RunningMedian(self.cfg.spike_window))
+            median = med.spike(value, self.cfg.spike_factor, self.cfg.spike_warmup_steps)
+            if median is not None and st.spike is None:
+                st.spike = (step, what, float(value), median, t_wall)
+
+    def _note_bad_number(self, st: _RankState, step: int, loss: float | None,
+                         grad_norm: float | None, t_wall: float) -> None:
+        if not self.cfg.nan_check or st.bad_number is not None:
+            return
+        for what, value in (("loss", loss), ("grad_norm", grad_norm)):
+            if is_bad_number(value):
+                st.bad_number = (step, what, value, t_wall)
+                return
+
+    def _note_resume(self, step: int, now: float) -> None:
         fault = self._pending_resume
         # The faulty incarnation's ranks may report a step or two more before they are stopped.
         if fault is None or self.incarnation <= fault.incarnation:
             return
         fault.resumed_at_step = step
         if self._detected_at is not None:
-            fault.detail["recovered_after_s"] = round(time.monotonic() - self._detected_at, 3)
+            fault.detail["recovered_after_s"] = round(max(0.0, now - self._detected_at), 3)
         if self._max_step_before_fault is not None:
             fault.lost_steps = max(0, self._max_step_before_fault - (step - 1))
         self._pending_resume = None
@@ -521,6 +637,9 @@ class Monitor:
             return None
         self._drain()
         now, now_wall = time.monotonic(), time.time()
+        with self._recv_lock:
+            for ring in self._rings.values():
+                ring.heartbeat(now)  # detection is live: the ranks warn when this goes stale
         with self._lock:
             bad = {r: st.bad_number for r, st in self.ranks.items() if st.bad_number}
             progress = {r: st.progress for r, st in self.ranks.items() if st.registered}
