@@ -18,7 +18,8 @@ Environment variables (all in one place, all with the ``ROBUST_`` prefix). Set b
 =============================  ======================================================================
 
 Set by ``robust run`` for its ranks (read by ``robust_plugins.watchdog.client``; not for users):
-``ROBUST_WATCHDOG_SOCKET``, ``ROBUST_RUN_DIR``, ``ROBUST_INJECT``, ``ROBUST_INCARNATION``,
+``ROBUST_WATCHDOG_SOCKET``, ``ROBUST_WATCHDOG_RING`` (path prefix of the ranks' shared-memory
+step rings), ``ROBUST_RUN_DIR``, ``ROBUST_INJECT``, ``ROBUST_INCARNATION``,
 ``ROBUST_SDC_EVERY``, ``ROBUST_ROLLBACK_MAX_STEP`` (newest step a rollback's ranks may restore
 from memory), ``ROBUST_STRAGGLER`` (1: time collectives for the straggler detector),
 ``ROBUST_SKIP_STEPS`` (steps whose batch spiked twice: ``watchdog.skip_batch``),
