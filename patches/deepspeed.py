@@ -34,7 +34,9 @@ Loading runs no code from the files. DeepSpeed 0.19's ``TorchCheckpointEngine.lo
 non-universal checkpoint goes through ``engine.checkpoint_engine.load`` (``SDLoaderFactory``
 for model states, ``_get_all_zero_checkpoint_state_dicts`` for ZeRO shards, the optimizer file
 for ZeRO 0), so during a load that method is shadowed with ``torch.load(weights_only=True)`` and an
-allowlist of four inert DeepSpeed types its files hold (``SAFE_GLOBALS``). Engines whose loads
+allowlist of four inert DeepSpeed types its files hold (``SAFE_GLOBALS``). A resharded load
+(another data-parallel size) converts with ``ds_to_universal`` and loads the result through
+``patches/deepspeed_universal.py``, whose reads are made the same safe load. Engines whose loads
 take other paths (MoE, universal checkpoints, other checkpoint engines) are refused.
 """
 
@@ -44,7 +46,6 @@ import contextlib
 import inspect
 import json
 import os
-import pickle
 import time
 from typing import Any
 
@@ -55,6 +56,7 @@ from robust_plugins.config import PluginConfig, load_json
 from robust_plugins.checkpoint import DiskCheckpointer, rollback_bound
 from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
 from robust_plugins.patches import _guard
+from robust_plugins.patches import deepspeed_universal as _universal
 
 log = get_logger(__name__)
 
@@ -78,15 +80,8 @@ _COPY_SCRIPT_SIGNATURE = ["self", "save_path"]
 _CKPT_ENGINE_SAVE_SIGNATURE = ["self", "state_dict", "path"]
 _CKPT_ENGINE_LOAD_SIGNATURE = ["self", "path", "map_location"]
 
-#: (module, name) of the only non-builtin types in DeepSpeed 0.19 ZeRO 0-2 checkpoint files
-#: (found by loading fp32 and bf16 checkpoints of every stage with weights_only=True). Each is
-#: plain data: a loss-scale holder, an enum, a (numel, start) dataclass. Nothing else may load.
-SAFE_GLOBALS = (
-    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
-    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
-    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
-    ("deepspeed.utils.tensor_fragment", "fragment_address"),
-)
+#: The allowlist of every DeepSpeed checkpoint read (``patches/deepspeed_universal.py``).
+SAFE_GLOBALS = _universal.SAFE_GLOBALS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -618,33 +613,11 @@ def _verified_save(engine, plugin, original, save_dir, tag, client_state, save_l
     return True
 
 
-def _safe_globals() -> list:
-    import importlib
-
-    return [getattr(importlib.import_module(module), name) for module, name in SAFE_GLOBALS]
-
-
 @contextlib.contextmanager
 def _weights_only_loads(engine):
     """Route DeepSpeed's loads through ``torch.load(weights_only=True)`` for one load_checkpoint."""
     ckpt_engine = engine.checkpoint_engine
-    allowed = _safe_globals()
-
-    def load(path, map_location=None):
-        try:
-            with torch.serialization.safe_globals(allowed):
-                return torch.load(path, map_location=map_location, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            # torch's message starts with generic advice; the line naming the refused global is the news.
-            lines = [ln.strip() for ln in str(exc).splitlines() if "Unsupported" in ln or "GLOBAL" in ln]
-            raise CheckpointError(
-                f"{path} needs more than tensors and plain data to load "
-                f"({lines[0] if lines else str(exc).splitlines()[0]}). "
-                f"robust_plugins loads checkpoints with torch.load(weights_only=True) and does not "
-                f"run code from files; it was not loaded."
-            ) from exc
-
-    ckpt_engine.load = load
+    ckpt_engine.load = _universal.safe_load
     try:
         yield
     finally:
@@ -759,8 +732,8 @@ def _load_resharded(engine, plugin, original, load_dir: str, tag: str, reshard, 
     ZeRO 0 (``direct``): model and optimizer state are replicated and live in the one
     ``mp_rank_00_model_states.pt``, which DeepSpeed loads at any DP size. ZeRO 1/2 (``universal``):
     rank 0 converts the verified checkpoint with DeepSpeed's ``ds_to_universal`` into
-    ``<dir>/.universal/<tag>`` (after loading every input with ``weights_only=True``, so nothing
-    that would run code reaches the converter), every rank loads it with DeepSpeed's
+    ``<dir>/.universal/<tag>`` (every file the converter reads, and every converted file the
+    load reads, goes through ``torch.load(weights_only=True)``), every rank loads it with DeepSpeed's
     ``load_universal`` path, then the converted copy is removed.
     """
     from robust_plugins.checkpoint import coord
@@ -786,7 +759,7 @@ def _load_resharded(engine, plugin, original, load_dir: str, tag: str, reshard, 
             raise CheckpointError(result["error"])
         engine._config.load_universal_checkpoint = True
         try:
-            with _weights_only_loads(engine):
+            with _weights_only_loads(engine), _universal.safe_universal_loads():
                 load_path, client_state = original(univ_root, tag, *args, **kwargs)
         finally:
             engine._config.load_universal_checkpoint = False
@@ -802,23 +775,15 @@ def _load_resharded(engine, plugin, original, load_dir: str, tag: str, reshard, 
 
 
 def _convert_to_universal(src: str, univ_root: str, tag: str, timeout_s: float) -> None:
-    """Run DeepSpeed's converter (a child process, bounded) on a verified checkpoint directory."""
+    """Run DeepSpeed's converter on a verified checkpoint directory: a bounded child process in
+    which every ``torch.load`` is ``weights_only=True`` with the allowlist (``deepspeed_universal``)."""
     import shutil
     import subprocess
     import sys
 
-    allowed = _safe_globals()
-    for name in sorted(os.listdir(src)):
-        if name.endswith(".pt"):
-            try:
-                with torch.serialization.safe_globals(allowed):
-                    torch.load(os.path.join(src, name), map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as exc:
-                raise CheckpointError(f"{src}/{name} needs more than tensors and plain data to load; it was "
-                                      f"not converted for resharding ({str(exc).splitlines()[0]}).") from exc
     out = os.path.join(univ_root, tag)
     shutil.rmtree(univ_root, ignore_errors=True)
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", src,
+    cmd = [sys.executable, "-m", _universal.__name__, "--input_folder", src,
            "--output_folder", out, "--num_extract_workers", "1", "--num_merge_workers", "1",
            # Plain DeepSpeed engines do not write Megatron-DeepSpeed's universal_checkpoint_info.
            "--inject_missing_state"]
@@ -830,14 +795,12 @@ def _convert_to_universal(src: str, univ_root: str, tag: str, timeout_s: float) 
                               f"(checkpoint.timeout_s); it was stopped and nothing was loaded.") from exc
     if proc.returncode != 0:
         shutil.rmtree(univ_root, ignore_errors=True)
+        refused = [ln for ln in proc.stderr.splitlines() if ln.startswith("robust_plugins: ")]
+        if refused:
+            raise CheckpointError(f"{refused[-1][len('robust_plugins: '):]} Nothing was converted or loaded.")
         tail = " | ".join((proc.stdout + proc.stderr).strip().splitlines()[-3:])
         raise CheckpointError(f"DeepSpeed's ds_to_universal failed on {src} (exit {proc.returncode}: {tail}); "
                               f"nothing was loaded. Resume at the saved data-parallel size instead.")
-    for dirpath, _, files in os.walk(out):
-        for name in files:
-            if name.endswith(".pt"):
-                with torch.serialization.safe_globals(allowed):
-                    torch.load(os.path.join(dirpath, name), map_location="cpu", weights_only=True)
 
 
 def _newest_disk_step(root: str, max_step: int | None = None) -> int | None:

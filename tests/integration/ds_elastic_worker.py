@@ -1,17 +1,20 @@
 """Elastic restart: a verified DeepSpeed checkpoint saved at one data-parallel size, resumed at another.
 
-Two launches per ZeRO stage (``test_deepspeed_elastic.py``):
+Three launches per ZeRO stage (``test_deepspeed_elastic.py``):
 
-* ``--phase save`` (2 ranks): trains ``STEPS`` steps with micro-batch 4 and gradient accumulation 1
+* ``--phase save`` (2 ranks): trains ``STEPS`` steps with micro-batch 2 and gradient accumulation 2
   (global batch 8), saving a verified checkpoint at step ``SAVE_AT`` with a ``client_state``;
   records the global mean loss of every step (the reference) and the weights at the end.
-* ``--phase resume`` (1 rank): the *same* DeepSpeed config (micro 4, accumulation 1), a model
-  seeded differently; ``load_checkpoint`` must reshard, set gradient accumulation to 2 so that the
-  global batch stays 8, and continue to ``STEPS``.
+* ``--phase shrink`` (1 rank) and ``--phase grow`` (4 ranks): the *same* DeepSpeed config (micro 2,
+  accumulation 2), a model seeded differently; ``load_checkpoint`` must reshard the step-6
+  checkpoint and set gradient accumulation to 4 (shrink) or 1 (grow) so that the global batch
+  stays 8, and continue to ``STEPS``.
 
 Data: the global batch of step s is fixed by (seed, s) (``workloads.text.get_batch`` with
-``dp * gas`` slices); rank r takes slices ``r*gas .. r*gas+gas-1``, so both phases see the same
-samples every step. Rank 0 writes ``DIR/<phase>.json``; the test asserts on it.
+``dp * gas`` slices); rank r takes slices ``r*gas .. r*gas+gas-1``, so every phase sees the same
+samples every step. The reported loss of a step is the sum of the per-slice losses in slice order
+(the same additions at every size), divided by the number of slices. Rank 0 writes
+``DIR/<phase>.json``; the test asserts on it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from robust_plugins.workloads.gpt import build_gpt
 from robust_plugins.workloads.text import get_batch, load_corpus
 
 SEED = 1234
-MICRO_BATCH = 4
+MICRO_BATCH = 2
+GAS = 2
 SEQ_LEN = 64
 STEPS = 12
 SAVE_AT = 6
@@ -52,7 +56,7 @@ def make_engine(stage: int, root: str, seed: int):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     cfg = {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": GAS,
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6},
@@ -79,16 +83,19 @@ def train(engine, until: int, corpus, save_at: int | None = None) -> list[float]
     losses = []
     while engine.global_steps < until:
         gas = engine.gradient_accumulation_steps()
-        step_loss = torch.zeros(())
+        slices = torch.zeros(dp * gas, dtype=torch.float64)
         for m in range(gas):
             x, y = get_batch(corpus, "train", seed=SEED, step=engine.global_steps, rank=rank * gas + m,
                              world_size=dp * gas, micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
             loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            step_loss += loss.detach()
-        dist.all_reduce(step_loss)
-        losses.append(step_loss.item() / (dp * gas))
+            slices[rank * gas + m] = loss.detach().double()
+        dist.all_reduce(slices)  # one non-zero entry per slice: exact
+        total = 0.0
+        for v in slices.tolist():  # the same additions in the same order at every size
+            total += v
+        losses.append(total / (dp * gas))
         if engine.global_steps == save_at:
             engine.save_checkpoint(None, client_state={"next_step": save_at, "note": "elastic",
                                                        "marker": torch.arange(3) * save_at})
@@ -99,7 +106,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--stage", type=int, required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--phase", choices=["save", "resume"], required=True)
+    ap.add_argument("--phase", choices=["save", "shrink", "grow"], required=True)
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.use_deterministic_algorithms(True)
