@@ -751,8 +751,10 @@ class Monitor:
         """Report (never restart for) ranks whose compute time stays above its peers'."""
         window = self.cfg.straggler_window
         with self._lock:
-            compute = {r: [c for _, c, _ in st.compute] for r, st in self.ranks.items()
-                       if st.registered and not st.finished}
+            # The detector judges the last `window` steps: copy only those (the deque keeps 512,
+            # and copying all of them every check was most of a check's CPU).
+            compute = {r: [st.compute[i][1] for i in range(-min(window, len(st.compute)), 0)]
+                       for r, st in self.ranks.items() if st.registered and not st.finished}
             found = stragglers(compute, self.cfg.straggler_factor, window)
             slow = {s.rank for s in found}
             for r, st in self.ranks.items():
