@@ -13,7 +13,8 @@ with its wall time and incarnation. From those logs and ``faults.jsonl``:
 
 Rows (``--rows``, each one job; a job is bounded by ``--timeout``):
 ``crash hang nan spike straggler sdc`` under ``robust run`` with an injected fault at
-``--fault-step``; ``torchrun`` and ``ft_launcher``: the same script with ``--kill-at`` (the rank
+``--fault-step``; ``crash_emergency``: the crash with ZeRO 0 and the plugin's checkpoint block, whose
+emergency save (``patches/deepspeed_emergency.py``) writes the last step before the restart; ``torchrun`` and ``ft_launcher``: the same script with ``--kill-at`` (the rank
 kills itself; these launchers have no injection). ``ettr``: one job of ``--ettr-seconds`` with a
 random fault (kill, hang, NaN, spike; at a random rank) every ``--ettr-every`` seconds,
 ETTR = the summed wall time of the steps kept in the final result (each step counted once, by the
@@ -116,17 +117,21 @@ def run_robust(work: Path, nproc: int, steps: int, save_every: int, inject: list
     return {"rc": rc, "out": out, "t0": t0, "t_end": time.time(), "faults": faults}
 
 
-def robust_row(kind: str, spec: str, work: Path, args, watchdog: list[str]) -> dict:
-    job = run_robust(work, args.nproc, args.steps, args.save_every, [spec], watchdog, args.timeout)
+def robust_row(name: str, spec: str, work: Path, args, watchdog: list[str], script_extra: tuple[str, ...] = ()) -> dict:
+    kind = name.split("_")[0]  # crash_emergency: a crash
+    job = run_robust(work, args.nproc, args.steps, args.save_every, [spec], watchdog, args.timeout, script_extra)
     steps, _ = _step_log(work)
     fault = next((f for f in job["faults"] if f["kind"] == kind), None)
-    row = {"launcher": "robust run", "fault": kind, "inject": spec, "rc": job["rc"],
+    row = {"launcher": "robust run", "fault": name, "inject": spec, "rc": job["rc"],
            "faults": [f["kind"] for f in job["faults"]]}
     if fault is None:
         row["note"] = f"no {kind} fault recorded; output tail: {job['out'][-1500:]}"
         return row
     detected = _iso(fault["time"])
     onset = detected - (fault["detected_after_s"] or 0.0)
+    saves = (fault.get("detail") or {}).get("emergency_save")
+    if saves:
+        row["emergency_save"] = saves
     row.update(detected_after_s=fault["detected_after_s"], action=fault["action"],
                suspects=fault["suspect_ranks"], step=fault["step"],
                lost_steps_faults_jsonl=fault.get("lost_steps"), resumed_faults_jsonl=fault.get("resumed_at_step"))
@@ -204,10 +209,23 @@ def ettr_run(work: Path, args) -> dict:
             "note": "" if job["rc"] == 0 else job["out"][-2000:]}
 
 
+def _spread(rows: list[dict], key: str, unit: str = "") -> str:
+    """``median (min-max)`` of ``key`` over the rows that have it; ``-`` when none has."""
+    vals = sorted(r[key] for r in rows if r.get(key) is not None)
+    if not vals:
+        return "-"
+    med = statistics.median(vals)
+    fmt = (lambda v: f"{v:g}") if all(isinstance(v, int) for v in vals) else (lambda v: f"{v:.2f}")
+    if len(vals) == 1:
+        return f"{fmt(med)}{unit}"
+    return f"{fmt(med)}{unit} ({fmt(vals[0])}-{fmt(vals[-1])})"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", nargs="+", required=True,
-                   choices=["crash", "hang", "nan", "spike", "straggler", "sdc", "torchrun", "ft_launcher", "ettr"])
+                   choices=["crash", "crash_emergency", "hang", "nan", "spike", "straggler", "sdc", "torchrun",
+                            "ft_launcher", "ettr"])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--save-every", type=int, default=10)
@@ -219,12 +237,16 @@ def main() -> None:
     p.add_argument("--ettr-every", type=float, default=60)
     p.add_argument("--ettr-step-s", type=float, default=0.25, help="expected step time (places the faults)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="jobs per row, interleaved (row order repeated); the table gives medians and ranges")
     p.add_argument("--keep", help="keep the work directories here")
     args = p.parse_args()
     S = args.fault_step
     hang = ["hang_min_timeout_s=3", "hang_initial_timeout_s=60"]
     specs = {
         "crash": (f"kill:rank={args.kill_rank},step={S}", []),
+        # ZeRO 0 with the checkpoint block: a live rank saves step S before the restart.
+        "crash_emergency": (f"kill:rank={args.kill_rank},step={S}", []),
         "hang": (f"hang:rank=2,step={S}", hang),
         "nan": (f"nan:rank=1,step={S}", []),
         "spike": (f"spike:rank=3,step={S}", []),
@@ -235,33 +257,42 @@ def main() -> None:
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="recovery-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     rows = []
-    for name in args.rows:
-        work = root / name
-        work.mkdir(parents=True, exist_ok=True)
-        t = time.monotonic()
-        if name in specs:
-            spec, wd = specs[name]
-            if name != "straggler":
-                wd = ["straggler_factor=0", *wd]
-            row = robust_row(name, spec, work, args, wd)
-        elif name in ("torchrun", "ft_launcher"):
-            row = baseline_row(name, work, args)
-        else:
-            row = ettr_run(work, args)
-        row["job_s"] = round(time.monotonic() - t, 1)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    # Repeats interleaved (crash hang ... crash hang ...): load from other jobs that drifts over
+    # minutes lands on every row alike instead of on one row's repeats.
+    for rep in range(args.repeats):
+        for name in args.rows:
+            work = root / (name if args.repeats == 1 else f"{name}-{rep}")
+            work.mkdir(parents=True, exist_ok=True)
+            t = time.monotonic()
+            if name in specs:
+                spec, wd = specs[name]
+                if name != "straggler":
+                    wd = ["straggler_factor=0", *wd]
+                row = robust_row(name, spec, work, args, wd,
+                                 ("--emergency",) if name == "crash_emergency" else ())
+            elif name in ("torchrun", "ft_launcher"):
+                row = baseline_row(name, work, args)
+            else:
+                row = ettr_run(work, args)
+            row["job_s"] = round(time.monotonic() - t, 1)
+            row["repeat"] = rep
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     print(f"\n{args.nproc} ranks, DeepSpeed ZeRO-1 tiny GPT, disk checkpoint every {args.save_every} steps, "
-          f"fault at step {S} ({root})")
-    print("| launcher | fault | injected | detected after | action | recovered after (fault -> first step) | steps lost | resumed at |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if r.get("fault") is None:
+          f"fault at step {S}, {args.repeats} job(s) a row: median (min-max) ({root})")
+    print("| launcher | fault | injected | detected after | action | recovered after (fault -> first step) | steps lost | resumed at | jobs |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.rows:
+        group = [r for r in rows if r.get("fault") is not None and
+                 (r["fault"] == name if name in specs else r["launcher"] == name)]
+        if not group:
             continue
-        rec = r.get("recovered_after_s")
-        print(f"| {r['launcher']} | {r['fault']} | `{r['inject']}` | {r.get('detected_after_s', '-')} s | "
-              f"{r.get('action', 'restart')} | {'-' if rec is None else f'{rec} s'} | {r.get('lost_steps', '-')} | "
-              f"{r.get('resumed_at', '-')} |")
+        r = group[0]
+        failed = sum(1 for g in group if g.get("recovered_after_s") is None)
+        print(f"| {r['launcher']} | {r['fault']} | `{r['inject']}` | {_spread(group, 'detected_after_s', ' s')} | "
+              f"{r.get('action', 'restart')} | {_spread(group, 'recovered_after_s', ' s')}"
+              f"{f' ({failed} of {len(group)} never recovered)' if failed else ''} | "
+              f"{_spread(group, 'lost_steps')} | {_spread(group, 'resumed_at')} | {len(group)} |")
     if not args.keep:
         subprocess.run(["rm", "-rf", str(root)], check=False)
 

@@ -34,17 +34,17 @@ RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,
 
 class Node:
     def __init__(self, tmp: Path, name: str, addr: str, port: int, host: bool, *extra: str,
-                 step_sleep: float = 0.3) -> None:
+                 step_sleep: float = 0.3, nproc: int = 1, script: list[str] | None = None) -> None:
         self.run_dir = tmp / name
         self.run_dir.mkdir(parents=True)
+        script = script or [SCRIPT, "--steps", str(STEPS), "--step-sleep", str(step_sleep)]
         cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(self.run_dir),
-               "--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+               "--nnodes", "1:2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mn-test",
                "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if host else 'false'}",
                "--local-addr", addr, "--max-restarts", "4", "--monitor-interval", "0.1",
                "--watchdog", "straggler_factor=0", *extra,
-               SCRIPT, "--steps", str(STEPS), "--step-sleep", str(step_sleep),
-               "--ckpt-dir", str(tmp / "ckpt"), "--out", str(tmp / "result.json")]
+               *script, "--ckpt-dir", str(tmp / "ckpt"), "--out", str(tmp / "result.json")]
         self.log = open(self.run_dir / "launcher.log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=launch_env(),
@@ -94,13 +94,13 @@ class Node:
 
 
 def _run_nodes(tmp: Path, b_extra: tuple[str, ...] = (), kill_b_at_step: int | None = None,
-               timeout_s: float = 100.0) -> tuple[Node, Node]:
+               timeout_s: float = 100.0, both_extra: tuple[str, ...] = (), **node_kw) -> tuple[Node, Node]:
     port = free_port()
-    a = Node(tmp, "node-a", "127.0.0.1", port, True)
+    a = Node(tmp, "node-a", "127.0.0.1", port, True, *both_extra, **node_kw)
     b = None
     try:
         time.sleep(0.5)  # A binds the store first (it is also told is_host)
-        b = Node(tmp, "node-b", "127.0.0.2", port, False, *b_extra)
+        b = Node(tmp, "node-b", "127.0.0.2", port, False, *both_extra, *b_extra, **node_kw)
         deadline = time.monotonic() + timeout_s
         if kill_b_at_step is not None:
             steps = tmp / "result.json.steps.jsonl"
@@ -207,3 +207,40 @@ def test_node_whose_rank_hangs_twice_is_excluded(tmp_path):
     assert [(e["node"], e["blames"], e["fault"]["kind"]) for e in excluded] == [("127.0.0.2", 2, "hang")]
     assert not any(f["detail"].get("node_blamed") for f in a.jsonl("faults.jsonl"))
     _assert_close(json.loads((tmp_path / "result.json").read_text())["params"], _reference(tmp_path))
+
+
+@pytest.mark.timeout(150)
+def test_persistent_bit_flip_on_one_node_is_replayed_evicted_and_the_other_node_trains_on(tmp_path):
+    # 2 nodes x 2 ranks (4 replicas: a single corrupted one is a minority). Rank 3 (node B) has a
+    # stuck bit: it corrupts its parameters at the check of step 10 in every incarnation that
+    # replays it. Detected (blame 1), rolled back to the checkpoint of step 5 and replayed: the same
+    # rank differs again, persistent (blame 2): B is excluded, A trains on alone to the end.
+    recipe = ["-m", "robust_plugins.recipes.plain_gpt.train", "--steps", "16", "--save-every", "5",
+              "--corpus-bytes", "200000"]
+    a, b = _run_nodes(tmp_path, b_extra=("--inject", "stuckbit:rank=3,step=8"),
+                      both_extra=("--watchdog", "sdc_every_steps=5"), nproc=2, script=recipe, timeout_s=120)
+    assert b.proc.returncode == 3, b.output[-4000:]
+    assert "EXCLUDED NODE 127.0.0.2" in b.output
+    assert a.proc.returncode == 0, a.output[-4000:]
+    sdc = [f for f in b.jsonl("faults.jsonl") if f["kind"] == "sdc"]
+    assert [(f["suspect_ranks"], f["step"], f["action"]) for f in sdc] == [([3], 10, "rollback"), ([3], 10, "evict")], sdc
+    assert sdc[0]["detail"]["replay"]["verdict"] == "persistent", sdc[0]
+    assert sdc[0]["detail"]["node_blamed"] is True, sdc[0]
+
+    def evidence(node: Node) -> dict:
+        (first, _) = [f for f in node.jsonl("faults.jsonl") if f["kind"] == "sdc"]
+        return json.loads(Path(next(p for p in first["evidence"] if "replay-step" in p)).read_text())
+
+    # Each monitor keeps its own ranks' hashes. The healthy replicas replayed step 10 bitwise, on
+    # both nodes; rank 3 corrupted the same bit again.
+    on_a, on_b = evidence(a)["hashes_at_replay"], evidence(b)
+    assert on_b["hashes_at_replay"]["3"] != on_b["hashes_at_replay"]["2"] == on_a["0"] == on_a["1"], (on_a, on_b)
+    assert on_b["hashes_at_replay"]["3"] == on_b["hashes_at_detection"]["3"]
+    excluded = json.loads((a.run_dir / "excluded_nodes.json").read_text())["nodes"]
+    assert [(e["node"], e["blames"], e["fault"]["kind"]) for e in excluded] == [("127.0.0.2", 2, "sdc")]
+    # Node A was never blamed: the corrupted replica was not on it.
+    assert not any(f["detail"].get("node_blamed") for f in a.jsonl("faults.jsonl"))
+    rounds = a.jsonl("membership.jsonl")
+    assert rounds[0]["world_size"] == 4 and rounds[-1]["world_size"] == 2, rounds
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["world_size"] == 2 and result["steps"] == 16, result
