@@ -60,8 +60,9 @@ NOTES = (
     "(`hier auto`: flat or hierarchical, and the codec; `flat auto`: the codec) by timing the candidate "
     "routes its cost model does not rule out on the first (untimed) call; `auto chose` names the route. "
     "`flat bf16` here is DeepSpeed's `communication_data_type: bf16` (a bf16 all-reduce, bf16 sums, no "
-    "error feedback), which is not one of `auto`'s candidates; `auto`'s bf16 is the two-phase codec "
-    "(fp32 sums). A route that chose `flat none` runs the same collective as flat fp32; a 10-15 % "
+    "error feedback); `auto`'s candidates are `bf16` (the two-phase codec, fp32 sums) and "
+    "`bf16_allreduce` (this bf16 all-reduce with error feedback of the cast, flat only). A route that "
+    "chose `flat none` runs the same collective as flat fp32; a 10-15 % "
     "difference on shared cores is within this machine's run-to-run spread (flat fp32 itself measured "
     "110-175 ms at 10gbit across runs)."
 )
