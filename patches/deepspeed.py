@@ -9,7 +9,9 @@ the methods that carry data-parallel gradient reductions (DeepSpeed 0.19,
 
 ==========  ============================================================================
 ZeRO 0      ``DeepSpeedEngine.allreduce_bucket`` (all dense buckets, fp32 and bf16 via
-            ``buffered_allreduce_fallback``)
+            ``buffered_allreduce_fallback``); with a compressing codec or the hierarchy,
+            ``buffered_allreduce_fallback`` itself: planned buckets, overlapped with
+            backward (``compression.overlap``, ``patches/deepspeed_overlap.py``)
 ZeRO 1, 2   ``DeepSpeedZeroOptimizer.allreduce_bucket`` (all-reduce, or reduce to one rank)
             and ``gradient_reduction_w_predivide`` (``reduce_scatter: false``)
 ==========  ============================================================================
@@ -52,7 +54,7 @@ from typing import Any
 import torch
 
 from robust_plugins._logging import current_rank, get_logger, warn_once
-from robust_plugins.config import PluginConfig, load_json
+from robust_plugins.config import DEFAULT_BUCKET_MB, PluginConfig, load_json
 from robust_plugins.checkpoint import DiskCheckpointer, rollback_bound
 from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
 from robust_plugins.patches import _guard
@@ -290,6 +292,9 @@ class DeepSpeedPlugin:
         """In-memory snapshots (``checkpoint.memory_every``, ``patches/deepspeed_memory.py``); or None."""
         self.watchdog = None
         """Step signals to ``robust run`` (``patches/deepspeed_watchdog.py``); None outside it."""
+        self.buckets = None
+        """ZeRO 0's planned gradient buckets, overlapped with backward (``compression.overlap``,
+        ``patches/deepspeed_overlap.py``); None where DeepSpeed's own buckets stay."""
         self.resumed: tuple | None = None
         """``(load_path, client_state)`` of the load ``checkpoint.resume`` made in
         ``deepspeed.initialize`` (``patches/deepspeed_emergency.py``); None without it."""
@@ -340,8 +345,19 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
 
         attach_onebit(engine, plugin)  # gradients stay DeepSpeed's until the freeze, then the momentum goes 1-bit
     elif config.compression is not None and stage == 0:
+        from robust_plugins.patches.deepspeed_overlap import attach_buckets
+
         _guard.bind_instance(engine, "allreduce_bucket", _engine_allreduce_bucket(engine, plugin))
+        plugin.buckets = attach_buckets(engine, plugin)  # a collective with overlap
     elif config.compression is not None:
+        if config.compression.overlap:
+            from robust_plugins.patches.deepspeed_overlap import unsupported_reason
+
+            raise UnsupportedError(f"robust_plugins.compression.overlap = true: {unsupported_reason(engine)}. "
+                                   f"Set overlap to false (or leave it unset).")
+        if config.compression.bucket_mb != DEFAULT_BUCKET_MB:
+            raise UnsupportedError(f"robust_plugins.compression.bucket_mb sizes ZeRO stage 0's buckets; at stage "
+                                   f"{stage} DeepSpeed's zero_optimization.reduce_bucket_size does. Remove bucket_mb.")
         opt = engine.optimizer
         _guard.bind_instance(opt, "allreduce_bucket", _zero_allreduce_bucket(opt, plugin))
         _guard.bind_instance(opt, "gradient_reduction_w_predivide", _zero_predivide(opt, plugin))
@@ -419,8 +435,10 @@ def add_step_observer(engine, observer, first: bool = False) -> None:
 def detach(engine) -> None:
     """Remove the plugin from ``engine``: its methods fall back to DeepSpeed's."""
     from robust_plugins.patches.deepspeed_onebit import detach_onebit
+    from robust_plugins.patches.deepspeed_overlap import detach_buckets
 
     detach_onebit(engine)
+    detach_buckets(engine)
     for obj, name in ((engine, "allreduce_bucket"), (engine.optimizer, "allreduce_bucket"),
                       (engine.optimizer, "gradient_reduction_w_predivide"),
                       (engine, "save_checkpoint"), (engine, "load_checkpoint"), (engine, "step"),

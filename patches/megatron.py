@@ -27,7 +27,8 @@ bucket group's last gradient is ready, its dispatch (on the training thread, ins
 megatron's preamble and hands the group's collectives to one background thread, and the handle
 stored in ``grad_reduce_handle`` is completed by that thread; ``finish_grad_sync`` waits on it. The
 thread runs the groups in dispatch order, one at a time, on its own clones of the data-parallel
-process groups (made once at :func:`enable`, a collective): every rank dispatches the same groups in
+process groups (made once at :func:`enable`, a collective; the thread, its handles and the clones
+are :mod:`robust_plugins.comm.overlap`, shared with the DeepSpeed integration): every rank dispatches the same groups in
 the same order (megatron's backward hooks are deterministic), so every rank issues the same
 sequence of collectives, and they never interleave with collectives the training thread issues on
 megatron's groups. Every bucket group then goes through the thread, uncompressed ones (warm-up,
@@ -44,14 +45,13 @@ saved by :class:`robust_plugins.megatron.MegatronCheckpointer` beside the model.
 from __future__ import annotations
 
 import os
-import queue
-import threading
 from typing import Any, Mapping
 
 import torch
 
 from robust_plugins._logging import current_rank, get_logger
-from robust_plugins.config import PluginConfig
+from robust_plugins.comm.overlap import Completed, SyncThread, clone_groups
+from robust_plugins.config import DEFAULT_BUCKET_MB, PluginConfig
 from robust_plugins.errors import CheckpointError, ConfigError, RobustPluginsError, UnsupportedError
 from robust_plugins.patches import _guard
 
@@ -105,103 +105,6 @@ def _as_plugin_config(config: Any) -> PluginConfig:
     )
 
 
-#: Upper bound of a ``wait()`` on an overlapped sync. The collectives themselves time out with
-#: their process group (torch's default: 30 min for gloo); this only keeps a lost thread from
-#: blocking forever.
-WAIT_TIMEOUT_S = 3600.0
-
-
-class _Completed:
-    """The handle stored in ``grad_reduce_handle`` after a compressed sync run at dispatch."""
-
-    def wait(self) -> None:
-        """The sync already completed; nothing to wait for."""
-
-    def is_completed(self) -> bool:
-        """Always true."""
-        return True
-
-
-class _Handle:
-    """``grad_reduce_handle`` of an overlapped compressed sync: completed by the sync thread."""
-
-    def __init__(self, name: str, plugin: "MegatronPlugin"):
-        self.name = name
-        self._plugin = plugin
-        self._done = threading.Event()
-        self.error: BaseException | None = None
-
-    def wait(self) -> None:
-        """Block until the group's collectives finished; re-raise what failed on the sync thread."""
-        if not self._done.wait(WAIT_TIMEOUT_S):
-            raise RobustPluginsError(
-                f"megatron bucket group {self.name}: the compressed gradient sync did not finish in "
-                f"{WAIT_TIMEOUT_S:.0f} s; a rank is probably hung (see the other ranks' logs).")
-        self._plugin._emit("wait", self.name)
-        if self.error is not None:
-            raise RobustPluginsError(f"megatron bucket group {self.name}: the compressed gradient sync "
-                                     f"failed on the sync thread: {self.error!r}") from self.error
-
-    def is_completed(self) -> bool:
-        """True once the sync thread has finished this group."""
-        return self._done.is_set()
-
-
-class _SyncThread:
-    """One background thread running bucket groups' collectives in submission order."""
-
-    def __init__(self, plugin: "MegatronPlugin"):
-        self._plugin = plugin
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="robust-mcore-grad-sync", daemon=True)
-        self._thread.start()
-
-    def submit(self, name: str, work) -> _Handle:
-        handle = _Handle(name, self._plugin)
-        self._queue.put((handle, work))
-        return handle
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            handle, work = item
-            try:
-                self._plugin._emit("start", handle.name)
-                work()
-                self._plugin._emit("done", handle.name)
-            except BaseException as exc:  # handed to the training thread by wait()
-                handle.error = exc
-            finally:
-                handle._done.set()
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the thread after the work already submitted."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-
-
-def _clone_groups(groups: list) -> dict:
-    """Clone each process group in ``groups`` (same ranks, same backend) for the sync thread.
-
-    ``new_group`` is collective over the whole job and must be called in the same order on every
-    rank, also by ranks outside the group: the rank lists are gathered first and every rank
-    creates the union, sorted.
-    """
-    import torch.distributed as dist
-
-    mine = {tuple(dist.get_process_group_ranks(g)): dist.get_backend(g) for g in groups}
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, sorted(mine.items()))
-    clones = {}
-    for ranks, backend in sorted({item for part in gathered for item in part}):
-        group = dist.new_group(ranks=list(ranks), backend=backend)
-        if ranks in mine:
-            clones[ranks] = group
-    return {id(g): clones[tuple(dist.get_process_group_ranks(g))] for g in groups}
-
-
 class MegatronPlugin:
     """Everything robust_plugins attached to one megatron-core DDP model (``ddp.robust_plugins``)."""
 
@@ -225,7 +128,7 @@ class MegatronPlugin:
         """Callables ``fn(event, group_name)`` told of every overlapped sync: ``dispatch`` (training
         thread, inside backward), ``start`` and ``done`` (sync thread), ``wait`` (training thread,
         in ``finish_grad_sync``). For tests and tracing; they must not block for long."""
-        self.thread: _SyncThread | None = None
+        self.thread: SyncThread | None = None
         """The sync thread (``overlap_grad_reduce`` with a compressing or hierarchical sync)."""
         self.clones: dict = {}
         """id(megatron process group) -> the sync thread's clone of it."""
@@ -265,8 +168,8 @@ class MegatronPlugin:
         pgs = [g.intra_distributed_optimizer_instance_group if use_distopt else g.data_parallel_group
                for _, g in self.groups]
         unique = list({id(g): g for g in pgs}.values())
-        self.clones = _clone_groups(unique)
-        self.thread = _SyncThread(self)
+        self.clones = clone_groups(unique)
+        self.thread = SyncThread("robust-mcore-grad-sync", "megatron bucket group", self._emit)
 
     def close(self) -> None:
         """Stop the sync thread (after the work already submitted) and close the telemetry recorder."""
@@ -395,6 +298,19 @@ def _refuse_config(cfg: PluginConfig, ddp) -> None:
             "robust_plugins.megatron: compression.codec = 'auto' covers all-reduces only, and "
             "use_distributed_optimizer = True reduce-scatters the gradients. Use a fixed codec (none, bf16, "
             "int8, int4, sign) with the distributed optimizer, or turn it off."
+        )
+    comp = cfg.compression
+    if comp is not None and comp.overlap is not None and comp.overlap != ddp.ddp_config.overlap_grad_reduce:
+        raise UnsupportedError(
+            f"robust_plugins.megatron: compression.overlap = {comp.overlap} but megatron's "
+            f"DistributedDataParallelConfig.overlap_grad_reduce = {ddp.ddp_config.overlap_grad_reduce}; the "
+            f"compressed sync overlaps backward exactly when megatron's overlap_grad_reduce is set. Set that, and "
+            f"leave compression.overlap unset (or equal to it)."
+        )
+    if comp is not None and comp.bucket_mb != DEFAULT_BUCKET_MB:
+        raise UnsupportedError(
+            f"robust_plugins.megatron: compression.bucket_mb = {comp.bucket_mb:g} sizes DeepSpeed ZeRO 0's "
+            f"buckets; megatron-core's buckets are DistributedDataParallelConfig.bucket_size. Remove bucket_mb."
         )
     if cfg.topology is not None and cfg.topology.hierarchical and distopt:
         raise UnsupportedError(
@@ -570,7 +486,7 @@ def _start_grad_sync(group, name: str, plugin: MegatronPlugin):
         if not threaded:
             _reduce_buckets(plugin, buckets, keys, locals_, pg, op, reduce_op)
             # megatron's handle contract: with overlap_grad_reduce, finish_grad_sync waits on a handle.
-            group.grad_reduce_handle = _Completed() if cfg.overlap_grad_reduce else None
+            group.grad_reduce_handle = Completed() if cfg.overlap_grad_reduce else None
             return
         clone = plugin.clones[id(pg)]
         ready = None

@@ -64,6 +64,9 @@ AUTO_CODEC = "auto"
 BF16_ALLREDUCE = "bf16_allreduce"
 AUTO_CANDIDATES = ("none", "bf16", BF16_ALLREDUCE, "int8", "int4")
 
+#: ``compression.bucket_mb`` unless set (DeepSpeed ZeRO 0's planned buckets).
+DEFAULT_BUCKET_MB = 4.0
+
 BLOCK_SIZE_MIN = 32
 BLOCK_SIZE_MAX = 4096
 
@@ -170,6 +173,27 @@ class CompressionConfig:
     (one quantization round trip) exceeds this are never chosen. int8 measures about 0.01 and
     bf16 0.003 on gradients, int4 about 0.15, so the default admits bf16 and int8, not int4."""
 
+    overlap: bool | None = None
+    """DeepSpeed ZeRO 0, with a compressing codec or ``topology.hierarchical``: start each gradient
+    bucket's reduction during backward, as soon as backward has finished all of the bucket's
+    gradients (on the gradient-accumulation boundary only), on one background thread with its own
+    clones of the process groups; DeepSpeed's reduction point then waits for every bucket. The
+    buckets, their order and their codes are those of the reduction after backward, so the
+    result is bitwise the same. ``null`` (default): on where supported, with a log line naming
+    why where not (ZeRO 1/2, MoE, sparse gradients, DeepSpeed's bf16 optimizer, unmanaged
+    gradient accumulation); ``true``: such engines are refused; ``false``: reduce after backward.
+    megatron-core overlaps when its own ``overlap_grad_reduce`` is set: an explicit value here
+    must agree with it."""
+
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    """DeepSpeed ZeRO 0, with a compressing codec or ``topology.hierarchical``: gradients are
+    reduced in buckets of at least this many MB (fp32: 4 bytes an element), parameters taken in
+    reverse order of registration (the order backward finishes them) and cut at parameter
+    boundaries and dtype changes. Smaller buckets start earlier in backward and leave less to
+    reduce after it; each costs a collective's latency (and with ``auto`` its own trial runs at
+    its first step). DeepSpeed's own ZeRO 0 path reduces in 500M-element buckets; 4 MB buckets
+    made the 6.6M-parameter GPT's step 1.4x faster than one bucket (BENCHMARKS.md)."""
+
     def __post_init__(self) -> None:
         where = f"{BLOCK_KEY}.compression"
         _expect_type(f"{where}.codec", self.codec, (str,), "a string")
@@ -222,6 +246,15 @@ class CompressionConfig:
         if self.min_numel < 0:
             raise ConfigError(f"{where}.min_numel = {self.min_numel} must be >= 0.")
         self._check_sign_mode(where)
+        if self.overlap is not None:
+            _expect_type(f"{where}.overlap", self.overlap, (bool,), "true, false or null")
+        value = _expect_type(f"{where}.bucket_mb", self.bucket_mb, (int, float), "a number (MB)")
+        if not 0 < value < float("inf"):
+            raise ConfigError(f"{where}.bucket_mb = {value!r} must be a finite number of MB > 0 (e.g. 4).")
+        if self.overlap and self.sign_mode == "momentum":
+            raise ConfigError(f"{where}.overlap = true does not apply to sign_mode = 'momentum' (1-bit Adam "
+                              f"sends the momentum after the optimizer's step, not gradients during "
+                              f"backward); remove overlap or use sign_mode 'gradient'.")
 
     def _check_sign_mode(self, where: str) -> None:
         _expect_type(f"{where}.sign_mode", self.sign_mode, (str,), "a string")
@@ -262,6 +295,8 @@ class CompressionConfig:
             f"error_feedback={self.error_feedback}, warmup_steps={self.warmup_steps}, "
             f"min_numel={self.min_numel}"
             + (f", sign_mode=momentum, freeze_steps={self.freeze_steps}" if self.sign_mode == "momentum" else "")
+            + (f", overlap={self.overlap}" if self.overlap is not None else "")
+            + (f", bucket_mb={self.bucket_mb:g}" if self.bucket_mb != DEFAULT_BUCKET_MB else "")
             + ")"
         )
 

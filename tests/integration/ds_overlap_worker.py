@@ -1,0 +1,112 @@
+"""DeepSpeed ZeRO 0 with ``compression.overlap`` on and off, 2 CPU ranks (one launch).
+
+Run as ``torchrun --nproc-per-node 2 ds_overlap_worker.py --out DIR`` with
+``ROBUST_TOPOLOGY_SIM=2x1`` (two simulated nodes of one rank, so that ``topology.hierarchical``
+has a rail). Each scenario trains the tiny GPT with gradient accumulation 2 (the hooks must act on
+the boundary micro-step only) and small buckets (several per step), overlap on and off, and
+records every rank's parameter digest, the losses and the order of the bucket events (``flush``:
+DeepSpeed's reduction point starts; ``dispatch``: a bucket was handed over; ``start``: the sync
+thread began reducing it). Rank 0 writes ``DIR/results.json``; ``test_deepspeed_overlap.py``
+asserts on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+
+import robust_plugins  # noqa: F401  (installs the patch before deepspeed.initialize)
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from ds_worker import SEED, all_digests, load_corpus
+from robust_plugins.errors import UnsupportedError
+from robust_plugins.workloads.gpt import build_gpt
+from robust_plugins.workloads.text import get_batch
+
+MICRO_BATCH = 2
+SEQ_LEN = 64
+GAS = 2
+#: About 10k elements a bucket: the tiny GPT (~0.1M parameters) gives a dozen buckets.
+BUCKET_MB = 0.04
+BLOCKS = {
+    # warmup_steps 1: step 1's buckets go through DeepSpeed's own all-reduce (on the thread, too).
+    "flat_int8": {"compression": {"codec": "int8", "warmup_steps": 1, "bucket_mb": BUCKET_MB}},
+    "hier_int8": {"compression": {"codec": "int8", "bucket_mb": BUCKET_MB}, "topology": {"hierarchical": True}},
+}
+
+
+def make_engine(block: dict | None, stage: int = 0, sgd: bool = False):
+    model = build_gpt("tiny", seed=SEED)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0) if sgd else torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": GAS,
+           "steps_per_print": 10**9, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6}}
+    if block is not None:
+        cfg["robust_plugins"] = block
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
+def run(block: dict, overlap: bool, steps: int, corpus) -> dict:
+    block = {**block, "compression": {**block["compression"], "overlap": overlap}}
+    engine = make_engine(block)
+    reduction = engine.robust_plugins.buckets
+    events: list = []
+    lock = threading.Lock()
+
+    def observe(event: str, name: str) -> None:
+        with lock:
+            events.append([engine.global_steps, event, name])
+
+    reduction.observers.append(observe)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    micro = 0
+    while engine.global_steps < steps:
+        x, y = get_batch(corpus, "train", seed=SEED, step=micro, rank=rank, world_size=world,
+                         micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        micro += 1
+    s = engine.robust_plugins.sync.stats
+    return {"digests": all_digests(engine), "losses": losses, "events": events, "buckets": len(reduction.plan),
+            "threaded": reduction.thread is not None, "compressed_elements": s.compressed_elements,
+            "passthrough_elements": s.passthrough_elements, "by_codec": dict(s.by_codec),
+            "n_params": sum(p.numel() for p in engine.module.parameters())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=4)
+    args = ap.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.use_deterministic_algorithms(True)
+    corpus = load_corpus()
+    results: dict = {}
+    for name, block in BLOCKS.items():
+        results[name] = {"on": run(block, True, args.steps, corpus), "off": run(block, False, args.steps, corpus)}
+    refusals = {}
+    for what, stage, comp in (("zero1_overlap_true", 1, {"codec": "int8", "overlap": True}),):
+        try:
+            make_engine({"compression": comp}, stage=stage)
+            refusals[what] = None
+        except UnsupportedError as exc:
+            refusals[what] = str(exc)
+    results["refusals"] = refusals
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
