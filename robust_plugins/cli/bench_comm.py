@@ -35,10 +35,13 @@ TRAIN_NOTES = (
     "reductions in the first step); val loss is the held-out loss after the last step (8 fixed "
     "windows per rank). `ddp` rows are PyTorch DistributedDataParallel over gloo (its own fp32 "
     "all-reduce, `fp16_compress_hook`, `powerSGD_hook` at rank 4 from iteration 2); "
-    "`bf16_compress_hook` needs CUDA/NCCL. `ds` rows are DeepSpeed ZeRO-0 engines: `ds fp32` its "
-    "default all-reduce, `ds bf16` its `communication_data_type: bf16`, the others this package's "
-    "`robust_plugins` block (compression codec; `hier`: topology.hierarchical; `ds hier auto`: "
-    "codec auto, which then also chooses flat or hierarchical). `ddp powerSGD_hook` runs in a launch "
+    "`bf16_compress_hook` needs CUDA/NCCL. `ds` rows are DeepSpeed ZeRO-0 engines with "
+    "`gradient_clipping: 0` (DeepSpeed 0.19 clips at 1.0 by default, DDP does not; so both hosts train "
+    "the same math): `ds fp32` its default all-reduce, `ds bf16` its `communication_data_type: bf16`, "
+    "the others this package's `robust_plugins` block (compression codec; `hier`: topology.hierarchical; "
+    "`ds hier auto`: codec auto, which then also chooses flat or hierarchical), reducing in 4 MB buckets "
+    "(`compression.bucket_mb`) each started during backward (`compression.overlap`, the default); "
+    "`ds hier auto no-overlap` reduces the same buckets after backward. `ddp powerSGD_hook` runs in a launch "
     "of its own, bounded by --psgd-timeout: a hang there is reported in the table, not waited out."
 )
 

@@ -10,7 +10,11 @@ batches) for ``--steps`` optimizer steps with a different gradient communication
 * DeepSpeed ZeRO-0 (``deepspeed.initialize``, AdamW): its default fp32 all-reduce (``ds fp32``),
   ``communication_data_type: bf16`` (``ds bf16``), and this package's integration through the
   ``robust_plugins`` block: flat and hierarchical int8/int4 and hierarchical ``auto``
-  (``ds hier auto``: ``auto`` chooses flat or hierarchical, and the codec).
+  (``ds hier auto``: ``auto`` chooses flat or hierarchical, and the codec), each with its buckets
+  reduced during backward (``compression.overlap``, the default), and ``ds hier auto no-overlap``
+  (the same buckets reduced after backward). DeepSpeed 0.19's ``gradient_clipping`` defaults to
+  1.0 and DDP does not clip: the ``ds`` engines set it to 0 so that both hosts train the same math
+  (``ds fp32`` and ``ddp fp32`` then end bitwise equal on loopback).
 
 Rank 0 prints one JSON line with each method's step times (barrier to barrier) and held-out
 loss after the last step.
@@ -27,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 METHODS = ("ddp fp32", "ddp fp16_compress_hook", "ds fp32", "ds bf16", "ds flat int8", "ds flat int4",
-           "ds hier int8", "ds hier int4", "ds hier auto", "ddp powerSGD_hook",
+           "ds hier int8", "ds hier int4", "ds hier auto", "ds hier auto no-overlap", "ddp powerSGD_hook",
            "plugin flat int8", "plugin hier int8", "plugin hier auto")
 #: What ``robust bench comm --train-steps`` runs by default (the ``plugin *`` rows are the same
 #: reductions through DDP comm hooks; ``ddp powerSGD_hook`` runs in a launch of its own).
-DEFAULT_METHODS = METHODS[:9]
+DEFAULT_METHODS = METHODS[:10]
 
 
 def _sync_hook(sync, world: int):
@@ -82,28 +86,34 @@ def _install(name: str, ddp, world: int, step_ref: list) -> object | None:
     return sync
 
 
-def _ds_block(name: str) -> dict | None:
+def _ds_block(name: str, bucket_mb: float | None = None) -> dict | None:
     """The DeepSpeed config entries of a ``ds *`` method beyond the common ones."""
     if name == "ds fp32":
         return {}
     if name == "ds bf16":
         return {"communication_data_type": "bf16"}
-    _, layout, codec = name.split()
-    block: dict = {"compression": {"codec": codec}}
+    _, layout, codec, *rest = name.split()
+    block: dict = {"compression": {"codec": codec, "overlap": rest != ["no-overlap"]}}
+    if bucket_mb is not None:
+        block["compression"]["bucket_mb"] = bucket_mb
     if layout == "hier":
         block["topology"] = {"hierarchical": True}
     return {"robust_plugins": block}
 
 
-def _ds_engine(name: str, model, micro_batch: int):
+def _ds_engine(name: str, model, micro_batch: int, bucket_mb: float | None = None):
     import robust_plugins  # noqa: F401  (installs the DeepSpeed patch before initialize)
     import deepspeed
 
     cfg = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
            "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
+           # DeepSpeed 0.19 clips at norm 1.0 unless told otherwise (runtime/constants.py,
+           # GRADIENT_CLIPPING_DEFAULT); the DDP rows do not clip. Clipping cost ds fp32 +1.73 % val
+           # loss against ddp fp32 here; without it the two end bitwise equal.
+           "gradient_clipping": 0.0,
            # CPU: DeepSpeed's 5e8-element default buckets cost seconds a step (HOSTS.md).
            "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6},
-           **_ds_block(name)}
+           **_ds_block(name, bucket_mb)}
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     return engine
@@ -123,6 +133,8 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help="compression.bucket_mb of the plugin's ds rows (default: the config's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
@@ -135,7 +147,7 @@ def main() -> int:
         step_ref = [0]
         engine = ddp = opt = sync = None
         if name.startswith("ds "):
-            engine = _ds_engine(name, model, args.micro_batch)
+            engine = _ds_engine(name, model, args.micro_batch, args.bucket_mb)
             plugin = getattr(engine, "robust_plugins", None)
             sync = plugin.sync if plugin is not None else None
         else:
@@ -176,6 +188,10 @@ def main() -> int:
             res["choice"] = "/".join(sorted({d.get("route", d["codec"]) for ds in everyone for d in ds}))
             res["decisions"] = everyone[0]
         out["methods"][name] = res
+        if engine is not None and getattr(engine, "robust_plugins", None) is not None:
+            from robust_plugins.patches.deepspeed import detach
+
+            detach(engine)  # stops the overlap's sync thread, which holds the engine
         del ddp, opt, engine, sync
     if rank == 0:
         print(json.dumps(out), flush=True)
