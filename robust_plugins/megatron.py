@@ -6,10 +6,11 @@
 
     ddp = DistributedDataParallel(config, ddp_config, gpt_model)
     plugin = rpm.enable(ddp, {"compression": {"codec": "int8"}})      # patches/megatron.py
-    ckpt = rpm.MegatronCheckpointer(ddp, optimizer, {"dir": "ckpt", "keep": 3}, plugin=plugin)
+    ckpt = rpm.MegatronCheckpointer(ddp, optimizer, {"dir": "ckpt", "keep": 3}, plugin=plugin,
+                                    global_batch=64, micro_batch=4)   # optional: elastic resume
     start = ckpt.load()                       # newest checkpoint that verifies, or None
     for step in range((start or 0) + 1, total + 1):
-        loss = train_step(step)
+        loss = train_step(step, ckpt.gradient_accumulation_steps)   # may change after a reshard
         ckpt.step_end(step, loss=loss)        # watchdog signal; emergency save + exit on SIGTERM
         if step % save_every == 0:
             ckpt.save(step)
@@ -115,6 +116,20 @@ def _checkpoint_config(config: Any) -> CheckpointConfig:
                       f"checkpoint sub-block as a dict, got {type(config).__name__}.")
 
 
+def _accumulation(global_batch: Any, micro_batch: Any, dp: int) -> int | None:
+    """``global_batch / (micro_batch * dp)``, or ConfigError saying which value is wrong."""
+    if global_batch is None and micro_batch is None:
+        return None
+    for name, v in (("global_batch", global_batch), ("micro_batch", micro_batch)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"MegatronCheckpointer: {name} must be an int >= 1 (given together with "
+                              f"{'micro_batch' if name == 'global_batch' else 'global_batch'}), got {v!r}.")
+    if global_batch % (micro_batch * dp):
+        raise ConfigError(f"MegatronCheckpointer: global_batch {global_batch} is not a multiple of micro_batch "
+                          f"{micro_batch} x data-parallel size {dp}; no gradient accumulation makes it.")
+    return global_batch // (micro_batch * dp)
+
+
 def _layout() -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
@@ -146,9 +161,21 @@ class MegatronCheckpointer:
             :func:`robust_plugins.watchdog.on_emergency`: when a peer rank dies no save is possible
             (``dist_checkpointing.save`` needs every rank), and the saver records why in
             ``faults.jsonl``; in-memory snapshots (``memory_every``) restore such a crash.
+        global_batch, micro_batch: the loop's global batch (samples per optimizer step) and
+            micro batch (per rank and forward pass), both or neither. Recorded in every manifest;
+            they make a checkpoint resumable at another data-parallel size (:meth:`load`), which
+            keeps the checkpoint's global batch and sets :attr:`gradient_accumulation_steps`.
+
+    Elastic resume: a checkpoint saved at another data-parallel size (same tensor and pipeline
+    sizes) is loaded by ``dist_checkpointing``, which reshards model and optimizer state (the
+    optimizer must be checkpointed in model space: ``torch.optim`` optimizers, the recipe's
+    ``ShardedAdamW``; megatron's ``DistributedOptimizer`` is asked for its ``fully_reshardable``
+    format). Compression residuals restart from zero (logged); RNG states and ``extra`` come from
+    the saved rank at data-parallel rank 0 with this rank's tensor/pipeline position.
     """
 
-    def __init__(self, ddp, optimizer=None, config: Any = None, plugin=None, emergency_save: bool = True):
+    def __init__(self, ddp, optimizer=None, config: Any = None, plugin=None, emergency_save: bool = True,
+                 global_batch: int | None = None, micro_batch: int | None = None):
         import torch.distributed as dist
 
         from robust_plugins.checkpoint import DiskCheckpointer
@@ -162,10 +189,21 @@ class MegatronCheckpointer:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
+        layout = _layout()
+        self.gradient_accumulation_steps: int | None = _accumulation(global_batch, micro_batch, layout["dp"])
+        """Micro-batches per rank and optimizer step that make ``global_batch`` (None without it).
+        :meth:`load` changes it when it reshards a checkpoint of another data-parallel size."""
+        if global_batch is not None:
+            layout.update(global_batch=global_batch, micro_batch=micro_batch,
+                          gradient_accumulation_steps=self.gradient_accumulation_steps)
         self.disk = DiskCheckpointer(
-            self.config, rank=self.rank, world_size=self.world_size, layout=_layout(),
+            self.config, rank=self.rank, world_size=self.world_size, layout=layout,
             versions={"megatron-core": megatron_version(), "torch": torch.__version__}, device="cpu",
         )
+        # Checked by plan_megatron_reshard after the tag is chosen, not by the manifest match.
+        self.disk.reshardable = ("world_size", "dp", "global_batch", "micro_batch", "gradient_accumulation_steps")
+        self.resharded: str | None = None
+        """The log line of the reshard the last :meth:`load` did (None: same data-parallel size)."""
         self._term = False
         self._previous_handler = None
         if emergency_save:
@@ -191,6 +229,13 @@ class MegatronCheckpointer:
         if opt is None:
             return None
         if hasattr(opt, "sharded_state_dict"):
+            import inspect
+
+            if "metadata" in inspect.signature(opt.sharded_state_dict).parameters:
+                # megatron's DistributedOptimizer: the format that loads at any data-parallel size
+                # (its default in 0.16, fully_sharded_model_space, is deprecated there).
+                return opt.sharded_state_dict(model_sd, is_loading=is_loading,
+                                              metadata={"distrib_optim_sharding_type": "fully_reshardable"})
             return opt.sharded_state_dict(model_sd, is_loading=is_loading)
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map, optim_state_to_sharding_state,
@@ -270,8 +315,10 @@ class MegatronCheckpointer:
 
         Model, optimizer, plugin residuals and step count, RNG states. Corrupt, truncated or
         partial checkpoints are skipped with one log line each; an explicit ``tag`` that fails
-        verification raises CheckpointError naming the file. Per-rank files are read with
-        ``torch.load(weights_only=True)``.
+        verification raises CheckpointError naming the file. Nothing in the files can run code:
+        per-rank files and megatron's ``common.pt`` are read with ``torch.load(weights_only=True)``,
+        and torch's ``.metadata`` pickle is checked to hold only its metadata classes
+        (:mod:`robust_plugins.checkpoint.safe_pickle`) before megatron reads it.
         """
         import time
 
@@ -279,6 +326,7 @@ class MegatronCheckpointer:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         from robust_plugins.checkpoint.restore import rollback_bound
+        from robust_plugins.checkpoint.safe_pickle import check_dist_checkpoint
 
         t0 = time.perf_counter()
         root = self._root(root)
@@ -297,6 +345,8 @@ class MegatronCheckpointer:
         if tag is None:
             return None
         directory = os.path.join(root, tag)
+        check_dist_checkpoint(directory)  # torch unpickles .metadata with plain pickle.load
+        plan = self._plan_reshard(directory)
         loaded = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), directory)
         self.ddp.module.load_state_dict(loaded["model"])
         if self.optimizer is not None:
@@ -305,12 +355,17 @@ class MegatronCheckpointer:
                 for pid, step in osd.pop("param_steps", {}).items():
                     osd["state"][pid]["step"] = step
             self.optimizer.load_state_dict(osd)
-        path = os.path.join(directory, STATE_FILE.format(rank=self.rank))
+        path = os.path.join(directory, STATE_FILE.format(rank=self.rank if plan is None else plan[1]))
         if not os.path.isfile(path):
             raise CheckpointError(f"Checkpoint {directory} has no {os.path.basename(path)}: it was written by "
                                   f"{self.disk.world_size} ranks' layout but not for rank {self.rank}.")
         state = torch.load(path, map_location="cpu", weights_only=True)
-        if self.plugin is not None:
+        if plan is not None:
+            if self.plugin is not None and state["plugin"] is not None and self.rank == 0:
+                # Residuals are each rank's error of its share of the old layout: no rank owns them now.
+                log.warning("robust_plugins: compression residuals start from zero after resharding "
+                            "(they belong to the old data-parallel layout)")
+        elif self.plugin is not None:
             if state["plugin"] is None:
                 raise CheckpointError(f"Checkpoint {directory} holds no robust_plugins state, but this job has "
                                       f"the plugin enabled; load it with the same plugin config it was saved with.")
@@ -324,6 +379,37 @@ class MegatronCheckpointer:
             self.memory.taken_at = int(state["step"])
             record_restore(int(state["step"]), f"disk:{tag}", time.perf_counter() - t0)
         return int(state["step"])
+
+    def _plan_reshard(self, directory: str) -> tuple[Any, int] | None:
+        """(plan, saved rank whose per-rank file this rank reads) for a checkpoint of another
+        data-parallel size, after adopting the plan's accumulation; None at the same size."""
+        from megatron.core import parallel_state as ps
+
+        from robust_plugins.checkpoint.elastic import plan_megatron_reshard
+        from robust_plugins.checkpoint.manifest import read_manifest
+
+        m = read_manifest(directory)
+        now = {**_layout(), "world_size": self.world_size, "micro_batch": self.disk.layout.get("micro_batch")}
+        plan = plan_megatron_reshard({"where": f"checkpoint {directory}", "world_size": m.world_size, **m.layout},
+                                     now)
+        self.resharded = None
+        if plan is None:
+            return None
+        extra_dims = {"context": ps.get_context_parallel_world_size(),
+                      "expert": ps.get_expert_model_parallel_world_size()}
+        if any(v != 1 for v in extra_dims.values()):
+            raise CheckpointError(f"Resharding {directory} to dp {now['dp']} supports context- and expert-parallel "
+                                  f"size 1 only, this job has {extra_dims}; resume at dp {m.layout.get('dp')}.")
+        # megatron's default order (tp-cp-ep-dp-pp): rank = tp_rank + tp * (dp_rank + dp * pp_rank).
+        tp, s_dp = m.layout["tp"], m.layout["dp"]
+        source = ps.get_tensor_model_parallel_rank() + tp * s_dp * ps.get_pipeline_model_parallel_rank()
+        self.gradient_accumulation_steps = plan.gradient_accumulation_steps
+        self.disk.layout.update(global_batch=plan.train_batch_size,
+                                gradient_accumulation_steps=plan.gradient_accumulation_steps)
+        self.resharded = plan.message
+        if self.rank == 0:
+            log.warning("robust_plugins: %s", plan.message)
+        return plan, source
 
     def _register_emergency(self) -> None:
         # robust run's monitor-triggered path (a peer died, this rank's collective failed): the

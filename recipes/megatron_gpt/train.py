@@ -31,6 +31,7 @@ group stays inside a node whatever order the launcher started the processes in;
 import robust_plugins  # noqa: F401,I001
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -102,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="in-memory snapshot every N steps (checkpoint.memory_every; with --ckpt-dir)")
     p.add_argument("--peer-backup", action="store_true",
                    help="copy each snapshot to a peer rank (checkpoint.peer_backup; with --memory-every)")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="samples per optimizer step (default: micro batch x data-parallel size, no accumulation); "
+                        "recorded in checkpoints, so a resume at another data-parallel size keeps it by "
+                        "gradient accumulation; also records the global loss of every step")
     p.add_argument("--out", help="rank 0 writes the result JSON here")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints the loss every N steps (0: never)")
     return p.parse_args(argv)
@@ -116,8 +121,8 @@ class ShardedAdamW:
     holds the reduced gradients of shard r. This class steps a ``torch.optim.AdamW`` over those
     shards only (each rank keeps 1/dp of the moments, as a distributed optimizer does), then
     megatron's ``start_param_sync`` all-gathers the updated parameters. Its optimizer state is
-    checkpointed sharded: :meth:`sharded_state_dict` gives one ``ShardedTensor`` per bucket and
-    moment, at the rank's offset in the bucket.
+    checkpointed in model space: :meth:`sharded_state_dict` gives one ``ShardedTensor`` per
+    parameter and moment, so a checkpoint resumes at another data-parallel size.
     """
 
     def __init__(self, ddp, lr: float, dp_rank: int, dp_size: int):
@@ -149,28 +154,69 @@ class ShardedAdamW:
                 self.opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                      "exp_avg_sq": torch.zeros_like(p)}
 
+    def _layout(self) -> list[tuple[int, torch.nn.Parameter, int, int]]:
+        """(bucket index, parameter, start, end) of every parameter, positions in its bucket."""
+        out, i = [], 0
+        for buffer in self.ddp.buffers:
+            for bucket in buffer.buckets:
+                for p in bucket.params_list:
+                    start, end, _ = buffer.param_index_map[p]
+                    out.append((i, p, start - bucket.offset, end - bucket.offset))
+                i += 1
+        return out
+
     def sharded_state_dict(self, model_sd: dict, is_loading: bool = False) -> dict:
-        """dist_checkpointing view of the moments (one global tensor per bucket and moment)."""
-        from megatron.core.dist_checkpointing import ShardedTensor
+        """dist_checkpointing view of the moments in model space: one tensor per parameter and moment.
+
+        Keyed and sharded like the parameter itself (``optimizer.state.<moment>.<param key>``,
+        data-parallel rank 0 the main replica), never by bucket: bucket sizes and padding
+        depend on the data-parallel size, parameters do not, so a checkpoint written at one
+        data-parallel size loads at another (megatron's "fully_reshardable" idea). Saving
+        all-gathers each bucket's moments over the data-parallel group (collective).
+        """
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map, make_sharded_optimizer_tensor,
+        )
 
         self._ensure_state()
-        shards = {}
+        full: dict[tuple[int, str], torch.Tensor] = {}
         for i, p in enumerate(self.params):
-            st = self.opt.state[p]
             for name in ("exp_avg", "exp_avg_sq"):
-                shards[f"b{i}.{name}"] = ShardedTensor.from_rank_offsets(
-                    f"optimizer.distopt.bucket{i}.{name}", st[name], (0, self.dp_rank, self.dp_size))
-        return {"shards": shards, "steps": [self.opt.state[p]["step"].clone() for p in self.params],
+                shard = self.opt.state[p][name]
+                whole = torch.zeros(shard.numel() * self.dp_size, dtype=shard.dtype, device=shard.device)
+                if not is_loading:  # a load only needs the template's shapes
+                    dist.all_gather_into_tensor(whole, shard.contiguous(), group=ps.get_data_parallel_group())
+                full[(i, name)] = whole
+        layout = self._layout()
+        id_map = get_param_id_to_sharded_param_map(model_sd, [p for _, p, _, _ in layout])
+        moments = {}
+        for pid, (i, p, start, end) in enumerate(layout):
+            for name in ("exp_avg", "exp_avg_sq"):
+                moments[f"{pid}.{name}"] = make_sharded_optimizer_tensor(
+                    id_map[pid], full[(i, name)][start:end].view(p.shape), f"optimizer.state.{name}")
+        steps = {float(self.opt.state[p]["step"]) for p in self.params}
+        if len(steps) != 1:
+            raise RuntimeError(f"ShardedAdamW: buckets stepped different numbers of times {sorted(steps)}")
+        return {"moments": moments, "step": self.opt.state[self.params[0]]["step"].clone(),
                 "lr": [g["lr"] for g in self.opt.param_groups]}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore what :meth:`sharded_state_dict` saved (as loaded by ``dist_checkpointing.load``)."""
+        """Restore what :meth:`sharded_state_dict` saved (as loaded by ``dist_checkpointing.load``):
+        each rank copies its shard of every bucket out of the per-parameter moments."""
+        from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
         self._ensure_state()
+        layout = self._layout()
         for i, p in enumerate(self.params):
-            st = self.opt.state[p]
             for name in ("exp_avg", "exp_avg_sq"):
-                st[name].copy_(sd["shards"][f"b{i}.{name}"])
-            st["step"] = sd["steps"][i].clone()
+                shard = self.opt.state[p][name]
+                whole = torch.zeros(shard.numel() * self.dp_size, dtype=shard.dtype, device=shard.device)
+                for pid, (j, param, start, end) in enumerate(layout):
+                    if j == i:
+                        whole[start:end] = sd["moments"][f"{pid}.{name}"].reshape(-1)
+                shard.copy_(shard_buffer(whole, self.dp_size)[self.dp_rank])
+            self.opt.state[p]["step"] = sd["step"].clone()
         for g, lr in zip(self.opt.param_groups, sd["lr"]):
             g["lr"] = lr
 
@@ -251,20 +297,35 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     return {"ddp": ddp, "optimizer": optimizer, "plugin": plugin, "config": config, "layout": layout}
 
 
-def train_step(parts: dict[str, Any], preset: Preset, corpus, seed: int, step: int) -> float:
-    """One optimizer step on the batch of ``step``; returns this rank's loss."""
+def train_step(parts: dict[str, Any], preset: Preset, corpus, seed: int, step: int, gas: int = 1,
+               slice_losses: torch.Tensor | None = None) -> float:
+    """One optimizer step on the batch of ``step``: ``gas`` micro-batches a rank; returns this
+    rank's mean loss.
+
+    The global batch of a step is ``dp * gas`` slices of ``micro_batch`` samples (fixed by seed
+    and step); data-parallel rank r takes slices ``r*gas .. r*gas+gas-1``, so another
+    data-parallel size with the same ``dp * gas`` sees the same samples. ``slice_losses`` (a
+    ``dp * gas`` tensor) receives this rank's loss of each of its slices.
+    """
     ddp, opt, layout = parts["ddp"], parts["optimizer"], parts["layout"]
     device = "cpu" if preset.device == "cpu" else torch.cuda.current_device()
-    x, y = get_batch(corpus, "train", seed=seed, step=step, rank=layout["dp_rank"], world_size=layout["dp"],
-                     micro_batch=preset.micro_batch, seq_len=preset.seq_len)
-    x, y = x.to(device), y.to(device)
     s = preset.seq_len
-    position_ids = torch.arange(s, device=device).unsqueeze(0).expand_as(x)
     causal = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool, device=device), diagonal=1)
     ddp.zero_grad_buffer()
     opt.zero_grad()
-    loss = ddp(x, position_ids, causal, labels=y).float().mean()
-    loss.backward()
+    total = 0.0
+    for m in range(gas):
+        x, y = get_batch(corpus, "train", seed=seed, step=step, rank=layout["dp_rank"] * gas + m,
+                         world_size=layout["dp"] * gas, micro_batch=preset.micro_batch, seq_len=preset.seq_len)
+        x, y = x.to(device), y.to(device)
+        position_ids = torch.arange(s, device=device).unsqueeze(0).expand_as(x)
+        # Gradients accumulate in megatron's buffers; only the last micro-batch syncs them.
+        with ddp.no_sync() if m < gas - 1 else contextlib.nullcontext():
+            loss = ddp(x, position_ids, causal, labels=y).float().mean()
+            (loss / gas if gas > 1 else loss).backward()
+        if slice_losses is not None:
+            slice_losses[layout["dp_rank"] * gas + m] = loss.detach().double()
+        total += float(loss.detach())
     ddp.finish_grad_sync()
     if isinstance(opt, torch.optim.Optimizer):
         for p in ddp.parameters():
@@ -272,7 +333,22 @@ def train_step(parts: dict[str, Any], preset: Preset, corpus, seed: int, step: i
         opt.step()
     else:  # ShardedAdamW (CPU) or megatron's optimizer
         opt.step()
-    return float(loss.detach())
+    return total / gas
+
+
+def global_loss(slice_losses: torch.Tensor) -> float:
+    """Mean loss of a step over every slice of the global batch (collective over the default group).
+
+    Each slice's loss is on one rank only (zeros elsewhere: the sum is exact); with tensor
+    parallelism every rank of a TP group holds the same value, hence the division by ``tp``. The
+    slices are then added in order, the same additions at any data-parallel size."""
+    from megatron.core import parallel_state as ps
+
+    dist.all_reduce(slice_losses)
+    total = 0.0
+    for v in (slice_losses / ps.get_tensor_model_parallel_world_size()).tolist():
+        total += v
+    return total / slice_losses.numel()
 
 
 def param_digest(ddp) -> str:
@@ -299,14 +375,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         block = {"dir": args.ckpt_dir, "keep": 3}
         if args.memory_every is not None:
             block.update(memory_every=args.memory_every, peer_backup=args.peer_backup)
-        ckpt = rpm.MegatronCheckpointer(parts["ddp"], parts["optimizer"], block, plugin=parts["plugin"])
+        ckpt = rpm.MegatronCheckpointer(parts["ddp"], parts["optimizer"], block, plugin=parts["plugin"],
+                                        global_batch=args.global_batch,
+                                        micro_batch=preset.micro_batch if args.global_batch else None)
         start = ckpt.load() or 0
-    losses = []
+    dp = parts["layout"]["dp"]
+    if ckpt is not None and ckpt.gradient_accumulation_steps is not None:
+        gas = ckpt.gradient_accumulation_steps  # a resharded checkpoint's global batch wins
+    elif args.global_batch is not None:
+        if args.global_batch % (preset.micro_batch * dp):
+            raise ConfigError(f"--global-batch {args.global_batch} is not a multiple of micro batch "
+                              f"{preset.micro_batch} x data-parallel size {dp}.")
+        gas = args.global_batch // (preset.micro_batch * dp)
+    else:
+        gas = 1
+    losses, global_losses = [], []
     t0 = time.perf_counter()
     try:
         for step in range(start + 1, args.steps + 1):
-            loss = train_step(parts, preset, corpus, args.seed, step)
+            slices = torch.zeros(dp * gas, dtype=torch.float64) if args.global_batch else None
+            loss = train_step(parts, preset, corpus, args.seed, step, gas=gas, slice_losses=slices)
             losses.append(loss)
+            if slices is not None:
+                global_losses.append(global_loss(slices))
             if args.log_every and step % args.log_every == 0 and dist.get_rank() == 0:
                 print(f"step {step} loss {loss:.4f}", flush=True)
             if ckpt is not None:
@@ -326,8 +417,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     order = getattr(args, "rank_order_info", {}).get("order") or list(range(dist.get_world_size()))
     tp_launcher = [order[r] for r in dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())]
-    return {"preset": args.preset, "codec": args.codec, "start": start, "tp_group_launcher_ranks": tp_launcher, "steps": args.steps, "losses": losses,
-            "train_s": time.perf_counter() - t0, "digest": param_digest(parts["ddp"]), **parts["layout"]}
+    return {"preset": args.preset, "codec": args.codec, "start": start, "gradient_accumulation_steps": gas,
+            "global_losses": global_losses, "resharded": ckpt.resharded if ckpt is not None else None,
+            "tp_group_launcher_ranks": tp_launcher, "steps": args.steps, "losses": losses,
+            "train_s": time.perf_counter() - t0, "digest": param_digest(parts["ddp"]),
+            "param_sums": [float(p.detach().double().sum()) for p in parts["ddp"].parameters()], **parts["layout"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -347,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                                                         timeout=datetime.timedelta(seconds=600))
         result = run(args)
         if dist.get_rank() == 0:
-            line = json.dumps({k: v for k, v in result.items() if k != "losses"} |
+            line = json.dumps({k: v for k, v in result.items() if k not in ("losses", "global_losses", "param_sums")} |
                               {"first_loss": result["losses"][:1], "last_loss": result["losses"][-1:]})
             print(line, flush=True)
             if args.out:

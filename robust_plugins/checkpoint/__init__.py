@@ -7,6 +7,9 @@
 * :mod:`~robust_plugins.checkpoint.coord`: bounded agreement between ranks (JSON, no pickles).
 * :mod:`~robust_plugins.checkpoint.disk`: the save / restore protocol a host integration drives
   (``patches/deepspeed.py`` for DeepSpeed).
+* :mod:`~robust_plugins.checkpoint.elastic`: resuming at another data-parallel size (pure planners).
+* :mod:`~robust_plugins.checkpoint.safe_pickle`: a torch.distributed.checkpoint directory checked
+  to hold only data before megatron-core reads it (torch unpickles its ``.metadata`` plainly).
 
 In-memory snapshots (``memory_every``), for any host:
 
