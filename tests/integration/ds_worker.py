@@ -28,6 +28,11 @@ MICRO_BATCH = 4
 SEQ_LEN = 64
 INT8_BLOCK = {"compression": {"codec": "int8", "block_size": 256, "error_feedback": True,
                               "warmup_steps": 0, "min_numel": 0}}
+# ZeRO bucket size in elements. DeepSpeed's 5e8 default costs seconds a step on CPU (HOSTS.md);
+# 5e6 still cost ~25 % of a 2-rank ZeRO 1/2 step here (a fresh 20 MB buffer every step: 17-19 vs
+# 13-14 ms a step measured side by side). 5e5 still holds the whole tiny model (137k parameters)
+# in one bucket, so every stage reduces exactly the buckets it reduced with 5e6.
+BUCKET = 5e5
 
 
 def ds_config(stage: int, block: dict | None, bf16: bool = False, zero_extra: dict | None = None) -> dict:
@@ -36,8 +41,7 @@ def ds_config(stage: int, block: dict | None, bf16: bool = False, zero_extra: di
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
-        # CPU: DeepSpeed's 5e8-element default buckets cost seconds a step (HOSTS.md).
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6,
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET,
                               **(zero_extra or {})},
     }
     if bf16:
@@ -62,6 +66,9 @@ def all_digests(engine) -> list[str]:
 
 def make_engine(stage, block, bf16=False, vanilla=False, seed=SEED, sgd=False, zero_extra=None):
     model = build_gpt("tiny", seed=seed)
+    if sum(p.numel() for p in model.parameters()) > BUCKET:
+        raise RuntimeError(f"the tiny model no longer fits one ZeRO bucket of {BUCKET:g} elements: "
+                           "raise BUCKET so the stages keep reducing one bucket a step")
     opt = torch.optim.SGD(model.parameters(), lr=1.0) if sgd else torch.optim.AdamW(model.parameters(), lr=3e-3)
     if vanilla:
         # Plain DeepSpeed: the patch removed for this engine only, re-installed right after.
