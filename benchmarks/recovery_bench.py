@@ -20,11 +20,13 @@ random fault (kill, hang, NaN, spike; at a random rank) every ``--ettr-every`` s
 ETTR = the summed wall time of the steps kept in the final result (each step counted once, by the
 incarnation whose result survived) / the job's wall time from launch to exit.
 
-Run under the shared lock, each command under 6 minutes::
+Run under the shared lock, the recovery rows in commands under 6 minutes (BENCHMARKS.md)::
 
-    python benchmarks/recovery_bench.py --rows crash hang nan
-    python benchmarks/recovery_bench.py --rows spike straggler sdc torchrun ft_launcher
-    python benchmarks/recovery_bench.py --rows ettr --ettr-seconds 270 --ettr-step-s 0.05 --save-every 50 --seed 1
+    python benchmarks/recovery_bench.py --rows crash hang nan --repeats 3
+    python benchmarks/recovery_bench.py --rows spike sdc crash_emergency --repeats 3
+    python benchmarks/recovery_bench.py --rows straggler torchrun ft_launcher --repeats 3 --nvrx-path DIR
+    python benchmarks/recovery_bench.py --rows ettr --ettr-seconds 600 --ettr-every 60 --ettr-step-s 0.05 \
+        --save-every 50 --seed 3     # the 10-minute ETTR run (about 11 minutes)
 
 ``ft_launcher`` needs ``nvidia-resiliency-ext`` importable; ``--nvrx-path DIR[:DIR]`` is prepended
 to ``PYTHONPATH`` for that row only (a throwaway ``pip install --target`` works).

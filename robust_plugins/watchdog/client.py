@@ -616,6 +616,9 @@ def _emergency_save(client: _Client) -> None:
             outcome["ok"] = True
         except BaseException as exc:  # reported, then the rank exits as it was going to
             outcome["error"] = repr(exc)
+            # A saver that knows it cannot save (checkpoint.emergency.EmergencySkip: a sharded
+            # state) says why; that is a decision, not a failure.
+            outcome["skipped"] = type(exc).__name__ == "EmergencySkip"
 
     worker = threading.Thread(target=run, name="robust-emergency-save", daemon=True)
     worker.start()
@@ -624,8 +627,9 @@ def _emergency_save(client: _Client) -> None:
     if worker.is_alive():
         outcome["error"] = f"timed out after {timeout:g} s (emergency_save_timeout_s)"
     ok = bool(outcome.get("ok"))
-    print(f"robust_plugins: rank {client.rank} emergency save of step {step} "
-          f"{'done' if ok else 'FAILED: ' + outcome.get('error', '?')} in {seconds} s",
+    verdict = ("done" if ok else f"skipped ({outcome['error']})" if outcome.get("skipped")
+               else "FAILED: " + outcome.get("error", "?"))
+    print(f"robust_plugins: rank {client.rank} emergency save of step {step} {verdict} in {seconds} s",
           file=sys.stderr, flush=True)
     client.send({"k": "emerg", "phase": "done", "s": step, "ok": ok, "sec": seconds,
                  "error": outcome.get("error")}, wait=True)

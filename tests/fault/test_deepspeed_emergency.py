@@ -60,5 +60,6 @@ def test_zero1_skips_the_emergency_save_with_the_reason_and_resumes_from_disk(tm
     (crash,) = [f for f in job.faults if f["kind"] == "crash"]
     live = crash["detail"]["emergency_save"]["0"]
     assert live["ok"] is False and "ZeRO stage 1 shards the optimizer state" in live["error"], live
+    assert "rank 0 emergency save of step 6 skipped (EmergencySkip(" in job.output
     assert crash["resumed_at_step"] == 5 and crash["lost_steps"] == 2, crash  # steps 5, 6 again
     assert job.result["started_at"] == 5
