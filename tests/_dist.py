@@ -9,7 +9,8 @@ process is killed and ``TimeoutError`` names the ranks that had not answered.
 
 Ranks are forked from a fork server that has imported torch (and megatron-core, when installed)
 once per pytest session, not spawned: a spawned rank spends ~1.5 s of CPU importing torch and
-~5 s more importing megatron-core, so an 8-rank test on 2 cores spent ~6 s of its 17 s importing.
+~5 s more importing megatron-core, which dominated these tests on 2 cores (the 11 files that use
+run_ranks: 211 s spawned, 54 s forked, side by side; BENCHMARKS.md, "Test suite").
 The server holds nothing else (no process group, no robust_plugins, no test state); each rank
 gets the caller's current ``os.environ`` (below) and ``sys.path`` (multiprocessing sends it), as
 a spawned rank would. Only environment variables that torch or megatron-core read while being
