@@ -83,7 +83,7 @@ def run_robust(work: Path, nproc: int, steps: int, *extra: str, timeout_s: float
 
 def rank_side_cost(n: int = 5000) -> dict[str, float]:
     """Microseconds the watchdog adds to one rank per step, measured in this process: a
-    ``step_end`` (one datagram to a socket nobody reads fast, as the monitor's) and the collective
+    ``step_end`` (one record into a step ring, as under ``robust run``) and the collective
     timing of the straggler detector on one small gloo all-reduce (world of 1), each the median of
     ``n`` calls against the same calls without it."""
     import socket as _socket
@@ -92,14 +92,16 @@ def rank_side_cost(n: int = 5000) -> dict[str, float]:
     import torch.distributed as dist
 
     from robust_plugins.watchdog import client
+    from robust_plugins.watchdog.ring import RingReader
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="wd-us-") as tmp:
         path = os.path.join(tmp, "m.sock")
         srv = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM)
-        srv.bind(path)
-        srv.setsockopt(_socket.SOL_SOCKET, _socket.SO_RCVBUF, 1 << 22)
-        os.environ.update({client.ENV_SOCKET: path, client.ENV_STRAGGLER: "1", "RANK": "0"})
+        srv.bind(path)  # receives the hello; steps go to the ring
+        ring = RingReader.create(os.path.join(tmp, "ring0"))
+        os.environ.update({client.ENV_SOCKET: path, client.ENV_RING: os.path.join(tmp, "ring"),
+                           client.ENV_STRAGGLER: "1", "RANK": "0"})
         os.environ.pop(client.ENV_RUN_DIR, None)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
@@ -116,8 +118,11 @@ def rank_side_cost(n: int = 5000) -> dict[str, float]:
             plain = per_call(lambda: dist.all_reduce(t))
             step = iter(range(1, 10**9))
             # The first step_end opens the collective timer (WireCounter) for the process's life.
-            out["step_end_us"] = per_call(lambda: (client.step_end(next(step), loss=1.0, grad_norm=1.0),
-                                                   srv.recv(65536)))
+            out["step_end_us"] = per_call(lambda: client.step_end(next(step), loss=1.0, grad_norm=1.0))
+            c = client.get_client()
+            if c is None or c.ring is None:
+                raise RuntimeError("the client did not map its step ring: step_end was not measured "
+                                   "on the path robust run uses")
             timed = per_call(lambda: dist.all_reduce(t))
             out["all_reduce_plain_us"] = plain
             out["all_reduce_timed_us"] = timed
@@ -127,6 +132,7 @@ def rank_side_cost(n: int = 5000) -> dict[str, float]:
                 c.comm.__exit__(None, None, None)
             dist.destroy_process_group()
             srv.close()
+            ring.close()
     return out
 
 
@@ -153,7 +159,7 @@ def main() -> None:
             rows["robust run"].append(res["step_time_median_s"])
         cost = rank_side_cost()
         print(f"\nrank-side cost per call (median of 5000, in process): step_end "
-              f"{cost['step_end_us']:.1f} us (incl. the test socket's recv); a 4 KiB gloo all_reduce "
+              f"{cost['step_end_us']:.1f} us (a record into its step ring); a 4 KiB gloo all_reduce "
               f"{cost['all_reduce_plain_us']:.1f} us plain, {cost['all_reduce_timed_us']:.1f} us with "
               f"the straggler detector's collective timing")
         base = statistics.median(rows["torchrun"])
