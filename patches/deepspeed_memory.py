@@ -29,6 +29,13 @@ rank restart, and in the client_state above.
 Snapshots go through :class:`robust_plugins.checkpoint.memory.SnapshotStore` (shared memory,
 double buffer) and, with ``peer_backup``, :class:`robust_plugins.checkpoint.peer.PeerBackup`;
 the restore order lives in :mod:`robust_plugins.checkpoint.restore`.
+
+What the step waits for (``checkpoint.memory_copy``, default ``background``): parameters and
+optimizer state change only in the optimizer step, so their copy (nearly all the bytes) runs on
+the snapshot thread while the next forward and backward run; ``engine.step`` (shadowed on the
+instance, innermost, so before DeepSpeed's step and whatever wraps it) first waits until the
+previous snapshot is committed, and that wait is added to the snapshot's blocking time. Loads
+wait too before they overwrite the state. ``in_step`` copies everything inside the step.
 """
 
 from __future__ import annotations
@@ -204,9 +211,22 @@ class MemorySnapshots(SnapshotBinding):
                 cfg.dir)
         self.store = memory.SnapshotStore(self.job, self.rank, self.world, allowed=_allowed(),
                                           after_commit=self._after_commit)
+        self.background = cfg.memory_copy == "background"
+        """Parameters and optimizer state copied on the snapshot thread (``memory_copy``)."""
         self.taken_at: int | None = None
         self.blocking_s: list[float] = []
-        """Seconds each snapshot of this process blocked the training loop."""
+        """Seconds each snapshot of this process blocked the training loop: its part in the step
+        plus, with ``memory_copy: background``, the wait at the next optimizer step."""
+        self.wait_s: list[float] = []
+        """Of that, the waits at the optimizer step for the background copy (one a snapshot)."""
+        self._unsettled = False
+        if self.background:
+            # Bound now, before the plugin's own step and load wrappers: they stack on top, so this
+            # wait runs right before DeepSpeed's step and DeepSpeed's own load.
+            from robust_plugins.patches import _guard
+
+            _guard.bind_instance(engine, "step", _settle_before(engine.step, self._settle_in_step))
+            _guard.bind_instance(engine, "load_checkpoint", _settle_before(engine.load_checkpoint, self.settle))
         self.restored: dict | None = None
         """What the last restore used: ``{"step", "source"}``."""
         self.client_state: dict | None = None
@@ -247,7 +267,7 @@ class MemorySnapshots(SnapshotBinding):
         n = self.engine.global_steps
         self.client_state = {"step": n, "state": cs}
         if self.taken_at == n:
-            self.blocking_s.append(self.store.save(n, self.capture(), replace_newest=True))
+            self._save(n, replace_newest=True)
 
     def apply(self, state: dict) -> None:
         """Load a captured state into the engine (same layout)."""
@@ -287,6 +307,41 @@ class MemorySnapshots(SnapshotBinding):
         """What ``load_checkpoint`` returns as client_state after a restore of a snapshot."""
         return dict(self.client_state["state"]) if self.client_state is not None else {}
 
+    def stable_tensors(self, state: dict) -> set[int] | None:
+        """``data_ptr()`` of the captured tensors only the optimizer step changes (parameters and
+        the optimizer's state), copied on the snapshot thread; None with ``memory_copy: in_step``.
+        Buffers, residuals, RNG and registered state can change in forward/backward: copied now."""
+        if not self.background:
+            return None
+        ptrs = {p.data_ptr() for p in self.engine.module.parameters()}
+        _collect_ptrs(state["optimizer"], ptrs)
+        return ptrs
+
+    def settle(self) -> float:
+        """Wait until the newest snapshot is committed (before anything changes what it copies)."""
+        return self.store.settle(self.timeout_s)
+
+    def _settle_in_step(self) -> None:
+        # Only the first step after a background snapshot has something to wait for (an in_step
+        # snapshot's tensors are all copied already); that wait is the snapshot's blocking too.
+        if not self._unsettled:
+            return
+        self._unsettled = False
+        t0 = time.perf_counter()
+        self.store.settle(self.timeout_s)
+        waited = time.perf_counter() - t0
+        self.wait_s.append(waited)
+        if self.blocking_s:
+            self.blocking_s[-1] += waited
+
+    def _save(self, n: int, replace_newest: bool = False) -> None:
+        t0 = time.perf_counter()  # building the state dicts is blocking too
+        state = self.capture()
+        self.store.save(n, state, replace_newest=replace_newest, defer=self.stable_tensors(state),
+                        timeout_s=self.timeout_s)
+        self.blocking_s.append(time.perf_counter() - t0)
+        self._unsettled = self.background
+
     # ---------------------------------------------------------------------------------- hooks
     def _after_commit(self, _index: int, slot) -> None:
         # On the snapshot thread, in step order on every rank: peer copy, then (every
@@ -307,11 +362,12 @@ class MemorySnapshots(SnapshotBinding):
         due = n % self.every == 0 or (self.persister is not None and n % self.persist_every == 0)
         if due and n != self.taken_at:
             self.taken_at = n
-            self.blocking_s.append(self.store.save(n, self.capture()))
+            self._save(n)
 
     def restore(self, disk_step: int | None) -> tuple[int, str] | None:
         """Restore from memory (own, then a peer's copy) on every rank; (step, source) or None."""
         t0 = time.perf_counter()
+        self.settle()  # a snapshot still copying reads the tensors apply() overwrites
         found = restore_from_memory(self.store, self.peers, self.timeout_s, disk_step=disk_step,
                                     device=self.engine.device, max_step=rollback_bound())
         if found is None:
@@ -325,10 +381,34 @@ class MemorySnapshots(SnapshotBinding):
 
     def load_from_disk(self, root: str, tag: str) -> None:
         """Apply this rank's state from a verified checkpoint written by the background saver."""
+        self.settle()
         step, state = load_snapshot_checkpoint(root, tag, self.rank, self.job, self.world, _allowed())
         self.apply(state)
         self.taken_at = step
 
+
+
+def _settle_before(original: Callable, settle: Callable[[], Any]) -> Callable:
+    # One closure for engine.step and engine.load_checkpoint: wait for the snapshot copy, then
+    # run what was bound (DeepSpeed's method).
+    def settled(*args, **kwargs):
+        settle()
+        return original(*args, **kwargs)
+
+    return settled
+
+
+def _collect_ptrs(obj: Any, out: set[int]) -> None:
+    """``data_ptr()`` of every tensor in nested dicts, lists and tuples (objects are not entered:
+    what they hold is copied in the step)."""
+    if isinstance(obj, torch.Tensor):
+        out.add(obj.data_ptr())
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _collect_ptrs(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect_ptrs(v, out)
 
 
 def record_restore(step: int, source: str, seconds: float) -> None:

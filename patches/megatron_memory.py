@@ -18,6 +18,12 @@ world size and parallel layout):
 * whatever the script registers with :meth:`MegatronMemory.register` (a data position).
 
 The core (``robust_plugins.checkpoint.memory``, ``peer``, ``restore``) is shared with DeepSpeed.
+
+With ``memory_copy: background`` (the default) parameters and optimizer state are copied on the
+snapshot thread, overlapped with the next forward and backward; a step pre-hook on the torch
+optimizer (``register_step_pre_hook``, torch's public API) makes the next ``optimizer.step()``
+wait until the snapshot is committed, and that wait is counted in ``blocking_s``. A restore
+waits too before it overwrites the state.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ from robust_plugins.checkpoint import memory
 from robust_plugins.checkpoint.peer import PeerBackup, plan_peers
 from robust_plugins.checkpoint.restore import restore_from_memory, rollback_bound
 from robust_plugins.errors import CheckpointError, UnsupportedError
-from robust_plugins.patches.deepspeed_memory import (SnapshotBinding, _note_crash, _rng_state, _set_rng_state,
-                                                      record_restore)
+from robust_plugins.patches.deepspeed_memory import (SnapshotBinding, _collect_ptrs, _note_crash, _rng_state,
+                                                      _set_rng_state, record_restore)
 
 log = get_logger(__name__)
 
@@ -78,9 +84,16 @@ class MegatronMemory(SnapshotBinding):
                 log.info("robust_plugins: peer backup holders %s (hosts %s)", holders, sorted(set(hosts)))
         self.store = memory.SnapshotStore(self.job, self.rank, self.world, allowed=_allowed(),
                                           after_commit=self._after_commit if self.peers is not None else None)
+        self.background = config.memory_copy == "background" and optimizer is not None
+        """Parameters and optimizer state copied on the snapshot thread (``memory_copy``)."""
         self.taken_at: int | None = None
         self.blocking_s: list[float] = []
-        """Seconds each snapshot of this process blocked the training loop."""
+        """Seconds each snapshot of this process blocked the training loop: its part in the step
+        plus, with ``memory_copy: background``, the wait at the next ``optimizer.step()``."""
+        self.wait_s: list[float] = []
+        """Of that, the waits at the optimizer step for the background copy (one a snapshot)."""
+        self._unsettled = False
+        self._hook = optimizer.register_step_pre_hook(self._settle_in_step) if self.background else None
         self.restored: dict | None = None
         """What the last restore used: ``{"step", "source", "seconds"}``."""
         sys.excepthook = _note_crash(sys.excepthook)
@@ -122,6 +135,32 @@ class MegatronMemory(SnapshotBinding):
             self._user[name][1](value)
         return int(state["step"])
 
+    def stable_tensors(self, state: dict) -> set[int] | None:
+        """``data_ptr()`` of the parameters and the optimizer's state tensors (only the optimizer
+        step changes them): copied on the snapshot thread. None with ``memory_copy: in_step``."""
+        if not self.background:
+            return None
+        ptrs = {p.data_ptr() for p in self.ddp.module.parameters()}
+        _collect_ptrs(state["optimizer"], ptrs)
+        return ptrs
+
+    def settle(self) -> float:
+        """Wait until the newest snapshot is committed (before anything changes what it copies)."""
+        return self.store.settle(self.timeout_s)
+
+    def _settle_in_step(self, *_hook_args) -> None:
+        # Only the first step after a background snapshot has something to wait for (an in_step
+        # snapshot's tensors are all copied already); that wait is the snapshot's blocking too.
+        if not self._unsettled:
+            return
+        self._unsettled = False
+        t0 = time.perf_counter()
+        self.store.settle(self.timeout_s)
+        waited = time.perf_counter() - t0
+        self.wait_s.append(waited)
+        if self.blocking_s:
+            self.blocking_s[-1] += waited
+
     # ---------------------------------------------------------------------------------- hooks
     def _after_commit(self, _index: int, slot) -> None:
         self.peers.exchange(slot)
@@ -130,11 +169,23 @@ class MegatronMemory(SnapshotBinding):
         """After the optimizer step ``step`` (every rank): snapshot every ``memory_every``-th."""
         if step % self.every == 0 and step != self.taken_at:
             self.taken_at = step
-            self.blocking_s.append(self.store.save(step, self.capture(step)))
+            t0 = time.perf_counter()  # building the state dicts is blocking too
+            state = self.capture(step)
+            self.store.save(step, state, defer=self.stable_tensors(state), timeout_s=self.timeout_s)
+            self.blocking_s.append(time.perf_counter() - t0)
+            self._unsettled = self.background
+
+    def close(self, remove: bool) -> None:
+        """Remove the optimizer hook, then finish and close as :meth:`SnapshotBinding.close`."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        super().close(remove)
 
     def restore(self, disk_step: int | None) -> int | None:
         """Own memory, then a peer's copy, on every rank (a collective); the step or None."""
         t0 = time.perf_counter()
+        self.settle()  # a snapshot still copying reads the tensors apply() overwrites
         found = restore_from_memory(self.store, self.peers, self.timeout_s, disk_step=disk_step,
                                     max_step=rollback_bound())
         if found is None:

@@ -476,6 +476,11 @@ class WatchdogConfig:
 #: ``none`` records and checks sizes only (atomic commit still applies).
 VERIFY_MODES = ("sha256", "none")
 
+#: ``checkpoint.memory_copy``: where an in-memory snapshot copies parameters and optimizer state:
+#: on the snapshot thread, overlapped with the next forward and backward (the next optimizer step
+#: waits for it), or inside the step like everything else.
+MEMORY_COPY_MODES = ("background", "in_step")
+
 
 @dataclass(frozen=True)
 class CheckpointConfig:
@@ -519,6 +524,13 @@ class CheckpointConfig:
     another node (outside its model-parallel groups when the layout allows), so a restart after
     losing a whole node restores from the peers."""
 
+    memory_copy: str = "background"
+    """With ``memory_every``: ``background`` copies parameters and optimizer state (which only the
+    optimizer step changes) on the snapshot thread while the next forward and backward run; the
+    next optimizer step (and any load) first waits until the snapshot is committed, and a tensor
+    changed in place meanwhile fails the snapshot loudly. ``in_step`` copies everything inside
+    the step (for loops that change parameters outside the optimizer step)."""
+
     timeout_s: float = 900.0
     """Bound on every wait for the other ranks during a save or load (gathering file hashes,
     agreeing on the tag to load). A rank that does not answer in time fails the save / load with
@@ -561,6 +573,12 @@ class CheckpointConfig:
                 f"Allowed: {', '.join(VERIFY_MODES)}."
             )
         _expect_type(f"{where}.peer_backup", self.peer_backup, (bool,), "true or false")
+        _expect_type(f"{where}.memory_copy", self.memory_copy, (str,), "a string")
+        if self.memory_copy not in MEMORY_COPY_MODES:
+            raise ConfigError(
+                f"{where}.memory_copy = {self.memory_copy!r} is not allowed."
+                f"{_did_you_mean(self.memory_copy, list(MEMORY_COPY_MODES))} Allowed: {', '.join(MEMORY_COPY_MODES)}."
+            )
         value = _expect_type(f"{where}.timeout_s", self.timeout_s, (int, float), "a number")
         if not value > 0 or value == float("inf"):
             raise ConfigError(f"{where}.timeout_s = {value!r} must be a finite number of seconds > 0.")

@@ -13,10 +13,16 @@ and the tensor bytes, each tensor 64-byte aligned::
     24  rank (i32)          28 world size (i32)  32 schema length     40 data offset
     48  data length         56 crc32 of schema + data                 64 job key (32 bytes)
 
-A save first clears the slot's ``committed`` word, then copies every tensor into the
-pre-allocated mapping (the only part the training loop waits for), then hands the slot to a
-background thread that computes the crc32, writes it, and writes ``committed = 1`` last. A
-process killed in the middle of a copy leaves that slot uncommitted and the other slot intact.
+A save first clears the slot's ``committed`` word, copies into the pre-allocated mapping the
+tensors that may change before the next optimizer step (residuals, RNG, registered state: small),
+writes the schema and header, then hands the slot to a background thread. That thread copies the
+tensors the caller declared *stable* (``save(defer=...)``: parameters and optimizer state, which
+only the optimizer step changes), overlapped with the next forward and backward, computes the
+crc32, writes it, and writes ``committed = 1`` last. :meth:`SnapshotStore.settle` waits for that
+(the bindings call it before the next optimizer step, or anything else that changes those
+tensors, and count the wait as blocking). A process killed before the commit leaves that slot
+uncommitted and the other slot, the previous step, intact: a snapshot is visible to restore, to
+the peer backup and to the background disk save only once committed.
 Shared memory is the kernel's page cache: whatever the process stored before it died is there
 for the next process to read; no flush is needed (a *node* reboot loses it, which is what the
 peer copy of :mod:`~robust_plugins.checkpoint.peer` is for).
@@ -63,6 +69,13 @@ _ALIGN = 64
 _CRC_CHUNK = 64 << 20
 
 ENV_JOB = "ROBUST_JOB_ID"
+
+#: Niceness added to the snapshot threads (Linux sets it per thread). Their copy, crc32 and peer
+#: send run beside the training threads of every rank of the node; at the default 0 they preempt
+#: another rank's snapshot in its step (the blocking part) as readily as its forward. 10 gives
+#: them about a tenth of a core that a training thread also wants, and all of an idle one; a copy
+#: still not committed when the next optimizer step comes is waited for, and counted as blocking.
+SNAPSHOT_THREAD_NICE = 10
 
 
 def job_key(explicit: str | None = None, env: Mapping[str, str] | None = None) -> str:
@@ -313,9 +326,10 @@ class SnapshotInfo:
 class SnapshotStore:
     """This rank's double-buffered snapshots, plus the copies it keeps for a peer.
 
-    ``save(step, state)`` blocks only for the copy; checksum, commit and ``after_commit(slot)``
-    (the peer send) run on one background thread, in order. A failure there is logged at once
-    and raised as CheckpointError by the next ``save`` or ``flush``.
+    ``save(step, state)`` blocks only for the copy of what is not deferred; the deferred copy,
+    checksum and commit run on one background thread, in order, and ``after_commit(slot)`` (the
+    peer send) on a second one. A failure there is logged at once and raised as CheckpointError
+    by the next ``save``, ``settle`` or ``flush``.
     """
 
     def __init__(self, job: str, rank: int, world_size: int, root: str = SHM_ROOT,
@@ -342,17 +356,34 @@ class SnapshotStore:
         """Seconds the last :meth:`save` kept the caller waiting."""
         self.committed_step: int | None = None
         """Step of the newest snapshot committed by this process."""
+        self._settled: threading.Event | None = None
+        self.before_deferred_copy: Callable[[int], None] | None = None
+        """Fault injection (tests): called on the snapshot thread with the step, before that
+        snapshot's deferred tensors are copied; holding it keeps the copy in flight."""
 
     # --------------------------------------------------------------------------------- save
-    def save(self, step: int, state: Any, replace_newest: bool = False) -> float:
+    def save(self, step: int, state: Any, replace_newest: bool = False, defer: set[int] | None = None,
+             timeout_s: float = 600.0) -> float:
         """Snapshot ``state`` as ``step``; returns the seconds the caller was blocked.
 
         ``replace_newest``: write into the slot of the newest snapshot instead of the other one
         (a second snapshot of the same step, e.g. with more state; the older slot stays intact
-        meanwhile, so a crash during the rewrite still leaves the previous step)."""
+        meanwhile, so a crash during the rewrite still leaves the previous step).
+
+        ``defer``: ``data_ptr()`` of tensors that nothing changes until the caller's next
+        :meth:`settle` (parameters and optimizer state, before the next optimizer step). Those
+        are copied on the snapshot thread, after this call returns; each one's autograd version
+        counter is read here and again after its copy, and a tensor changed in place in between
+        fails the snapshot (never committed; the next ``save``/``settle`` raises). Writes through
+        another alias (``.data``, a flat buffer the tensor is a view of) do not move the counter:
+        ``settle`` before anything changes them is what keeps the copy exact."""
         t0 = time.perf_counter()
         self._raise_if_failed()
-        schema, tensors = flat.flatten(state, self.allowed)
+        # The previous snapshot's deferred copy reads the same tensors this one will: let it
+        # finish first (normally long done: the optimizer step before this save waited for it).
+        self.settle(timeout_s)
+        paths: list | None = [] if defer else None
+        schema, tensors = flat.flatten(state, self.allowed, paths)
         key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
         if key != self._layout_key:
             offsets, off = [], 0
@@ -377,19 +408,41 @@ class SnapshotStore:
         if slot.header() is not None:
             slot.set_committed(False)
         buf = slot.bytes()
-        for t, off in zip(tensors, offsets):
+        later = []  # (tensor, start, bytes, version at the save, path): the snapshot thread copies these
+        for i, (t, off) in enumerate(zip(tensors, offsets)):
             n = t.numel() * t.element_size()
-            if n:
+            if not n:
+                continue
+            if defer and t.data_ptr() in defer:
+                later.append((t, data_off + off, n, t._version, paths[i]))
+            else:
                 buf[data_off + off:data_off + off + n].view(t.dtype).view(t.shape).copy_(t)
         buf[HEADER_SIZE:HEADER_SIZE + len(schema_bytes)] = torch.frombuffer(bytearray(schema_bytes), dtype=torch.uint8)
         slot.write_header(Header(False, step, self.rank, self.world_size, len(schema_bytes), data_off,
                                  data_len, 0, self.job))
         self._next = 1 - index
         slot.busy.set()
+        self._settled = settled = threading.Event()
         self._ensure_thread()
-        self._queue.put((index, slot, step))
+        self._queue.put((index, slot, step, later, settled))
         self.last_blocking_s = time.perf_counter() - t0
         return self.last_blocking_s
+
+    def settle(self, timeout_s: float = 600.0) -> float:
+        """Wait until the newest snapshot is committed (deferred tensors copied, checksummed,
+        ``committed`` written); returns the seconds waited. Raises CheckpointError if it failed
+        or does not finish within ``timeout_s``. Call it before anything changes the tensors
+        given to ``save(defer=...)``; the peer send is not waited for."""
+        settled = self._settled
+        if settled is None or settled.is_set():
+            self._raise_if_failed()
+            return 0.0
+        t0 = time.perf_counter()
+        if not settled.wait(timeout_s):
+            raise CheckpointError(f"in-memory snapshot of rank {self.rank} not committed after {timeout_s:g} s "
+                                  f"(its copy or checksum is stuck on the snapshot thread)")
+        self._raise_if_failed()
+        return time.perf_counter() - t0
 
     def _ensure_thread(self) -> None:
         # Two threads: one commits (crc32, committed flag), one runs after_commit (peer send,
@@ -404,36 +457,64 @@ class SnapshotStore:
                                            daemon=True)
             self._after.start()
 
+    @staticmethod
+    def _lower_priority() -> None:
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + SNAPSHOT_THREAD_NICE))
+        except (AttributeError, OSError) as exc:  # not Linux, or not permitted: only slower to finish
+            log.debug("robust_plugins: snapshot thread keeps its priority (%s)", exc)
+
     def _fail(self, step: int, exc: BaseException) -> None:
         self._error = f"snapshot of step {step} on rank {self.rank}: {type(exc).__name__}: {exc}"
         log.error("robust_plugins: in-memory snapshot hand-off failed: %s", self._error)
 
     def _work(self) -> None:
+        self._lower_priority()
         while True:
             item = self._queue.get()
             if item is None:
                 if self.after_commit is not None:
                     self._after_queue.put(None)
                 return
-            index, slot, step = item
+            index, slot, step, later, settled = item
             handed = False
             try:
                 if self._error is None:
+                    if later and self.before_deferred_copy is not None:
+                        self.before_deferred_copy(step)
+                    self._copy_deferred(slot, step, later)
                     h = slot.header()
                     crc = _crc(slot.buf, HEADER_SIZE, h.total)
                     struct.pack_into("<I", slot.buf, 56, crc)
                     slot.set_committed(True)
                     self.committed_step = step
                     if self.after_commit is not None:
-                        self._after_queue.put(item)
+                        self._after_queue.put((index, slot, step))
                         handed = True
             except Exception as exc:  # noqa: BLE001 - reported now and raised by the next save
                 self._fail(step, exc)
             finally:
+                settled.set()
                 if not handed:
                     slot.busy.clear()
 
+    @staticmethod
+    def _copy_deferred(slot: Slot, step: int, later: list) -> None:
+        buf = slot.bytes()
+        for t, start, n, _, _ in later:
+            buf[start:start + n].view(t.dtype).view(t.shape).copy_(t)
+        moved = [path for t, _, _, version, path in later if t._version != version]
+        if moved:
+            raise CheckpointError(
+                f"{len(moved)} tensor(s) changed in place while the snapshot of step {step} was being copied, "
+                f"first {flat.path_text(moved[0])}; the snapshot would mix two steps and was not committed (the previous one "
+                f"stays the restore point). Something other than the optimizer step changed them before it "
+                f"(the training loop, a forward hook): keep such changes inside the optimizer step, or set "
+                f"checkpoint.memory_copy to \"in_step\" to copy everything inside the step.")
+
     def _work_after(self) -> None:
+        self._lower_priority()
         while True:
             item = self._after_queue.get()
             if item is None:

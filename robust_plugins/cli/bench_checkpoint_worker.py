@@ -1,7 +1,8 @@
 """One torchrun launch of ``robust bench checkpoint`` (see ``bench_checkpoint.py``).
 
-Trains the text GPT with ``memory_every: 1`` and ``peer_backup`` on every rank, then, in the same
-engine and process: DeepSpeed's own ``save_checkpoint`` (the class method, no plugin) and the
+Trains the text GPT with ``memory_every: 1`` and ``peer_backup`` on every rank, ``--steps`` steps
+with ``memory_copy: background`` and as many with ``in_step`` (alternating blocks), then, in the
+same engine and process: DeepSpeed's own ``save_checkpoint`` (the class method, no plugin) and the
 plugin's verified save, alternated; a restore from memory and one from disk, alternated. Rank 0
 writes ``results.json``.
 """
@@ -26,6 +27,8 @@ from robust_plugins.checkpoint import memory
 from robust_plugins.workloads import build_gpt, get_batch, load_corpus
 
 MICRO_BATCH = 8
+#: Steps in a row with one memory_copy mode before the benchmark switches to the other.
+BLOCK = 5
 
 
 def _max_over_ranks(x: float) -> float:
@@ -64,18 +67,28 @@ def main() -> None:
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     corpus = load_corpus(max_bytes=400_000)
-    step_s = []
-    for step in range(1, args.steps + 1):
+    mem = engine.robust_plugins.memory
+    # memory_copy background (the default) and in_step side by side in one launch: blocks of
+    # BLOCK steps alternate between the two, so drift in the machine's load hits both alike.
+    step_s, modes = [], []
+    for step in range(1, 2 * args.steps + 1):
+        background = (step - 1) // BLOCK % 2 == 0
+        mem.background = background
         x, y = get_batch(corpus, "train", seed=0, step=step, rank=rank, world_size=world,
                          micro_batch=MICRO_BATCH, seq_len=model.cfg.seq_len)
         t0 = time.perf_counter()
         loss = engine(x, y)
         engine.backward(loss)
-        engine.step()  # includes the snapshot's blocking part
+        engine.step()  # includes the snapshot's part in the step and the wait for the previous copy
         step_s.append(_max_over_ranks(time.perf_counter() - t0))
-    mem = engine.robust_plugins.memory
+        modes.append("background" if background else "in_step")
     mem.store.flush()
-    blocking = [_max_over_ranks(b) for b in mem.blocking_s]
+    # blocking_s[i]: snapshot i's part in step i plus its wait at step i+1 (the step that comes
+    # after the last snapshot is not timed: its entry is dropped)
+    blocking = [_max_over_ranks(b) for b in mem.blocking_s][:-1]
+    waits = [_max_over_ranks(w) for w in mem.wait_s]
+    by_mode = {m: {"step_s": [s for s, k in zip(step_s, modes) if k == m],
+                   "blocking_s": [b for b, k in zip(blocking, modes) if k == m]} for m in ("background", "in_step")}
     snapshot_bytes = mem.store.slots[0].header().total
 
     ds_save, verified_save, ds_bytes, verified_bytes = [], [], 0, 0
@@ -119,8 +132,9 @@ def main() -> None:
         assert "verified" in path, path
     if rank == 0:
         (out / "results.json").write_text(json.dumps({
-            "world_size": world, "preset": args.preset, "steps": args.steps, "step_s": step_s,
-            "blocking_s": blocking, "snapshot_bytes": snapshot_bytes, "ds_save_s": ds_save,
+            "world_size": world, "preset": args.preset, "steps": args.steps,
+            "step_s": by_mode["background"]["step_s"], "blocking_s": by_mode["background"]["blocking_s"],
+            "in_step": by_mode["in_step"], "wait_s": waits, "snapshot_bytes": snapshot_bytes, "ds_save_s": ds_save,
             "verified_save_s": verified_save, "ds_bytes": ds_bytes, "verified_bytes": verified_bytes,
             "restore_memory_s": from_memory, "restore_disk_s": from_disk,
             "params": sum(p.numel() for p in model.parameters()),

@@ -301,3 +301,128 @@ def test_replace_newest_rewrites_the_newest_slot_and_keeps_the_older(tmp_path):
         assert sorted(s.step for s in st.own_snapshots()) == [2, 3]
     finally:
         st.close(remove=True)
+
+
+# -------------------------------------------------------- background copy (memory_copy: background)
+def _gate(step_to_hold: int):
+    """A before_deferred_copy hook that holds the copy of one step until released."""
+    import threading
+
+    release, reached = threading.Event(), threading.Event()
+
+    def hook(step):
+        if step == step_to_hold:
+            reached.set()
+            assert release.wait(30), "test gate never released"
+
+    return hook, release, reached
+
+
+def test_deferred_tensors_are_copied_on_the_snapshot_thread_and_committed_only_after(tmp_path):
+    """Stable tensors are copied after save() returns; the others at the save. The slot is
+    committed (restorable) only once the background copy is done."""
+    st = memory.SnapshotStore("defer", 0, 1, root=str(tmp_path))
+    try:
+        w, r = torch.arange(1000, dtype=torch.float32), torch.ones(10)
+        st.save(1, {"w": w, "r": r}, defer={w.data_ptr()})
+        st.settle()
+        hook, release, reached = _gate(2)
+        st.before_deferred_copy = hook
+        w2, r2 = w * 2, r * 2
+        st.save(2, {"w": w2, "r": r2}, defer={w2.data_ptr()})
+        assert reached.wait(10)
+        # in flight: step 2 is not committed, step 1 is what a restore would see
+        assert [s.step for s in st.own_snapshots()] == [1]
+        r2.add_(100)  # not deferred: copied at the save, a later change does not reach the snapshot
+        release.set()
+        st.settle()
+        snaps = st.own_snapshots()
+        assert [s.step for s in snaps] == [2, 1]
+        back = st.load(snaps[0].slot)[1]
+        assert torch.equal(back["w"], w * 2) and torch.equal(back["r"], torch.full((10,), 2.0))
+    finally:
+        st.close(remove=True)
+
+
+def test_the_optimizer_step_waits_for_the_background_copy(tmp_path):
+    """The contract the bindings keep: a step pre-hook settles the store, so the optimizer step
+    cannot change parameters or moments while their copy is in flight; the snapshot holds
+    exactly the state before the step."""
+    import threading
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    st = memory.SnapshotStore("stepwait", 0, 1, root=str(tmp_path))
+
+    def wait_for_snapshot(*_):
+        st.settle()  # as MegatronMemory's hook (a step pre-hook returns None)
+
+    opt.register_step_pre_hook(wait_for_snapshot)
+
+    def train_step():
+        model(torch.randn(8, 64)).square().sum().backward()
+        opt.step()
+
+    try:
+        train_step()
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        stable = {p.data_ptr() for p in model.parameters()}
+        stable |= {t.data_ptr() for s in opt.state.values() for t in s.values()}
+        before = {k: v.clone() for k, v in state["model"].items()}
+        moments = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+        hook, release, reached = _gate(1)
+        st.before_deferred_copy = hook
+        st.save(1, state, defer=stable)
+        assert reached.wait(10)
+        stepper = threading.Thread(target=train_step)
+        stepper.start()
+        stepper.join(0.5)
+        assert stepper.is_alive()  # held in the pre-hook: the copy is still in flight
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+        release.set()
+        stepper.join(30)
+        assert not stepper.is_alive()
+        back = st.load(st.own_snapshots()[0].slot)[1]
+        assert all(torch.equal(back["model"][k], v) for k, v in before.items())
+        assert not torch.equal(model.weight, before["weight"])  # the step ran, after the copy
+        saved_moments = [back["optimizer"]["state"][i]["exp_avg"] for i in range(2)]
+        assert all(torch.equal(a, b) for a, b in zip(saved_moments, moments))
+    finally:
+        st.close(remove=True)
+
+
+def test_a_tensor_changed_in_place_during_the_copy_fails_the_snapshot(tmp_path):
+    """A deferred tensor changed outside the optimizer step while its copy is in flight: the
+    snapshot is not committed, the previous one stays the restore point, and the error names
+    the tensor and the way out."""
+    st = memory.SnapshotStore("torn", 0, 1, root=str(tmp_path))
+    try:
+        w = torch.zeros(100)
+        st.save(1, {"model": {"w": w}}, defer={w.data_ptr()})
+        st.settle()
+        hook, release, reached = _gate(2)
+        st.before_deferred_copy = hook
+        st.save(2, {"model": {"w": w}}, defer={w.data_ptr()})
+        assert reached.wait(10)
+        w.add_(1)  # e.g. a training loop that clamps weights after the step
+        release.set()
+        with pytest.raises(CheckpointError, match=r"changed in place while the snapshot of step 2.*"
+                                                  r"state\['model'\]\['w'\].*memory_copy.*in_step"):
+            st.settle()
+        assert [s.step for s in st.own_snapshots()] == [1]
+        assert torch.equal(st.load(st.own_snapshots()[0].slot)[1]["model"]["w"], torch.zeros(100))
+        with pytest.raises(CheckpointError, match="snapshots stopped"):
+            st.save(3, {"model": {"w": w}})
+    finally:
+        st.close(remove=True)
+
+
+def test_memory_copy_mode_is_validated():
+    from robust_plugins.config import CheckpointConfig
+    from robust_plugins.errors import ConfigError
+
+    assert CheckpointConfig(memory_every=1).memory_copy == "background"
+    assert CheckpointConfig(memory_every=1, memory_copy="in_step").memory_copy == "in_step"
+    with pytest.raises(ConfigError, match=r"memory_copy = 'instep' is not allowed.*in_step.*Allowed: background, in_step"):
+        CheckpointConfig(memory_every=1, memory_copy="instep")
