@@ -104,6 +104,7 @@ _BYTES: dict[str, Callable[[dict, int, int], int]] = {
 
 _lock = threading.RLock()
 _active: list["WireCounter"] = []
+_count_bytes = False  # some open counter wants bytes (not only calls and time): bind the arguments
 _restore: list[tuple[Any, str, Any, bool]] = []  # (owner, attribute, original, was in __dict__)
 _tls = threading.local()
 
@@ -117,14 +118,16 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
         # Calls made inside a counted call (torch's own helpers, a wrapped alias) are part of it.
         if getattr(_tls, "depth", 0) or not _active:
             return original(*args, **kwargs)
-        try:
-            bound = sig.bind(*args, **kwargs)
-        except TypeError:
-            return original(*args, **kwargs)  # let torch report the bad call itself
-        a = bound.arguments
-        group = a.get("group")
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        nbytes = measure(a, rank, world) if world > 1 and rank >= 0 else 0
+        group, nbytes = None, 0
+        if _count_bytes:
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError:
+                return original(*args, **kwargs)  # let torch report the bad call itself
+            a = bound.arguments
+            group = a.get("group")
+            rank, world = dist.get_rank(group), dist.get_world_size(group)
+            nbytes = measure(a, rank, world) if world > 1 and rank >= 0 else 0
         _tls.depth = 1
         t0 = time.perf_counter()
         try:
@@ -210,6 +213,9 @@ class WireCounter:
     Args:
         filter_group: count only calls on this process group (``None``, the default, counts all;
             a call with ``group=None`` is on ``torch.distributed.group.WORLD``).
+        timing_only: count calls and seconds only (``bytes_sent`` and ``by_op`` stay 0; every
+            group). While only such counters are open the wrapper skips binding the call's
+            arguments, most of its cost (the watchdog's straggler detector needs only the time).
 
     Attributes:
         bytes_sent: total bytes (int).
@@ -219,8 +225,12 @@ class WireCounter:
             only its launch).
     """
 
-    def __init__(self, filter_group: Any = None):
+    def __init__(self, filter_group: Any = None, timing_only: bool = False):
+        if timing_only and filter_group is not None:
+            raise ValueError("WireCounter: timing_only counts every group; a filter_group needs "
+                             "the call's arguments bound (use timing_only=False)")
         self.filter_group = filter_group
+        self.timing_only = timing_only
         self.bytes_sent = 0
         self.calls: collections.Counter = collections.Counter()
         self.by_op: collections.Counter = collections.Counter()
@@ -228,15 +238,19 @@ class WireCounter:
         self._mutex = threading.Lock()
 
     def __enter__(self) -> "WireCounter":
+        global _count_bytes
         with _lock:
             if not _active:
                 _install()
             _active.append(self)
+            _count_bytes = any(not c.timing_only for c in _active)
         return self
 
     def __exit__(self, *exc) -> None:
+        global _count_bytes
         with _lock:
             _active.remove(self)
+            _count_bytes = any(not c.timing_only for c in _active)
             if not _active:
                 _uninstall()
 
@@ -248,6 +262,8 @@ class WireCounter:
     def _add(self, name: str, nbytes: int, group: Any, seconds: float = 0.0) -> None:
         if not self._matches(group):
             return
+        if self.timing_only:
+            nbytes = 0
         with self._mutex:
             self.seconds += seconds
             self.bytes_sent += nbytes

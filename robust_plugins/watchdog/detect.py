@@ -56,20 +56,28 @@ def hang_timeout(cfg: WatchdogConfig, step_times: Iterable[float], steps_seen: i
     return min(cfg.hang_max_timeout_s, max(cfg.hang_min_timeout_s, learned))
 
 
+def learned_timeout(cfg: WatchdogConfig, ranks: Mapping[int, RankProgress],
+                    history: Sequence[float] = ()) -> float:
+    """The job's learned hang timeout: one timeout for the job, from step times pooled over every
+    rank (ranks of a data-parallel job step in lockstep; the slowest healthy one sets the pace)
+    and over earlier incarnations (``history``), so a restarted job needs no second warm-up."""
+    pooled = list(history) + [t for p in ranks.values() for t in p.step_times]
+    steps_per_rank = len(pooled) // max(1, len(ranks))
+    return hang_timeout(cfg, pooled, steps_per_rank)
+
+
 def stalled_ranks(cfg: WatchdogConfig, ranks: Mapping[int, RankProgress], now: float,
-                  finished: Iterable[int] = (), history: Sequence[float] = ()) -> tuple[list[int], float]:
+                  finished: Iterable[int] = (), history: Sequence[float] = (),
+                  learned: float | None = None) -> tuple[list[int], float]:
     """Ranks without progress for longer than their timeout, and the learned timeout.
 
     A rank that has not completed a step in this incarnation gets ``hang_initial_timeout_s``
-    (start-up: imports, rendezvous, loading a checkpoint). After its first step the job's learned
-    timeout applies: one timeout for the job, from step times pooled over every rank (ranks of a
-    data-parallel job step in lockstep; the slowest healthy one sets the pace) and over earlier
-    incarnations (``history``), so a restarted job needs no second warm-up.
+    (start-up: imports, rendezvous, loading a checkpoint). After its first step the job's
+    :func:`learned_timeout` applies (``learned``, when the caller computed it already).
     """
     done = set(finished)
-    pooled = list(history) + [t for p in ranks.values() for t in p.step_times]
-    steps_per_rank = len(pooled) // max(1, len(ranks))
-    learned = hang_timeout(cfg, pooled, steps_per_rank)
+    if learned is None:
+        learned = learned_timeout(cfg, ranks, history)
     stalled = []
     for r, p in sorted(ranks.items()):
         timeout = cfg.hang_initial_timeout_s if p.last_step is None else learned
