@@ -6,7 +6,9 @@ has a rail). Each scenario trains the tiny GPT with gradient accumulation 2 (the
 the boundary micro-step only) and small buckets (several per step), overlap on and off, and
 records every rank's parameter digest, the losses and the order of the bucket events (``flush``:
 DeepSpeed's reduction point starts; ``dispatch``: a bucket was handed over; ``start``: the sync
-thread began reducing it). Rank 0 writes ``DIR/results.json``; ``test_deepspeed_overlap.py``
+thread began reducing it). With overlap, the hook that hands over the last bucket waits (bounded)
+until the sync thread has started the first one: proof that the thread reduces while backward
+still runs, without depending on how fast the scheduler wakes it. Rank 0 writes ``DIR/results.json``; ``test_deepspeed_overlap.py``
 asserts on it.
 """
 
@@ -58,10 +60,20 @@ def run(block: dict, overlap: bool, steps: int, corpus) -> dict:
     reduction = engine.robust_plugins.buckets
     events: list = []
     lock = threading.Lock()
+    first_started = threading.Event()
+    early: list = []
+    last = f"b{len(reduction.plan) - 1}"
 
     def observe(event: str, name: str) -> None:
         with lock:
             events.append([engine.global_steps, event, name])
+        if event == "start" and name == "b0":
+            first_started.set()
+        if overlap and event == "dispatch" and name == last:
+            # Still inside backward (the hook of the last bucket's last gradient): the sync thread
+            # must be able to start the first bucket now, before DeepSpeed's reduction point.
+            early.append(first_started.wait(20))
+            first_started.clear()
 
     reduction.observers.append(observe)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -76,7 +88,8 @@ def run(block: dict, overlap: bool, steps: int, corpus) -> dict:
         losses.append(loss.item())
         micro += 1
     s = engine.robust_plugins.sync.stats
-    return {"digests": all_digests(engine), "losses": losses, "events": events, "buckets": len(reduction.plan),
+    return {"digests": all_digests(engine), "losses": losses, "events": events, "early": early,
+            "buckets": len(reduction.plan),
             "threaded": reduction.thread is not None, "compressed_elements": s.compressed_elements,
             "passthrough_elements": s.passthrough_elements, "by_codec": dict(s.by_codec),
             "n_params": sum(p.numel() for p in engine.module.parameters())}
