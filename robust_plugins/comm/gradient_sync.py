@@ -258,14 +258,21 @@ class GradientSync:
         from robust_plugins.topology import hierarchical_all_reduce
 
         ef = self.config.error_feedback
+        scratch: dict = {}  # lives for this bucket's trials only
 
         def run(route: str, t: torch.Tensor) -> None:  # trial runs: no residual is kept
             layout, codec = route.split()
             if codec == BF16_ALLREDUCE:
                 # Its error feedback is most of its compute (3 passes of 4 over the bucket), so the
-                # trial pays for it, on a scratch residual that is thrown away.
-                scratch = torch.zeros(t.numel(), dtype=torch.float32, device=t.device) if ef else None
-                bf16_all_reduce(t, group=group, op="sum", residual=scratch)
+                # trial pays for it, on a scratch residual that is thrown away. The scratch is kept
+                # for a second trial run: a step reuses its residual, and allocating (first-touch
+                # pages of a bucket-sized buffer) is a cost the first run alone pays.
+                res = None
+                if ef:
+                    res = scratch.get(t.numel())
+                    if res is None:
+                        res = scratch[t.numel()] = torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
+                bf16_all_reduce(t, group=group, op="sum", residual=res)
             elif layout == "hier":
                 hierarchical_all_reduce(t, groups, codec=codec, op="sum")
             else:
