@@ -135,7 +135,9 @@ def _set_rng_state(state: dict) -> None:
 
 class SnapshotBinding:
     """What the DeepSpeed and megatron-core snapshot bindings share: registered user state and
-    the end of the job. A subclass sets ``store``, ``peers``, ``timeout_s`` and ``_user``."""
+    the end of the job, and the wait of the next optimizer step for a background copy. A subclass
+    sets ``store``, ``peers``, ``timeout_s``, ``_user``, ``background``, ``wait_s``, ``blocking_s``
+    and ``_unsettled``, and defines :meth:`_module`."""
 
     def register(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
         """Snapshot ``get()`` (tensors / plain data) under ``name``; restore by calling ``set_(value)``."""
@@ -152,6 +154,37 @@ class SnapshotBinding:
         self.store.close(remove=remove)
         if self.peers is not None:
             self.peers.close(remove=remove)
+
+    def _module(self):
+        """The model whose parameters a snapshot holds (set by each binding)."""
+        raise NotImplementedError
+
+    def stable_tensors(self, state: dict) -> set[int] | None:
+        """``data_ptr()`` of the captured tensors only the optimizer step changes (parameters and
+        the optimizer's state), copied on the snapshot thread; None with ``memory_copy: in_step``.
+        Buffers, residuals, RNG and registered state can change in forward/backward: copied now."""
+        if not self.background:
+            return None
+        ptrs = {p.data_ptr() for p in self._module().parameters()}
+        _collect_ptrs(state["optimizer"], ptrs)
+        return ptrs
+
+    def settle(self) -> float:
+        """Wait until the newest snapshot is committed (before anything changes what it copies)."""
+        return self.store.settle(self.timeout_s)
+
+    def _settle_in_step(self, *_hook_args) -> None:
+        # Only the first step after a background snapshot has something to wait for (an in_step
+        # snapshot's tensors are all copied already); that wait is the snapshot's blocking too.
+        if not self._unsettled:
+            return
+        self._unsettled = False
+        t0 = time.perf_counter()
+        self.store.settle(self.timeout_s)
+        waited = time.perf_counter() - t0
+        self.wait_s.append(waited)
+        if self.blocking_s:
+            self.blocking_s[-1] += waited
 
     def _at_exit(self) -> None:
         # Under `robust run` the launcher removes the job's files once the whole job completed: a
@@ -307,32 +340,8 @@ class MemorySnapshots(SnapshotBinding):
         """What ``load_checkpoint`` returns as client_state after a restore of a snapshot."""
         return dict(self.client_state["state"]) if self.client_state is not None else {}
 
-    def stable_tensors(self, state: dict) -> set[int] | None:
-        """``data_ptr()`` of the captured tensors only the optimizer step changes (parameters and
-        the optimizer's state), copied on the snapshot thread; None with ``memory_copy: in_step``.
-        Buffers, residuals, RNG and registered state can change in forward/backward: copied now."""
-        if not self.background:
-            return None
-        ptrs = {p.data_ptr() for p in self.engine.module.parameters()}
-        _collect_ptrs(state["optimizer"], ptrs)
-        return ptrs
-
-    def settle(self) -> float:
-        """Wait until the newest snapshot is committed (before anything changes what it copies)."""
-        return self.store.settle(self.timeout_s)
-
-    def _settle_in_step(self) -> None:
-        # Only the first step after a background snapshot has something to wait for (an in_step
-        # snapshot's tensors are all copied already); that wait is the snapshot's blocking too.
-        if not self._unsettled:
-            return
-        self._unsettled = False
-        t0 = time.perf_counter()
-        self.store.settle(self.timeout_s)
-        waited = time.perf_counter() - t0
-        self.wait_s.append(waited)
-        if self.blocking_s:
-            self.blocking_s[-1] += waited
+    def _module(self):
+        return self.engine.module
 
     def _save(self, n: int, replace_newest: bool = False) -> None:
         t0 = time.perf_counter()  # building the state dicts is blocking too

@@ -40,7 +40,7 @@ from robust_plugins.checkpoint import memory
 from robust_plugins.checkpoint.peer import PeerBackup, plan_peers
 from robust_plugins.checkpoint.restore import restore_from_memory, rollback_bound
 from robust_plugins.errors import CheckpointError, UnsupportedError
-from robust_plugins.patches.deepspeed_memory import (SnapshotBinding, _collect_ptrs, _note_crash, _rng_state,
+from robust_plugins.patches.deepspeed_memory import (SnapshotBinding, _note_crash, _rng_state,
                                                       _set_rng_state, record_restore)
 
 log = get_logger(__name__)
@@ -135,31 +135,8 @@ class MegatronMemory(SnapshotBinding):
             self._user[name][1](value)
         return int(state["step"])
 
-    def stable_tensors(self, state: dict) -> set[int] | None:
-        """``data_ptr()`` of the parameters and the optimizer's state tensors (only the optimizer
-        step changes them): copied on the snapshot thread. None with ``memory_copy: in_step``."""
-        if not self.background:
-            return None
-        ptrs = {p.data_ptr() for p in self.ddp.module.parameters()}
-        _collect_ptrs(state["optimizer"], ptrs)
-        return ptrs
-
-    def settle(self) -> float:
-        """Wait until the newest snapshot is committed (before anything changes what it copies)."""
-        return self.store.settle(self.timeout_s)
-
-    def _settle_in_step(self, *_hook_args) -> None:
-        # Only the first step after a background snapshot has something to wait for (an in_step
-        # snapshot's tensors are all copied already); that wait is the snapshot's blocking too.
-        if not self._unsettled:
-            return
-        self._unsettled = False
-        t0 = time.perf_counter()
-        self.store.settle(self.timeout_s)
-        waited = time.perf_counter() - t0
-        self.wait_s.append(waited)
-        if self.blocking_s:
-            self.blocking_s[-1] += waited
+    def _module(self):
+        return self.ddp.module
 
     # ---------------------------------------------------------------------------------- hooks
     def _after_commit(self, _index: int, slot) -> None:
