@@ -63,18 +63,22 @@ def _agent_class():
             # ranks of the new round fail to form their process group.
             if self.registry is None:
                 return
+            self._report_exclusions()
+            record = self.registry.excluded()
+            if record is not None:
+                raise NodeExcluded(record)
+
+        def _report_exclusions(self) -> None:
+            # Read the job's exclusion list into this node's excluded_nodes.json and say what is new.
             try:
                 new = self.registry.refresh()
             except Exception:
-                new = []  # said by excluded() below; the rendezvous reports the unreachable store
+                new = []  # said by excluded(); the rendezvous reports the unreachable store
             for rec in new:
                 if rec["node"] != self.node:
                     print(f"robust run: node {rec['node']} is EXCLUDED from this job (blamed "
                           f"{rec['blames']} times; last: {rec['reason']}); the job continues "
                           f"without it. See {self.registry.path}", flush=True)
-            record = self.registry.excluded()
-            if record is not None:
-                raise NodeExcluded(record)
 
         def _note_membership(self, worker_group) -> None:
             # torch's dynamic rendezvous already admits any node count within --nnodes MIN:MAX and
@@ -88,6 +92,10 @@ def _agent_class():
                    "launch_world_size": self._launch_world}
             with open(self.monitor.run_dir / "membership.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            if self._world is not None and world != self._world and self.registry is not None:
+                # The node that left may have been excluded after this node last looked (it records
+                # its second blame while this one already rejoins): read the list again now.
+                self._report_exclusions()
             if self._world is not None and world != self._world:
                 msg = (f"robust run: the job continues on {worker_group.group_world_size} node(s), "
                        f"{world} ranks (was {self._world}); scripts that size gradient accumulation "
