@@ -28,6 +28,7 @@ DeepSpeed's buckets and its reduction point: refused with ``overlap: true``, log
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -93,6 +94,12 @@ def attach_buckets(engine, plugin) -> "BucketedReduction | None":
     def buffered_allreduce_fallback(grads=None, elements_per_buffer=500000000):
         if grads is not None:  # an explicit gradient list is DeepSpeed's business, not the plan's
             return original(grads, elements_per_buffer)
+        if reduction.host_reduces():
+            # codec auto chose the uncompressed flat all-reduce for every bucket: DeepSpeed's own
+            # reduction (one bucket, its communication_data_type) is then the same math in fewer,
+            # larger collectives, with no hook or thread in the way.
+            reduction._emit("host", "all")
+            return original(None, elements_per_buffer)
         return reduction.reduce_at_boundary()
 
     _guard.bind_instance(engine, "buffered_allreduce_fallback", buffered_allreduce_fallback)
@@ -143,6 +150,10 @@ class BucketedReduction:
         self._missing: list[int] = []
         self._next = 0
         self._handles: list = []
+        self._keys: list = []
+        self._host_until: float | None = None
+        """``codec: auto``: the engine step until which DeepSpeed reduces on its own (see
+        :meth:`host_reduces`); None while the planned buckets are in use."""
         if overlap:
             if self.sync.hierarchical:
                 # Node and rail groups now, on every rank (a collective), not at the first bucket
@@ -174,6 +185,7 @@ class BucketedReduction:
         self._gen = self._generation()
         self._missing = [len(idx) for idx in self.plan]
         self._next = 0
+        self._keys = []
 
     def _boundary_now(self) -> bool:
         e = self.engine
@@ -183,8 +195,8 @@ class BucketedReduction:
         bucket = self._bucket_of[index]
 
         def on_grad_final(_param) -> None:
-            if not self._boundary_now():
-                return  # gradients still accumulate locally; DeepSpeed reduces only at the boundary
+            if not self._boundary_now() or self.host_reduces():
+                return  # gradients still accumulate locally, or DeepSpeed reduces this step itself
             if self._gen != self._generation():
                 self._begin()
             self._missing[bucket] -= 1
@@ -207,6 +219,7 @@ class BucketedReduction:
                                        f"buckets reduce dense gradients only (unset sparse_gradients).")
             grads.append(p.grad.data)
         key = self.sync.route(SITE, sum(g.numel() for g in grads))
+        self._keys.append(key)
         name = f"b{b}"
         self._emit("dispatch", name)
         if self.thread is None:
@@ -253,9 +266,46 @@ class BucketedReduction:
             self._dispatch(self._next)
             self._next += 1
         handles, self._handles = self._handles, []
+        keys, self._keys = self._keys, []
         self._gen = None
         for h in handles:
             h.wait()
+        self._hand_back_if_off(keys)
+
+    # -- codec auto: switching itself off ----------------------------------------------------------
+    def _hand_back_if_off(self, keys: list) -> None:
+        """After a step of planned buckets: when ``auto`` sent every bucket as ``flat none`` (the
+        plain fp32 all-reduce), hand the reduction back to DeepSpeed until ``auto`` is due to
+        measure again (``auto_recheck_steps``; never with 0). Planned buckets then cost more
+        collectives (and, with overlap, a thread competing with backward) for the same sums: on the
+        simulator's 10 Gbit/s link that was about 7 % of a training step (BENCHMARKS.md). Every
+        rank agrees, because ``auto``'s decisions are agreed over the group."""
+        auto = self.sync.auto
+        if auto is None or not keys or any(k is None for k in keys):
+            return  # a fixed codec, or a warm-up step: nothing was decided
+        routes = {self.sync.route_of(k) for k in keys}
+        if routes != {"flat none"}:
+            return
+        due = auto.next_recheck_step()
+        self._host_until = math.inf if due is None else due
+        log_rank0(log, logging.INFO,
+                  "robust_plugins: codec auto chose the uncompressed flat all-reduce for all %d buckets; "
+                  "DeepSpeed reduces the gradients itself after backward %s", len(keys),
+                  "from now on (auto_recheck_steps = 0)" if due is None
+                  else f"until step {due}, when auto measures the buckets again")
+
+    def host_reduces(self) -> bool:
+        """True while ``auto`` has handed this step's reduction back to DeepSpeed (see
+        :meth:`_hand_back_if_off`). At the step ``auto`` is due to measure again the planned
+        buckets return for that step, and ``auto``'s new decisions say what follows."""
+        if self._host_until is None:
+            return False
+        if self.engine.global_steps < self._host_until:
+            return True
+        self._host_until = None
+        log_rank0(log, logging.INFO, "robust_plugins: step %d: codec auto measures the planned buckets again",
+                  self.engine.global_steps)
+        return False
 
     def close(self) -> None:
         """Remove the hooks and stop the thread (after the work already submitted)."""

@@ -618,6 +618,14 @@ class AutoCodec:
             )
         return decision
 
+    def next_recheck_step(self) -> int | None:
+        """The host step at which the earliest probe in force expires (``recheck_steps`` after it),
+        so that decisions are measured again; None when ``recheck_steps`` is 0 (never) or nothing
+        was probed yet."""
+        if not self.recheck_steps or not self._probes:
+            return None
+        return min(step for step, *_ in self._probes.values()) + self.recheck_steps
+
     def decisions(self) -> list[dict[str, Any]]:
         """The decisions now in force, as dicts (for metrics)."""
         return [{"group": [r for r in g if r != "route"], **d.to_dict()} for (g, _), d in self._decisions.items()]

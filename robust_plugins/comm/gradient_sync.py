@@ -137,13 +137,17 @@ class GradientSync:
             return "below min_numel"
         return None
 
-    def next_key(self, site: str) -> str:
-        """Stable error-feedback key for the next bucket reduced at ``site`` during this step."""
+    def _new_step_check(self) -> None:
+        """At the first bucket of an optimizer step: restart the per-step key counts and totals."""
         step = self._step_fn()
         if step != self._key_step:
             self._key_step = step
             self._site_calls.clear()
             self.stats.step_elements = 0
+
+    def next_key(self, site: str) -> str:
+        """Stable error-feedback key for the next bucket reduced at ``site`` during this step."""
+        self._new_step_check()
         n = self._site_calls[site]
         self._site_calls[site] += 1
         return f"{site}:{n}"
@@ -156,17 +160,35 @@ class GradientSync:
         identical to the host.
         """
         key = self.next_key(site)
-        self.stats.step_elements += numel
-        self.stats.by_site[site] += numel
         reason = self.decide(numel)
         if reason is not None:
-            self.stats.passthrough_elements += numel
-            self.stats.passthrough_calls += 1
-            self.stats.by_reason[reason] += numel
+            self.count_passthrough(site, numel, reason)
             return None
+        self.stats.step_elements += numel
+        self.stats.by_site[site] += numel
         self.stats.compressed_elements += numel
         self.stats.compressed_calls += 1
         return key
+
+    def count_passthrough(self, site: str, numel: int, reason: str) -> None:
+        """Account for a bucket the host reduced itself, for ``reason``, without :meth:`route` (a host
+        integration that handed its whole reduction back, see ``patches/deepspeed_overlap.py``)."""
+        self._new_step_check()
+        self.stats.step_elements += numel
+        self.stats.by_site[site] += numel
+        self.stats.passthrough_elements += numel
+        self.stats.passthrough_calls += 1
+        self.stats.by_reason[reason] += numel
+
+    def route_of(self, key) -> Optional[str]:
+        """``auto`` only: the route (``"flat none"``, ``"hier int8"``, ...) the last bucket under
+        ``key`` was reduced with; None before its first reduction or without ``auto``."""
+        if self.auto is None:
+            return None
+        last = self._last_codec.get(key)
+        if last is None:
+            return None
+        return last if " " in last else f"flat {last}"  # the codec-only path is flat (no hierarchy plan)
 
     def _codec(self, tensor: torch.Tensor, group, numel: int, ef_key, agree_group=None) -> str:
         """The codec for this bucket: the fixed one, or ``auto``'s choice (a collective on ``group``

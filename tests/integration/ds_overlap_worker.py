@@ -54,6 +54,30 @@ def make_engine(block: dict | None, stage: int = 0, sgd: bool = False):
     return engine
 
 
+#: codec auto on a link it is told is fast (1000 Gbit/s: the model decides, no trial runs, so the
+#: choice is deterministic): the uncompressed flat all-reduce for every bucket, so the engine hands
+#: the reduction back to DeepSpeed until the re-check at step AUTO_RECHECK.
+AUTO_RECHECK = 3
+AUTO_BLOCK = {"compression": {"codec": "auto", "auto_link_gbit": 1000, "auto_recheck_steps": AUTO_RECHECK,
+                              "bucket_mb": BUCKET_MB}}
+
+
+def plain_run(steps: int, corpus) -> dict:
+    """DeepSpeed alone (no robust_plugins block): the reference of the hand-back."""
+    engine = make_engine(None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses, micro = [], 0
+    while engine.global_steps < steps:
+        x, y = get_batch(corpus, "train", seed=SEED, step=micro, rank=rank, world_size=world,
+                         micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        micro += 1
+    return {"digests": all_digests(engine), "losses": losses}
+
+
 def run(block: dict, overlap: bool, steps: int, corpus) -> dict:
     block = {**block, "compression": {**block["compression"], "overlap": overlap}}
     engine = make_engine(block)
@@ -92,6 +116,7 @@ def run(block: dict, overlap: bool, steps: int, corpus) -> dict:
             "buckets": len(reduction.plan),
             "threaded": reduction.thread is not None, "compressed_elements": s.compressed_elements,
             "passthrough_elements": s.passthrough_elements, "by_codec": dict(s.by_codec),
+            "by_reason": dict(s.by_reason), "by_route": dict(s.by_route),
             "n_params": sum(p.numel() for p in engine.module.parameters())}
 
 
@@ -106,6 +131,10 @@ def main() -> None:
     results: dict = {}
     for name, block in BLOCKS.items():
         results[name] = {"on": run(block, True, args.steps, corpus), "off": run(block, False, args.steps, corpus)}
+    auto_steps = 2 * AUTO_RECHECK
+    results["auto_fast"] = {"on": run(AUTO_BLOCK, True, auto_steps, corpus),
+                            "off": run(AUTO_BLOCK, False, auto_steps, corpus),
+                            "plain": plain_run(auto_steps, corpus)}
     refusals = {}
     for what, stage, comp in (("zero1_overlap_true", 1, {"codec": "int8", "overlap": True}),):
         try:

@@ -9,7 +9,10 @@ int8, tiny GPT, gradient accumulation 2, a dozen buckets:
 * with overlap the buckets really are handed over inside backward, before DeepSpeed's reduction
   point, and the sync thread starts reducing while backward still runs; without it none is;
 * every gradient element went through the plugin (nothing bypassed it), replicas agree;
-* ZeRO 1 with ``overlap: true`` is refused, naming why.
+* ZeRO 1 with ``overlap: true`` is refused, naming why;
+* codec ``auto`` that chose the uncompressed flat all-reduce for every bucket hands the reduction
+  back to DeepSpeed (no bucket, no hook, no thread) until its re-check step, where the buckets
+  return for one step, and trains bitwise like DeepSpeed without the plugin.
 """
 
 import json
@@ -82,3 +85,26 @@ def test_zero1_with_overlap_true_is_refused(results):
     msg = results["refusals"]["zero1_overlap_true"]
     assert msg is not None, "ZeRO 1 accepted compression.overlap = true"
     assert "ZeRO stage 1" in msg and "overlap covers ZeRO stage 0" in msg and "Set overlap to false" in msg
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_auto_hands_the_reduction_back_to_deepspeed_when_it_chose_flat_none(results, mode):
+    r = results["auto_fast"][mode]
+    plain = results["auto_fast"]["plain"]
+    recheck = 3  # ds_overlap_worker.AUTO_RECHECK
+    steps = _per_step(r["events"])
+    planned = sorted(s for s, ev in steps.items() if any(e == "dispatch" for e, _ in ev))
+    host = sorted(s for s, ev in steps.items() if ("host", "all") in ev)
+    # Step 0 decides (flat none everywhere), DeepSpeed reduces until the re-check at step 3,
+    # which decides the same, and DeepSpeed reduces again.
+    assert planned == [0, recheck], steps
+    assert host == [s for s in range(2 * recheck) if s not in planned], steps
+    for s in host:
+        assert all(e == "host" for e, _ in steps[s]), (s, steps[s])  # no hook handed a bucket over
+    n = r["n_params"]
+    assert r["by_route"] == {"flat none": 2 * n}
+    assert r["by_reason"] == {"auto: DeepSpeed's own all-reduce": (2 * recheck - 2) * n}
+    assert r["compressed_elements"] + r["passthrough_elements"] == 2 * recheck * n
+    # Two ranks: a + b is exact in any order, so bucketed and DeepSpeed's one bucket agree bitwise.
+    assert len(set(r["digests"])) == 1
+    assert r["digests"] == plain["digests"] and r["losses"] == plain["losses"]
