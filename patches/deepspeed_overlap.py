@@ -195,8 +195,13 @@ class BucketedReduction:
         bucket = self._bucket_of[index]
 
         def on_grad_final(_param) -> None:
-            if not self._boundary_now() or self.host_reduces():
-                return  # gradients still accumulate locally, or DeepSpeed reduces this step itself
+            if not self._boundary_now() or self.host_reduces() or self.sync.auto_deciding():
+                # Gradients still accumulate locally; or DeepSpeed reduces this step itself; or
+                # auto times its trial routes this step: after backward (reduce_at_boundary),
+                # where the trials do not compete with backward for the cores (on the simulator's
+                # 10 Gbit/s link, trials during backward once chose bf16 for some buckets and none
+                # for others, where trials after backward chose none for all).
+                return
             if self._gen != self._generation():
                 self._begin()
             self._missing[bucket] -= 1

@@ -618,6 +618,14 @@ class AutoCodec:
             )
         return decision
 
+    def due(self, step: int) -> bool:
+        """Whether the next bucket at host step ``step`` makes a new decision: nothing was probed
+        yet, or a probe in force expired (``recheck_steps``)."""
+        if not self._probes:
+            return True
+        due = self.next_recheck_step()
+        return due is not None and step >= due
+
     def next_recheck_step(self) -> int | None:
         """The host step at which the earliest probe in force expires (``recheck_steps`` after it),
         so that decisions are measured again; None when ``recheck_steps`` is 0 (never) or nothing

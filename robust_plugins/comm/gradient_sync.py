@@ -180,6 +180,16 @@ class GradientSync:
         self.stats.passthrough_calls += 1
         self.stats.by_reason[reason] += numel
 
+    def auto_deciding(self) -> bool:
+        """``auto`` only: whether this step's buckets make new decisions (trial runs), i.e. the first
+        step after warm-up and every re-check step. A host that overlaps buckets with backward
+        reduces such a step's buckets after backward instead, so that the trials time the link,
+        not the link plus a backward competing for the same cores."""
+        if self.auto is None:
+            return False
+        step = self._step_fn()
+        return step >= self.config.warmup_steps and self.auto.due(step)
+
     def route_of(self, key) -> Optional[str]:
         """``auto`` only: the route (``"flat none"``, ``"hier int8"``, ...) the last bucket under
         ``key`` was reduced with; None before its first reduction or without ``auto``."""

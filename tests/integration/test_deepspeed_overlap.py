@@ -101,6 +101,8 @@ def test_auto_hands_the_reduction_back_to_deepspeed_when_it_chose_flat_none(resu
     assert host == [s for s in range(2 * recheck) if s not in planned], steps
     for s in host:
         assert all(e == "host" for e, _ in steps[s]), (s, steps[s])  # no hook handed a bucket over
+    for s in planned:  # auto's deciding steps: every bucket after backward, even with overlap
+        assert steps[s][0] == ("flush", "b0"), (s, steps[s])
     n = r["n_params"]
     assert r["by_route"] == {"flat none": 2 * n}
     assert r["by_reason"] == {"auto: DeepSpeed's own all-reduce": (2 * recheck - 2) * n}
