@@ -102,7 +102,9 @@ def test_ds_training_targets_and_a_hung_powersgd_row():
                                 "ds fp32": m(1.9, 3.0), "ds hier auto": m(0.7, 2.99, choice="hier int8"),
                                 "ddp powerSGD_hook": {"failed": "hung or failed within the 60 s bound (x)"}}},
         "10gbit": {"methods": {"ddp fp32": m(0.25, 3.0), "ddp fp16_compress_hook": m(0.3, 3.0),
-                               "ds fp32": m(0.30, 3.0), "ds hier auto": m(0.31, 3.0, choice="flat none")}},
+                               "ds fp32": m(0.30, 3.0), "ds hier auto": m(0.31, 3.0, choice="flat none"),
+                               # auto too, so never "the fastest fixed method"
+                               "ds hier auto no-overlap": m(0.20, 3.0, choice="flat none")}},
     }
     rows = {r[0]: r[1:] for r in bench_comm.train_rows(results)}
     assert rows["ddp powerSGD_hook"][:4] == ["hung or failed within the 60 s bound (x)", "-", "-", "not run"]
