@@ -280,23 +280,33 @@ class BucketedReduction:
     # -- codec auto: switching itself off ----------------------------------------------------------
     def _hand_back_if_off(self, keys: list) -> None:
         """After a step of planned buckets: when ``auto`` sent every bucket as ``flat none`` (the
-        plain fp32 all-reduce), hand the reduction back to DeepSpeed until ``auto`` is due to
-        measure again (``auto_recheck_steps``; never with 0). Planned buckets then cost more
-        collectives (and, with overlap, a thread competing with backward) for the same sums: on the
-        simulator's 10 Gbit/s link that was about 7 % of a training step (BENCHMARKS.md). Every
-        rank agrees, because ``auto``'s decisions are agreed over the group."""
+        plain fp32 all-reduce), or its routes save less than ``auto_min_gain`` of that all-reduce's
+        time summed over the step (:func:`~robust_plugins.comm.autocodec.step_gain`), hand the
+        reduction back to DeepSpeed, uncompressed, until ``auto`` is due to measure again
+        (``auto_recheck_steps``; never with 0). Planned buckets cost more collectives (and, with
+        overlap, a thread competing with backward) for the same sums: on the simulator's 10 Gbit/s
+        link that was 7-13 % of a training step (BENCHMARKS.md), more than a lossy route saved
+        there. Every rank agrees: ``auto``'s decisions are agreed over the group."""
+        from robust_plugins.comm.autocodec import step_gain
+
         auto = self.sync.auto
         if auto is None or not keys or any(k is None for k in keys):
             return  # a fixed codec, or a warm-up step: nothing was decided
-        routes = {self.sync.route_of(k) for k in keys}
-        if routes != {"flat none"}:
+        routes = [self.sync.route_of(k) for k in keys]
+        decisions = [self.sync.decision_of(k) for k in keys]
+        if set(routes) == {"flat none"}:
+            why = "chose the uncompressed flat all-reduce for all %d buckets" % len(keys)
+        elif None not in decisions and step_gain(decisions) < auto.min_gain:
+            why = (f"chose {', '.join(sorted(set(routes)))} for the {len(keys)} buckets, which save "
+                   f"{step_gain(decisions):.0%} of the uncompressed all-reduce's time over the step "
+                   f"(< min_gain {auto.min_gain:.0%}), not worth planned buckets")
+        else:
             return
         due = auto.next_recheck_step()
         self._host_until = math.inf if due is None else due
         log_rank0(log, logging.INFO,
-                  "robust_plugins: codec auto chose the uncompressed flat all-reduce for all %d buckets; "
-                  "DeepSpeed reduces the gradients itself after backward %s", len(keys),
-                  "from now on (auto_recheck_steps = 0)" if due is None
+                  "robust_plugins: codec auto %s; DeepSpeed reduces the gradients itself, uncompressed, after "
+                  "backward %s", why, "from now on (auto_recheck_steps = 0)" if due is None
                   else f"until step {due}, when auto measures the buckets again")
 
     def host_reduces(self) -> bool:

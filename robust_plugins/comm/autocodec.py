@@ -304,6 +304,26 @@ def choose_route(
                     measured_s=dict(measured or {}))
 
 
+def step_gain(decisions: Sequence[Decision]) -> float:
+    """The fraction of the uncompressed flat all-reduce's time that ``decisions`` (one per bucket
+        of a step, routes chosen) save over the whole step (pure; 0 when every bucket is ``flat
+    none``). Each bucket counts its measured trial time where the route was run, else its
+    prediction. A host that can reduce the whole step itself (DeepSpeed ZeRO 0's one bucket)
+    hands the step back when this is below ``min_gain``: buckets then cost collectives and
+    book-keeping that no bucket's trial sees (on the simulator's 10 Gbit/s link about 7-13 %
+    of a training step, BENCHMARKS.md), for a saving within the trials' noise."""
+    def seconds(d: Decision, route: str) -> float:
+        t = d.measured_s.get(route, d.predicted_s.get(route))
+        if t is None:
+            raise ConfigError(f"decision for {d.numel} elements has no time for route {route!r}.")
+        return t
+
+    base = sum(seconds(d, "flat none") for d in decisions)
+    if base <= 0:
+        return 0.0
+    return 1 - sum(seconds(d, d.route) for d in decisions) / base
+
+
 def _max_over_group(values: list[float], group) -> list[float]:
     import torch.distributed as dist
 

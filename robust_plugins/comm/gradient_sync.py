@@ -111,6 +111,7 @@ class GradientSync:
         self._site_calls: collections.Counter = collections.Counter()
         self._groups = None
         self._last_codec: dict = {}
+        self._route_decisions: dict = {}
 
     @property
     def state(self):
@@ -189,6 +190,12 @@ class GradientSync:
             return False
         step = self._step_fn()
         return step >= self.config.warmup_steps and self.auto.due(step)
+
+    def decision_of(self, key):
+        """``auto`` only: the :class:`~robust_plugins.comm.autocodec.Decision` the last bucket under
+        ``key`` was reduced by (its route, trial times and predictions); None before its first
+        reduction, without ``auto``, or on the codec-only path (no hierarchy plan)."""
+        return self._route_decisions.get(key) if self.auto is not None else None
 
     def route_of(self, key) -> Optional[str]:
         """``auto`` only: the route (``"flat none"``, ``"hier int8"``, ...) the last bucket under
@@ -329,6 +336,7 @@ class GradientSync:
             log_rank0(log, logging.INFO, "auto route: bucket %s switched %s -> %s; its residuals restart",
                       key, last, d.route)
         self._last_codec[key] = d.route
+        self._route_decisions[key] = d
         self.stats.by_codec[d.codec] += tensor.numel()
         self.stats.by_route[d.route] += tensor.numel()
         state = self.states.get(d.codec)

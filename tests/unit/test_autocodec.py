@@ -251,3 +251,25 @@ def test_rerun_gives_a_route_the_model_favoured_a_second_look():
     # Measured close contenders are rerun whatever the model said; a lone winner is not rerun.
     assert rerun_routes({"a": 1.0, "b": 1.2, "c": 2.0}, {}) == ["a", "b"]
     assert rerun_routes({"a": 1.0, "b": 3.0}, {"a": 1.0, "b": 2.0}) == ["a"]
+
+
+def test_step_gain_sums_the_buckets_of_a_step_against_flat_none():
+    from robust_plugins.comm.autocodec import Decision, step_gain
+
+    def d(route, measured, predicted=None):
+        layout, codec = route.split()
+        return Decision(1000, codec, predicted or {}, "test", layout=layout, measured_s=measured)
+
+    none = d("flat none", {"flat none": 0.010, "flat bf16_allreduce": 0.012})
+    assert step_gain([none, none]) == 0.0
+    # One bucket 30 % faster as bf16, the other three uncompressed: 7.5 % of the step (< 10 %).
+    bf16 = d("flat bf16_allreduce", {"flat none": 0.010, "flat bf16_allreduce": 0.007})
+    assert step_gain([none, none, none, bf16]) == pytest.approx(0.075)
+    # On a slow link every bucket saves a lot: far above min_gain.
+    hier = d("hier int8", {"flat none": 0.200, "hier int8": 0.070})
+    assert step_gain([hier, hier]) == pytest.approx(0.65)
+    # A route that was not run counts its prediction.
+    pred = d("hier int8", {"hier int8": 0.05}, predicted={"flat none": 0.1, "hier int8": 0.04})
+    assert step_gain([pred]) == pytest.approx(0.5)
+    with pytest.raises(ConfigError, match="no time for route 'flat none'"):
+        step_gain([d("hier int8", {"hier int8": 0.05})])
