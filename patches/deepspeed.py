@@ -484,9 +484,8 @@ def _engine_allreduce_bucket(engine, plugin: DeepSpeedPlugin):
     def allreduce_bucket(bucket, dp_group, dp_world_size=None):
         numel = sum(t.numel() for t in bucket)
         buckets = plugin.buckets
-        if buckets is not None and buckets.host_reduces():  # codec auto switched itself off
-            plugin.sync.count_passthrough("ds.engine", numel, "auto: DeepSpeed's own all-reduce")
-            return original(bucket, dp_group, dp_world_size)
+        if buckets is not None and buckets.host_reduces():  # codec auto handed the step back
+            return buckets.host_allreduce_bucket(original, bucket, dp_group, dp_world_size)
         key = plugin.sync.route("ds.engine", numel)
         if key is None:
             return original(bucket, dp_group, dp_world_size)

@@ -152,6 +152,12 @@ class BucketedReduction:
         self._handles: list = []
         self._keys: list = []
         self._host_until: float | None = None
+        self.host_wire = "deepspeed"
+        """While :meth:`host_reduces`: ``deepspeed`` (its own all-reduce) or ``bf16`` (see
+        :meth:`_choose_host_wire`)."""
+        self.host_choices: list = []
+        """Every hand-back: step, why, wire and the wire's reason (for tests and telemetry)."""
+        self.host_trial_s: dict = {}
         """``codec: auto``: the engine step until which DeepSpeed reduces on its own (see
         :meth:`host_reduces`); None while the planned buckets are in use."""
         if overlap:
@@ -304,10 +310,83 @@ class BucketedReduction:
             return
         due = auto.next_recheck_step()
         self._host_until = math.inf if due is None else due
+        self.host_wire, wire_why = self._choose_host_wire()
+        self.host_choices.append({"step": self.engine.global_steps, "why": why, "wire": self.host_wire,
+                                  "wire_reason": wire_why, "until": due})
         log_rank0(log, logging.INFO,
-                  "robust_plugins: codec auto %s; DeepSpeed reduces the gradients itself, uncompressed, after "
-                  "backward %s", why, "from now on (auto_recheck_steps = 0)" if due is None
+                  "robust_plugins: codec auto %s; DeepSpeed reduces the gradients itself in one bucket after "
+                  "backward, %s (%s), %s", why,
+                  "as a bf16 all-reduce" if self.host_wire == "bf16" else "with its own all-reduce", wire_why,
+                  "from now on (auto_recheck_steps = 0)" if due is None
                   else f"until step {due}, when auto measures the buckets again")
+
+    def _choose_host_wire(self) -> tuple[str, str]:
+        """What the handed-back reduction sends: ``"deepspeed"`` (DeepSpeed's own all-reduce, its
+        ``communication_data_type``) or ``"bf16"`` (DeepSpeed's bf16 scheme, chosen by
+        :func:`~robust_plugins.comm.autocodec.choose_host_wire` from interleaved timed runs of both
+        on a copy of this step's whole gradient; a collective on the data-parallel group)."""
+        import statistics
+        import time
+
+        import torch.distributed as dist
+
+        from robust_plugins.comm.autocodec import HOST_TRIALS, _max_over_group, choose_host_wire
+        from robust_plugins.comm.collectives import bf16_all_reduce
+        from robust_plugins.config import BF16_ALLREDUCE
+
+        auto, e = self.sync.auto, self.engine
+        if BF16_ALLREDUCE not in auto.candidates:
+            return "deepspeed", "bf16_allreduce is not among auto_candidates"
+        grads = [self.params[i].grad.data for idx in self.plan for i in idx]
+        if e.communication_data_type != torch.float32 or any(g.dtype != torch.float32 for g in grads):
+            return "deepspeed", f"DeepSpeed's communication_data_type is {e.communication_data_type}"
+        flat = e.flatten(grads)  # this step's (reduced) gradients: realistic values, kept intact
+        times: dict = {"fp32": [], "bf16": []}
+        results: dict = {}
+        for _ in range(HOST_TRIALS):  # interleaved: a slow spell of the machine hits both
+            for wire in ("fp32", "bf16"):
+                copy = flat.clone()
+                dist.barrier(group=self.group)
+                start = time.perf_counter()
+                if wire == "fp32":
+                    dist.all_reduce(copy, group=self.group)
+                else:
+                    bf16_all_reduce(copy, group=self.group, op="sum")
+                times[wire].append(time.perf_counter() - start)
+                results[wire] = copy
+        f = results["fp32"]
+        rel = float((results["bf16"] - f).norm() / f.norm().clamp_min(1e-30))
+        n = HOST_TRIALS
+        agreed = _max_over_group(times["fp32"] + times["bf16"] + [rel], self.group)
+        wire, reason = choose_host_wire(agreed[:n], agreed[n:2 * n], agreed[-1], min_gain=auto.min_gain,
+                                        max_error=auto.max_error)
+        self.host_trial_s = {"fp32": statistics.median(agreed[:n]), "bf16": statistics.median(agreed[n:2 * n])}
+        return ("bf16" if wire == "bf16" else "deepspeed"), reason
+
+    def host_allreduce_bucket(self, original, bucket, dp_group, dp_world_size):
+        """DeepSpeed's ``allreduce_bucket`` while :meth:`host_reduces`: its own (``host_wire``
+        ``deepspeed``), or its bf16 scheme (``bf16``: cast, one bf16 all-reduce, DeepSpeed's
+        scaling, cast back; what ``communication_data_type: bf16`` does, without touching its config)."""
+        from robust_plugins.comm.collectives import bf16_all_reduce
+        from robust_plugins.patches.deepspeed import _scaling
+
+        numel = sum(t.numel() for t in bucket)
+        self.sync.count_passthrough(SITE, numel, f"auto: DeepSpeed's one bucket, {self.host_wire}")
+        if self.host_wire != "bf16":
+            return original(bucket, dp_group, dp_world_size)
+        import torch.distributed as dist
+
+        e = self.engine
+        tensor = e.flatten(bucket)
+        world = dp_world_size if dp_world_size is not None else dist.get_world_size(group=dp_group)
+        pre, post = _scaling(e.gradient_average, e.postscale_gradients(), e.gradient_predivide_factor(), world,
+                             world)
+        if pre != 1.0:
+            tensor.mul_(pre)
+        bf16_all_reduce(tensor, group=dp_group, op="sum")
+        if post != 1.0:
+            tensor.mul_(post)
+        return tensor
 
     def host_reduces(self) -> bool:
         """True while ``auto`` has handed this step's reduction back to DeepSpeed (see
@@ -318,6 +397,7 @@ class BucketedReduction:
         if self.engine.global_steps < self._host_until:
             return True
         self._host_until = None
+        self.host_wire = "deepspeed"
         log_rank0(log, logging.INFO, "robust_plugins: step %d: codec auto measures the planned buckets again",
                   self.engine.global_steps)
         return False

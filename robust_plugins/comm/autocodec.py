@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -322,6 +323,31 @@ def step_gain(decisions: Sequence[Decision]) -> float:
     if base <= 0:
         return 0.0
     return 1 - sum(seconds(d, d.route) for d in decisions) / base
+
+
+#: Interleaved timed runs of each wire in :func:`choose_host_wire`'s trial (medians compared).
+HOST_TRIALS = 5
+
+
+def choose_host_wire(fp32_s: Sequence[float], bf16_s: Sequence[float], rel_error: float, *,
+                     min_gain: float, max_error: float) -> tuple[str, str]:
+    """What a host's own single-bucket reduction should send once ``auto`` handed the step back
+    (pure): ``("bf16", reason)`` when the bf16 all-reduce's median trial time is at least
+    ``min_gain`` below fp32's and its relative error (against the fp32 sum) passes ``max_error``,
+    else ``("fp32", reason)``. The bf16 wire is DeepSpeed's own ``communication_data_type: bf16``
+    scheme, without error feedback: the error feedback of the ``bf16_allreduce`` route costs three
+    passes over the bucket, which on a fast link is most of what bf16 saves (BENCHMARKS.md)."""
+    if not fp32_s or len(fp32_s) != len(bf16_s):
+        raise ConfigError(f"host wire trial: {len(fp32_s)} fp32 and {len(bf16_s)} bf16 samples; need as many "
+                          f"of each, at least one.")
+    f, b = statistics.median(fp32_s), statistics.median(bf16_s)
+    gain = 1 - b / f if f > 0 else 0.0
+    said = f"bf16 median {b * 1e3:.1f} ms vs fp32 {f * 1e3:.1f} ms ({gain:+.0%}), rel. error {rel_error:.1e}"
+    if rel_error > max_error:
+        return "fp32", f"{said}: bf16 fails the quality guard (max_error {max_error:g})"
+    if gain < min_gain:
+        return "fp32", f"{said}: less than min_gain {min_gain:.0%}"
+    return "bf16", said
 
 
 def _max_over_group(values: list[float], group) -> list[float]:

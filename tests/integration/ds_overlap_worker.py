@@ -62,12 +62,14 @@ AUTO_BLOCK = {"compression": {"codec": "auto", "auto_link_gbit": 1000, "auto_rec
                               "bucket_mb": BUCKET_MB}}
 
 
-def plain_run(steps: int, corpus) -> dict:
-    """DeepSpeed alone (no robust_plugins block): the reference of the hand-back."""
+def plain_run(steps: int, corpus, bf16_steps: tuple = ()) -> dict:
+    """DeepSpeed alone (no robust_plugins block): the reference of the hand-back; its
+    ``communication_data_type`` (a public property) is bf16 at ``bf16_steps``, else fp32."""
     engine = make_engine(None)
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, micro = [], 0
     while engine.global_steps < steps:
+        engine.communication_data_type = torch.bfloat16 if engine.global_steps in bf16_steps else torch.float32
         x, y = get_batch(corpus, "train", seed=SEED, step=micro, rank=rank, world_size=world,
                          micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
         loss = engine(x, y)
@@ -78,10 +80,14 @@ def plain_run(steps: int, corpus) -> dict:
     return {"digests": all_digests(engine), "losses": losses}
 
 
-def run(block: dict, overlap: bool, steps: int, corpus) -> dict:
+def run(block: dict, overlap: bool, steps: int, corpus, host_wire: str | None = None) -> dict:
     block = {**block, "compression": {**block["compression"], "overlap": overlap}}
     engine = make_engine(block)
     reduction = engine.robust_plugins.buckets
+    wires: list = []
+    if host_wire is not None:
+        # The timed choice depends on this machine; the test of each wire's reduction fixes it.
+        reduction._choose_host_wire = lambda: (host_wire, "fixed by the test")
     events: list = []
     lock = threading.Lock()
     first_started = threading.Event()
@@ -111,12 +117,15 @@ def run(block: dict, overlap: bool, steps: int, corpus) -> dict:
         engine.step()
         losses.append(loss.item())
         micro += 1
+        if micro % GAS == 0:
+            wires.append(reduction.host_wire if reduction.host_reduces() else None)
     s = engine.robust_plugins.sync.stats
     return {"digests": all_digests(engine), "losses": losses, "events": events, "early": early,
             "buckets": len(reduction.plan),
             "threaded": reduction.thread is not None, "compressed_elements": s.compressed_elements,
             "passthrough_elements": s.passthrough_elements, "by_codec": dict(s.by_codec),
-            "by_reason": dict(s.by_reason), "by_route": dict(s.by_route),
+            "by_reason": dict(s.by_reason), "by_route": dict(s.by_route), "wires": wires,
+            "host_choices": reduction.host_choices,
             "n_params": sum(p.numel() for p in engine.module.parameters())}
 
 
@@ -134,7 +143,12 @@ def main() -> None:
     auto_steps = 2 * AUTO_RECHECK
     results["auto_fast"] = {"on": run(AUTO_BLOCK, True, auto_steps, corpus),
                             "off": run(AUTO_BLOCK, False, auto_steps, corpus),
-                            "plain": plain_run(auto_steps, corpus)}
+                            "bf16": run(AUTO_BLOCK, True, auto_steps, corpus, host_wire="bf16"),
+                            "deepspeed": run(AUTO_BLOCK, True, auto_steps, corpus, host_wire="deepspeed"),
+                            "plain": plain_run(auto_steps, corpus),
+                            # DeepSpeed's bf16 all-reduce where the hand-back sends bf16 (not at
+                            # the deciding steps 0 and 3)
+                            "plain_bf16": plain_run(auto_steps, corpus, bf16_steps=(1, 2, 4, 5))}
     refusals = {}
     for what, stage, comp in (("zero1_overlap_true", 1, {"codec": "int8", "overlap": True}),):
         try:

@@ -273,3 +273,16 @@ def test_step_gain_sums_the_buckets_of_a_step_against_flat_none():
     assert step_gain([pred]) == pytest.approx(0.5)
     with pytest.raises(ConfigError, match="no time for route 'flat none'"):
         step_gain([d("hier int8", {"hier int8": 0.05})])
+
+
+def test_host_wire_bf16_only_by_min_gain_on_medians_and_within_the_guard():
+    from robust_plugins.comm.autocodec import choose_host_wire
+
+    fp32 = [0.050, 0.049, 0.080, 0.051, 0.050]  # one slow spell: the median ignores it
+    assert choose_host_wire(fp32, [0.044, 0.043, 0.044, 0.090, 0.044], 3e-3, min_gain=0.1, max_error=0.1)[0] == "bf16"
+    wire, why = choose_host_wire(fp32, [0.047] * 5, 3e-3, min_gain=0.1, max_error=0.1)
+    assert wire == "fp32" and "less than min_gain 10%" in why
+    wire, why = choose_host_wire(fp32, [0.020] * 5, 0.2, min_gain=0.1, max_error=0.1)
+    assert wire == "fp32" and "quality guard" in why
+    with pytest.raises(ConfigError, match="as many"):
+        choose_host_wire([0.05], [], 0.0, min_gain=0.1, max_error=0.1)
