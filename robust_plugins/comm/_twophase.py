@@ -70,19 +70,81 @@ def plan(numel: int, world_size: int, codec: str, block_size: int) -> Layout:
     )
 
 
-def pack(codes: torch.Tensor, scales: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Pack codes and scales of the whole padded vector into uint8 rows ``[world_size, row_bytes]``."""
-    w = layout.world_size
-    code_rows = codes.contiguous().view(torch.uint8).view(w, layout.code_bytes)
-    scale_rows = scales.contiguous().view(torch.uint8).view(w, layout.scale_bytes)
-    return torch.cat((code_rows, scale_rows), dim=1)
-
-
 def unpack(row: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, torch.Tensor]:
     """Split one packed row into its codes and fp32 scales (views, no copy)."""
     codes = row[: layout.code_bytes].view(_CODE_DTYPE[layout.codec])
     scales = row[layout.code_bytes :].view(torch.float32)
     return codes, scales
+
+
+def pieces(layout: Layout, piece_numel: int) -> list[tuple[int, int]]:
+    """Cut every chunk into the same ``(start, length)`` pieces of at most ``piece_numel`` elements.
+
+    Lengths are whole blocks (the last piece takes the rest), so a piece's codes and scales are
+    exactly the ones the whole chunk would get: the codecs work block by block. A collective can
+    then send piece ``p`` while piece ``p + 1`` is encoded (see :func:`encode_piece`).
+    """
+    bs = layout.block_size
+    step = max(bs, piece_numel // bs * bs)
+    return [(start, min(step, layout.chunk - start)) for start in range(0, layout.chunk, step)]
+
+
+def _piece_rows(layout: Layout, start: int, length: int) -> list[tuple[int, int, int]]:
+    """``(row, offset in the flat vector, real elements)`` of piece ``[start, start + length)`` of
+    every chunk that holds real elements (the rest of the piece is padding)."""
+    rows = []
+    for r in range(layout.world_size):
+        offset = r * layout.chunk + start
+        valid = min(max(layout.numel - offset, 0), length)
+        if valid:
+            rows.append((r, offset, valid))
+    return rows
+
+
+def _pack_piece(codes: torch.Tensor, scales: torch.Tensor, layout: Layout, length: int) -> torch.Tensor:
+    w = layout.world_size
+    code_bytes = ref.codes_nbytes(length, codec=layout.codec)
+    code_rows = codes.contiguous().view(torch.uint8).view(w, code_bytes)
+    scale_rows = scales.contiguous().view(torch.uint8).view(w, -1)
+    return torch.cat((code_rows, scale_rows), dim=1)
+
+
+def _unpack_piece(row: torch.Tensor, layout: Layout, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    code_bytes = ref.codes_nbytes(length, codec=layout.codec)
+    return row[:code_bytes].view(_CODE_DTYPE[layout.codec]), row[code_bytes:].view(torch.float32)
+
+
+def encode_piece(
+    x: torch.Tensor, layout: Layout, residual: torch.Tensor | None, start: int, length: int
+) -> torch.Tensor:
+    """Phase one, sending side, for elements ``[start, start + length)`` of every chunk.
+
+    ``x`` is the flat gradient (``numel``); ``residual`` (fp32 ``[numel]`` or ``None``) is updated
+    in place for those elements only. Padding carries no residual: its quantization error concerns
+    no gradient. Returns ``[world_size, piece row bytes]``: row ``r`` goes to rank ``r``.
+    """
+    w = layout.world_size
+    rows = _piece_rows(layout, start, length)
+    whole = length == layout.chunk  # the rows are one contiguous range of x: one copy
+    buf = torch.zeros(w * length, dtype=torch.float32, device=x.device)
+    res = None if residual is None else torch.zeros_like(buf)
+    if whole:
+        buf[: layout.numel] = x
+        if res is not None:
+            res[: layout.numel] = residual
+    else:
+        for r, offset, valid in rows:
+            buf[r * length : r * length + valid] = x[offset : offset + valid]
+            if res is not None:
+                res[r * length : r * length + valid] = residual[offset : offset + valid]
+    codes, scales = ops.quantize_ef(buf, res, codec=layout.codec, block_size=layout.block_size)
+    if residual is not None:
+        if whole:
+            residual.copy_(res[: layout.numel])
+        else:
+            for r, offset, valid in rows:
+                residual[offset : offset + valid] = res[r * length : r * length + valid]
+    return _pack_piece(codes, scales, layout, length)
 
 
 def encode(x: torch.Tensor, layout: Layout, residual: torch.Tensor | None) -> torch.Tensor:
@@ -92,16 +154,31 @@ def encode(x: torch.Tensor, layout: Layout, residual: torch.Tensor | None) -> to
     its quantization error concerns no gradient. Returns the send buffer
     ``[world_size, row_bytes]``: row ``r`` goes to rank ``r``.
     """
-    padded = torch.zeros(layout.padded, dtype=torch.float32, device=x.device)
-    padded[: layout.numel] = x
-    res = None
-    if residual is not None:
-        res = torch.zeros_like(padded)
-        res[: layout.numel] = residual
-    codes, scales = ops.quantize_ef(padded, res, codec=layout.codec, block_size=layout.block_size)
-    if residual is not None:
-        residual.copy_(res[: layout.numel])
-    return pack(codes, scales, layout)
+    return encode_piece(x, layout, residual, 0, layout.chunk)
+
+
+def reduce_piece(
+    received: torch.Tensor, layout: Layout, rank: int, residual: torch.Tensor | None, scale_factor: float,
+    start: int, length: int,
+) -> torch.Tensor:
+    """Phase one, reducing side, for elements ``[start, start + length)`` of chunk ``rank``.
+
+    ``received[r]`` is the piece rank ``r`` sent. The sum is in fp32 in rank order, times
+    ``scale_factor``, plus the reducing-side ``residual`` (fp32 ``[chunk]``; its elements of this
+    piece are updated in place). Returns this rank's packed piece for the all-gather.
+    """
+    parts = [_unpack_piece(received[r], layout, length) for r in range(layout.world_size)]
+    valid = min(max(layout.valid_in_chunk(rank) - start, 0), length)
+    codes, scales = ops.reduce_requantize(
+        [c for c, _ in parts],
+        [s for _, s in parts],
+        codec=layout.codec,
+        block_size=layout.block_size,
+        residual=None if residual is None else residual[start : start + length],
+        scale_factor=scale_factor,
+        valid_numel=valid,
+    )
+    return torch.cat((codes.view(torch.uint8), scales.view(torch.uint8)))
 
 
 def reduce_chunk(
@@ -113,28 +190,28 @@ def reduce_chunk(
     ``scale_factor``, plus the reducing-side ``residual`` (fp32 ``[chunk]``, updated in place).
     Returns this rank's packed row for the all-gather.
     """
-    parts = [unpack(received[r], layout) for r in range(layout.world_size)]
-    codes, scales = ops.reduce_requantize(
-        [c for c, _ in parts],
-        [s for _, s in parts],
-        codec=layout.codec,
-        block_size=layout.block_size,
-        residual=residual,
-        scale_factor=scale_factor,
-        valid_numel=layout.valid_in_chunk(rank),
-    )
-    return torch.cat((codes.view(torch.uint8), scales.view(torch.uint8)))
+    return reduce_piece(received, layout, rank, residual, scale_factor, 0, layout.chunk)
+
+
+def decode_piece(gathered: torch.Tensor, layout: Layout, out: torch.Tensor, start: int, length: int) -> None:
+    """Phase two for elements ``[start, start + length)`` of every chunk: decode the gathered
+    pieces ``[world_size, piece row bytes]`` into the flat ``out`` (``numel``, any float dtype)."""
+    for r, offset, valid in _piece_rows(layout, start, length):
+        codes, scales = _unpack_piece(gathered[r], layout, length)
+        target = out[offset : offset + valid]
+        if valid == length and out.dtype == torch.float32:
+            ops.dequantize(codes, scales, codec=layout.codec, block_size=layout.block_size, numel=length,
+                           out=target)
+        else:
+            values = ops.dequantize(codes, scales, codec=layout.codec, block_size=layout.block_size, numel=length)
+            target.copy_(values[:valid])
 
 
 def decode(gathered: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Phase two: decode the gathered rows ``[world_size, row_bytes]``; return fp32 ``[numel]``."""
-    chunks = []
-    for r in range(layout.world_size):
-        codes, scales = unpack(gathered[r], layout)
-        chunks.append(
-            ops.dequantize(codes, scales, codec=layout.codec, block_size=layout.block_size, numel=layout.chunk)
-        )
-    return torch.cat(chunks)[: layout.numel]
+    out = torch.empty(layout.numel, dtype=torch.float32, device=gathered.device)
+    decode_piece(gathered, layout, out, 0, layout.chunk)
+    return out
 
 
 def decode_sum(received: torch.Tensor, layout: Layout, scale_factor: float) -> torch.Tensor:
