@@ -187,6 +187,13 @@ def main() -> int:
             dist.all_gather_object(everyone, sync.stats.auto_decisions)
             res["choice"] = "/".join(sorted({d.get("route", d["codec"]) for ds in everyone for d in ds}))
             res["decisions"] = everyone[0]
+            buckets = getattr(getattr(engine, "robust_plugins", None), "buckets", None)
+            if buckets is not None and buckets.host_choices:
+                # auto handed the step back to DeepSpeed's one bucket: say so, with the wire.
+                wires = "/".join(sorted({c["wire"] for c in buckets.host_choices}))
+                res["choice"] += f", then DeepSpeed's bucket ({wires})"
+                res["host_choices"] = buckets.host_choices
+                res["host_trial_s"] = buckets.host_trial_s
         out["methods"][name] = res
         if engine is not None and getattr(engine, "robust_plugins", None) is not None:
             from robust_plugins.patches.deepspeed import detach
