@@ -4,6 +4,8 @@ The collective in :mod:`robust_plugins.comm.collectives` is these steps with one
 ``all_to_all_single`` between :func:`encode` and :func:`reduce_chunk` and one
 ``all_gather_into_tensor`` between :func:`reduce_chunk` and :func:`decode`. Tests and benchmarks
 call :func:`simulate_all_reduce` to run W ranks in one process with exactly the same arithmetic.
+The ``*_piece`` forms do the same for a range of whole blocks of every chunk (see :func:`pieces`),
+which the collective uses to pipeline a long chunk; the whole-chunk forms are their one-piece case.
 
 Wire layout: the flat gradient of ``numel`` elements is padded with zeros to ``padded``, a
 multiple of ``world_size * block_size``, and cut into ``world_size`` chunks of ``chunk``

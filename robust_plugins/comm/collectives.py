@@ -6,6 +6,8 @@ NCCL and gloo cannot add quantized payloads, so a compressed all-reduce is two c
 fp32, requantizes, and one ``all_gather_into_tensor`` hands every rank every reduced chunk. Each
 rank sends ``2 (W-1)/W`` times the compressed size, the same bus traffic as a ring all-reduce of the
 compressed tensor. All ranks decode the same gathered bytes, so their results are bitwise equal.
+A chunk longer than :data:`PIECE_NUMEL` elements goes piece by piece (one all-to-all and one
+all-gather a piece, asynchronous), so that encoding overlaps the transfers; same bytes, same bits.
 
 Collectives are looked up as ``torch.distributed.<name>`` at call time so that
 :class:`~robust_plugins.comm.wire.WireCounter` (and any host patch) sees them.
@@ -148,11 +150,12 @@ def compressed_all_reduce(
 #: A chunk longer than this is cut into pieces (whole blocks) and piece ``p`` is on the wire while
 #: ``p + 1`` is encoded, so the codec's CPU time hides behind the link instead of adding to it.
 #: On the 2 x 2 simulator at 200 Mbit/s the unpipelined hierarchical int8 of a 64 MB bucket spent
-#: 250-300 ms of its ~1.45 s encoding while the link idled. Side by side in one launch (median of
-#: 4 calls): one piece 1493 ms, 2**21 elements 1277, 2**20 1052, 2**19 992, 2**18 1008
-#: (BENCHMARKS.md). 2**19 is 8 pieces of that bucket's 4M-element rail chunks and keeps every chunk
-#: of up to 2 MB of fp32 (the 4 MB training buckets over 2 or more ranks) one piece: one all-to-all
-#: and one all-gather, as before. The result is bitwise the same for every piece size.
+#: 143-381 ms of its ~1.5 s encoding while the link idled. Side by side in one launch
+#: (``benchmarks/allreduce_pieces.py``, median of 4 calls, BENCHMARKS.md): one piece 1537 ms,
+#: 2**21 elements 1194, 2**20 1094, 2**19 1033, 2**18 1002. 2**19 is 8 pieces of that bucket's
+#: 4M-element rail chunks and keeps every chunk of up to 2 MB of fp32 (the 4 MB training buckets
+#: over 2 or more ranks) one piece: one all-to-all and one all-gather, as before. The result is
+#: bitwise the same for every piece size.
 PIECE_NUMEL = 1 << 19
 
 
