@@ -15,12 +15,13 @@ Collectives are looked up as ``torch.distributed.<name>`` at call time so that
 
 from __future__ import annotations
 
+import time
 from typing import Any, Hashable
 
 import torch
 import torch.distributed as dist
 
-from robust_plugins.comm import _twophase
+from robust_plugins.comm import _twophase, wire
 from robust_plugins.comm.state import CompressionState
 from robust_plugins.config import CompressionConfig
 from robust_plugins.errors import ConfigError, RobustPluginsError
@@ -173,9 +174,16 @@ def _pipelined(flat: torch.Tensor, layout: _twophase.Layout, rank: int, group: A
     to_reduce: list = []  # (work, received, sent, start, length): all-to-alls in flight
     to_decode: list = []  # (work, gathered, row, start, length): all-gathers in flight
 
+    def wait(work) -> None:
+        # A WireCounter times only the launch of an async call: the wait is reported to it, so the
+        # watchdog's straggler detector still sees this time as communication, not compute.
+        t0 = time.perf_counter()
+        work.wait()
+        wire.add_wait_seconds(time.perf_counter() - t0, group)
+
     def reduce_next() -> None:
         work, received, _sent, start, length = to_reduce.pop(0)
-        work.wait()
+        wait(work)
         row = _twophase.reduce_piece(received, layout, rank, server_res, scale, start, length)
         gathered = torch.empty(world * row.numel(), dtype=torch.uint8, device=flat.device)
         gather = dist.all_gather_into_tensor(gathered, row, group=group, async_op=True)
@@ -183,7 +191,7 @@ def _pipelined(flat: torch.Tensor, layout: _twophase.Layout, rank: int, group: A
 
     def decode_next() -> None:
         work, gathered, _row, start, length = to_decode.pop(0)
-        work.wait()
+        wait(work)
         _twophase.decode_piece(gathered.view(world, -1), layout, flat, start, length)
 
     for start, length in _twophase.pieces(layout, piece_numel):

@@ -222,7 +222,7 @@ class WireCounter:
         calls: ``collections.Counter`` of calls by function name.
         by_op: ``collections.Counter`` of bytes by function name.
         seconds: wall time spent inside the counted calls (float; an ``async_op`` call counts
-            only its launch).
+            only its launch, plus the waits its caller reports with :func:`add_wait_seconds`).
     """
 
     def __init__(self, filter_group: Any = None, timing_only: bool = False):
@@ -270,5 +270,25 @@ class WireCounter:
             self.calls[name] += 1
             self.by_op[name] += nbytes
 
+    def _add_seconds(self, group: Any, seconds: float) -> None:
+        if self._matches(group):
+            with self._mutex:
+                self.seconds += seconds
+
     def __repr__(self) -> str:
         return f"WireCounter(bytes_sent={self.bytes_sent}, calls={dict(self.calls)})"
+
+
+def add_wait_seconds(seconds: float, group: Any = None) -> None:
+    """Count ``seconds`` spent waiting for an ``async_op`` collective on ``group`` in every open
+    counter's ``seconds`` (no call, no bytes: its launch was counted already).
+
+    A counter sees only the launch of an asynchronous call; code that launches collectives
+    asynchronously and waits for them itself (the pipelined compressed all-reduce) reports its
+    waits here, so that time inside communication stays time inside communication for the
+    watchdog's straggler detector (compute = step - communication) and telemetry's bandwidth.
+    """
+    with _lock:
+        counters = list(_active)
+    for counter in counters:
+        counter._add_seconds(group, seconds)

@@ -4,13 +4,15 @@ A chunk longer than ``PIECE_NUMEL`` is encoded, sent, reduced and gathered piece
 piece ``p`` on the wire while ``p + 1`` is encoded. The pieces are whole blocks, so results and
 both error-feedback residuals must equal the one-piece schedule bit for bit, for every codec,
 with padding (a rank whose chunk ends in padding, pieces that are padding only), a NaN, other
-float dtypes and through the hierarchical all-reduce. The call counts prove the pieces ran.
+float dtypes and through the hierarchical all-reduce. The call counts prove the pieces ran, and a timing
+WireCounter still counts the waits for the asynchronous pieces as time in communication.
 One launch of 4 ranks (a simulated 2 x 2 layout) runs every scenario; the tests assert on it.
 """
 
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ N = 10_007  # block 64, 4 ranks: chunk 2560; rank 3 holds 2327 real elements, th
 BLOCK = 64
 PIECE = 3 * BLOCK + 5  # not whole blocks: rounded down to 3 blocks, 14 pieces a chunk
 CODECS = ("bf16", "int8", "int4", "sign")
+LATE_S = 1.0
 
 
 def rank_input(rank: int, n: int = N, dtype=torch.float32) -> torch.Tensor:
@@ -72,8 +75,16 @@ def _scenarios(rank: int, world: int) -> dict:
     groups = build_groups(discover().records)
     one_piece = _run(1 << 30, rank, groups)
     pieces = _run(PIECE, rank, groups)
+    # Rank 0 starts late: the others wait inside the pipelined collectives (async launches, then
+    # waits), and a timing WireCounter (the straggler detector's) must count that wait.
+    x = rank_input(rank)
     dist.barrier()
-    return {"one piece": one_piece, "pieces": pieces}
+    with WireCounter(timing_only=True) as wc:
+        if rank == 0:
+            time.sleep(LATE_S)
+        compressed_all_reduce(x, codec="int8")
+    dist.barrier()
+    return {"one piece": one_piece, "pieces": pieces, "comm seconds": wc.seconds}
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,3 +130,11 @@ def test_pieces_ran_as_separate_collectives_with_the_same_bytes():
     for n in (N + 1, N):
         assert one["calls"][f"hier {n}"] == {"all_to_all_single": 1, "all_gather_into_tensor": 1}
         assert many["calls"][f"hier {n}"] == {"all_to_all_single": 14, "all_gather_into_tensor": 14}
+
+
+def test_waits_inside_the_pipeline_count_as_communication():
+    res = _results()
+    # Launching 14 + 14 asynchronous calls takes milliseconds; the ranks that waited for rank 0
+    # spent most of its LATE_S in work.wait(), which the counter must see.
+    for rank in range(1, WORLD):
+        assert res[rank]["comm seconds"] > 0.5 * LATE_S, (rank, res[rank]["comm seconds"])
