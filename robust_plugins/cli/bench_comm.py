@@ -30,10 +30,14 @@ TRAIN_TITLE = "Training steps on a simulated multi-node cluster"
 
 TRAIN_NOTES = (
     "Each method trains the same GPT (same seed, same batches, AdamW lr 3e-3) for the given steps; "
-    "step time is the median over the steps after the first two (barrier to barrier on rank 0: "
+    "step time is the median over the steps after the first two (of every round, with --train-rounds: "
+    "each round trains every method afresh, in alternating order; barrier to barrier on rank 0: "
     "forward, backward with the gradient communication, optimizer step; `auto` runs its trial "
-    "reductions in the first step); val loss is the held-out loss after the last step (8 fixed "
-    "windows per rank). `ddp` rows are PyTorch DistributedDataParallel over gloo (its own fp32 "
+    "reductions in the first step, after backward); val loss is the held-out loss after the last step "
+    "(8 fixed windows per rank; first round). `auto chose` lists the routes `auto` chose (every "
+    "distinct choice over the rounds, `|`-separated) and, where it handed the step back to DeepSpeed's "
+    "own single bucket, that bucket's wire (`deepspeed`: its fp32 all-reduce; `bf16`: its bf16 scheme, "
+    "timed against fp32 on the step's gradient). `ddp` rows are PyTorch DistributedDataParallel over gloo (its own fp32 "
     "all-reduce, `fp16_compress_hook`, `powerSGD_hook` at rank 4 from iteration 2); "
     "`bf16_compress_hook` needs CUDA/NCCL. `ds` rows are DeepSpeed ZeRO-0 engines with "
     "`gradient_clipping: 0` (DeepSpeed 0.19 clips at 1.0 by default, DDP does not; so both hosts train "
@@ -91,6 +95,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--train-methods", nargs="+", metavar="METHOD",
                    help="with --train-steps: the methods to train (default: every ddp and ds method; "
                         "see bench_step_worker.METHODS)")
+    p.add_argument("--train-rounds", type=int, default=1,
+                   help="with --train-steps: train every method this many times in one launch, in alternating "
+                        "order, fresh engines each time; a method's median is over all rounds' steps (default 1)")
     p.add_argument("--psgd-timeout", type=float, default=120.0,
                    help="with --train-steps: bound on the separate powerSGD_hook launch, seconds (default "
                         "120; 0 skips it)")
@@ -135,7 +142,9 @@ def run_comm(args: argparse.Namespace) -> int:
             if args.train_methods and "ddp powerSGD_hook" in args.train_methods:
                 psgd = "ddp powerSGD_hook"
             step = [sys.executable, "-m", "robust_plugins.cli.bench_step_worker", "--steps", str(args.train_steps)]
-            argv = step + ["--timeout", str(args.timeout), "--methods", *methods]
+            if args.train_rounds < 1:
+                raise ConfigError(f"--train-rounds {args.train_rounds}: must be >= 1.")
+            argv = step + ["--timeout", str(args.timeout), "--rounds", str(args.train_rounds), "--methods", *methods]
             env = {"DS_ACCELERATOR": "cpu"}  # DeepSpeed rows: CPU accelerator, gloo
         else:
             argv = [sys.executable, "-m", "robust_plugins.cli.bench_comm_worker", "--mbytes", str(args.mbytes),
@@ -195,6 +204,7 @@ def command_line(args: argparse.Namespace) -> str:
         psgd = getattr(args, "psgd_timeout", 120.0)
         return (f"robust bench comm --sim-nodes {args.sim_nodes} --ranks-per-node {args.ranks_per_node} "
                 f"--rates {' '.join(args.rates)} --train-steps {args.train_steps}"
+                + (f" --train-rounds {args.train_rounds}" if getattr(args, "train_rounds", 1) != 1 else "")
                 + (f" --train-methods {' '.join(repr(m) for m in methods)}" if methods else "")
                 + (f" --psgd-timeout {psgd:g}" if psgd != 120.0 else "")
                 + (f" --write {args.write}" if args.write else ""))
@@ -414,7 +424,9 @@ def render_train(args: argparse.Namespace, results: dict[str, Any], meta: dict[s
         f"Date: {meta['date']}  ",
         f"Setup: {args.sim_nodes} simulated nodes x {args.ranks_per_node} gloo ranks, byte-level GPT with "
         f"{params / 1e6:.1f}M parameters (2 layers, width 512, 64-token windows, micro-batch 2 per rank), "
-        f"{args.train_steps} steps per method, AdamW  ",
+        f"{args.train_steps} steps per method"
+        + (f" in each of {args.train_rounds} rounds (alternating order, fresh engines)"
+           if getattr(args, "train_rounds", 1) != 1 else "") + ", AdamW  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores shared by all ranks (load average "
         f"{meta['loadavg']} at the end), Python {platform.python_version()}, torch {torch.__version__}",
         "",
