@@ -20,6 +20,11 @@ that received no gradient get DeepSpeed's zero gradient first), waits for every 
 returns. Without overlap the same buckets are reduced there, in the same order, with the same
 keys, on the training thread: both ways give bitwise the same gradients.
 
+With codec ``auto`` the buckets of a step that decides (the first after warm-up, each re-check)
+are reduced after backward, and after such a step the reduction may go back to DeepSpeed's own
+single bucket until the next re-check (:meth:`BucketedReduction._hand_back_if_off`): ``auto``
+switches itself off where the link is fast.
+
 Engines the overlap cannot serve (ZeRO 1/2, MoE, sparse gradients, optimizers that keep their own
 gradient buffers such as DeepSpeed's bf16 optimizer, unmanaged gradient accumulation) keep
 DeepSpeed's buckets and its reduction point: refused with ``overlap: true``, logged otherwise.
