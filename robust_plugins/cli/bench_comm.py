@@ -350,10 +350,19 @@ def train_rows(results: dict[str, Any]) -> list[list[str]]:
             base = res["methods"].get("ddp fp32")
             row += [f"{med * 1e3:.0f}", f"{statistics.median(base['times_s']) / med:.2f}x" if base else "-",
                     f"{m['val_loss']:.4f}"]
-        row.append(", ".join(str(r["methods"][name]["choice"]) for r in results.values()
-                             if "choice" in r["methods"].get(name, {})))
+        # Per rate (named when there are several); rounds that chose differently follow "; another
+        # round:" (the worker separates them with " | ", which would split a Markdown cell).
+        chosen = [(rate, _choice(r["methods"][name])) for rate, r in results.items()
+                  if "choice" in r["methods"].get(name, {})]
+        row.append(" ".join(f"{rate}: {c}." for rate, c in chosen) if len(chosen) > 1
+                   else (chosen[0][1] if chosen else ""))
         out.append(row)
     return out
+
+
+def _choice(method: dict[str, Any]) -> str:
+    """``auto``'s choice as table text: rounds that chose differently follow "; another round:"."""
+    return str(method.get("choice")).replace(" | ", "; another round: ")
 
 
 def _ok_times(methods: dict[str, Any]) -> dict[str, float]:
@@ -403,7 +412,7 @@ def train_target_rows(results: dict[str, Any]) -> list[list[str]]:
                     continue
                 seen.add(best)
                 out.append([f"{rate}: {auto} within 5 % of {what} ({best})",
-                            f"chose {ms[auto].get('choice')}, {a / pool[best]:.2f}x its time",
+                            f"chose {_choice(ms[auto])}, {a / pool[best]:.2f}x its time",
                             "ok" if a <= 1.05 * pool[best] else "MISS"])
     return out
 

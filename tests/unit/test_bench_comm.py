@@ -73,12 +73,18 @@ def test_train_rows_and_targets():
                        {"ddp fp32": 3.0, "ddp fp16_compress_hook": 3.0, "plugin hier auto": 3.03}, "int8"),
     }
     rows = bench_comm.train_rows(results)
-    assert rows[2] == ["plugin hier auto", "330", "0.91x", "3.0000", "700", "2.57x", "3.0300", "none, int8"]
+    assert rows[2] == ["plugin hier auto", "330", "0.91x", "3.0000", "700", "2.57x", "3.0300",
+                       "10gbit: none. 200mbit: int8."]
+
     targets = {r[0]: r[1:] for r in bench_comm.train_target_rows(results)}
     slow = targets["200mbit: plugin hier auto >= 1.3x faster than fp16_compress_hook, val loss no worse (+0.5 %)"]
     assert slow == ["1.43x, val loss +1.00%", "MISS"]  # fast enough, but the loss is 1 % worse
     fast = targets["10gbit: plugin hier auto within 5 % of the fastest fixed ddp method (ddp fp32)"]
     assert fast == ["chose none, 1.10x its time", "MISS"]
+    # Rounds that chose differently: no "|" in a Markdown cell.
+    results["10gbit"]["methods"]["plugin hier auto"]["choice"] = "none | flat bf16_allreduce"
+    assert bench_comm.train_rows(results)[2][-1] == "10gbit: none; another round: flat bf16_allreduce. 200mbit: int8."
+    assert not any("|" in cell for row in bench_comm.train_target_rows(results) for cell in row)
 
 
 def test_a_single_rate_is_judged_only_by_the_targets_of_its_kind():
@@ -108,7 +114,7 @@ def test_ds_training_targets_and_a_hung_powersgd_row():
     }
     rows = {r[0]: r[1:] for r in bench_comm.train_rows(results)}
     assert rows["ddp powerSGD_hook"][:4] == ["hung or failed within the 60 s bound (x)", "-", "-", "not run"]
-    assert rows["ds hier auto"][-1] == "hier int8, flat none"
+    assert rows["ds hier auto"][-1] == "200mbit: hier int8. 10gbit: flat none."
     t = {r[0]: r[1:] for r in bench_comm.train_target_rows(results)}
     assert t["200mbit: ds hier auto >= 1.3x faster than fp16_compress_hook, val loss no worse (+0.5 %)"] == [
         "1.43x, val loss -0.33%", "ok"]
