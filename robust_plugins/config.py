@@ -173,6 +173,15 @@ class CompressionConfig:
     (one quantization round trip) exceeds this are never chosen. int8 measures about 0.01 and
     bf16 0.003 on gradients, int4 about 0.15, so the default admits bf16 and int8, not int4."""
 
+    auto_bf16_error_feedback: bool = False
+    """``auto`` only: feed back the rounding of the ``bf16_allreduce`` route's cast (a residual per
+    bucket, checkpointed). Off by default: that route is then exactly DeepSpeed's
+    ``communication_data_type: bf16`` (and megatron-core's bf16 gradient reduction), whose rounding
+    is relative to each element (at most 2**-9), unlike int8/int4's block-shared scale that zeroes
+    small elements; the feedback costs three more passes over the bucket, which on the simulator's
+    10 Gbit/s link doubled the route's time and made ``auto`` keep fp32 where bf16 was 13-19 %
+    faster (BENCHMARKS.md)."""
+
     overlap: bool | None = None
     """DeepSpeed ZeRO 0, with a compressing codec or ``topology.hierarchical``: start each gradient
     bucket's reduction during backward, as soon as backward has finished all of the bucket's
@@ -222,6 +231,7 @@ class CompressionConfig:
             value = _expect_type(f"{where}.{name}", getattr(self, name), (int, float), "a number")
             if not 0 <= value < 1:
                 raise ConfigError(f"{where}.{name} = {value!r} must lie in [0, 1).")
+        _expect_type(f"{where}.auto_bf16_error_feedback", self.auto_bf16_error_feedback, (bool,), "true or false")
         _expect_type(f"{where}.block_size", self.block_size, (int,), "an integer")
         bs = self.block_size
         if not (BLOCK_SIZE_MIN <= bs <= BLOCK_SIZE_MAX) or bs & (bs - 1):
@@ -289,7 +299,9 @@ class CompressionConfig:
         """One-line summary for logs and ``robust check-config``."""
         auto = (f"auto_candidates={','.join(self.auto_candidates)}, auto_link_gbit={self.auto_link_gbit}, "
                 f"auto_recheck_steps={self.auto_recheck_steps}, auto_min_gain={self.auto_min_gain:g}, "
-                f"auto_max_error={self.auto_max_error:g}, " if self.codec == AUTO_CODEC else "")
+                f"auto_max_error={self.auto_max_error:g}, "
+                + ("auto_bf16_error_feedback=True, " if self.auto_bf16_error_feedback else "")
+                if self.codec == AUTO_CODEC else "")
         return (
             f"compression(codec={self.codec}, {auto}block_size={self.block_size}, "
             f"error_feedback={self.error_feedback}, warmup_steps={self.warmup_steps}, "

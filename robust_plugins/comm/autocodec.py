@@ -29,7 +29,7 @@ where ``bpe`` is the codec's bytes per element including its fp32 scale per bloc
 ``bf16_allreduce`` is not a two-phase codec but the host's own collective on a bf16 copy
 (:func:`~robust_plugins.comm.collectives.bf16_all_reduce`, the scheme of DeepSpeed's
 ``communication_data_type: bf16``): one collective, so one latency, 2 bytes an element, and the
-cast (with error feedback of its rounding) as compute cost::
+cast (with error feedback of its rounding only with ``auto_bf16_error_feedback``) as compute cost::
 
     bf16_allreduce: latency + 2 (W-1)/W * n * 2 / bus_bandwidth + n * cost_per_element
 
@@ -363,7 +363,8 @@ def _max_over_group(values: list[float], group) -> list[float]:
     return t.tolist()
 
 
-def measure_codec(codec: str, sample: torch.Tensor, group_size: int, block_size: int) -> CodecCost:
+def measure_codec(codec: str, sample: torch.Tensor, group_size: int, block_size: int,
+                  bf16_error_feedback: bool = False) -> CodecCost:
     """Time one rank's compute of a two-phase all-reduce of ``sample`` with ``codec``; and its error.
 
     Runs exactly what a rank computes in :func:`~robust_plugins.comm.compressed_all_reduce`
@@ -376,7 +377,7 @@ def measure_codec(codec: str, sample: torch.Tensor, group_size: int, block_size:
     from robust_plugins.comm import _twophase
 
     if codec == BF16_ALLREDUCE:
-        return measure_bf16_allreduce(sample, group_size)
+        return measure_bf16_allreduce(sample, group_size, error_feedback=bf16_error_feedback)
     flat = sample.detach().reshape(-1).float().contiguous()
     n = flat.numel()
     layout = _twophase.plan(n, group_size, codec, block_size)
@@ -398,11 +399,11 @@ def measure_codec(codec: str, sample: torch.Tensor, group_size: int, block_size:
 _BF16_SUM_ELEMENTS = 1 << 22
 
 
-def measure_bf16_allreduce(sample: torch.Tensor, group_size: int) -> CodecCost:
+def measure_bf16_allreduce(sample: torch.Tensor, group_size: int, error_feedback: bool = False) -> CodecCost:
     """Cost and error of :func:`~robust_plugins.comm.collectives.bf16_all_reduce` on ``sample``.
 
-    The cost is this rank's compute outside the collective: the cast with error feedback (add the
-    residual, cast, keep the new residual) and the cast back; the bf16 additions happen inside
+    The cost is this rank's compute outside the collective: the cast (with ``error_feedback``: add
+    the residual, cast, keep the new residual) and the cast back; the bf16 additions happen inside
     the backend's all-reduce, whose time the link estimate holds. The error is the quality
     guard's worst case: ``group_size`` ranks whose gradients are rotations of ``sample`` (as
     unlike each other as the sample's own elements) summed in rank order with every partial sum
@@ -413,12 +414,15 @@ def measure_bf16_allreduce(sample: torch.Tensor, group_size: int) -> CodecCost:
     n = flat.numel()
     elapsed = math.inf
     for _ in range(2):  # the faster of two: the first pays for allocations
-        residual = torch.zeros_like(flat)
+        residual = torch.zeros_like(flat) if error_feedback else None
         start = time.perf_counter()
-        residual.add_(flat)
-        wire = residual.to(torch.bfloat16)
-        residual.sub_(wire)
-        residual.nan_to_num_(0.0, 0.0, 0.0)
+        if residual is not None:
+            residual.add_(flat)
+            wire = residual.to(torch.bfloat16)
+            residual.sub_(wire)
+            residual.nan_to_num_(0.0, 0.0, 0.0)
+        else:
+            wire = flat.to(torch.bfloat16)
         flat.new_empty(n).copy_(wire)
         elapsed = min(elapsed, time.perf_counter() - start)
     m = min(n, max(1 << 12, _BF16_SUM_ELEMENTS // max(group_size, 1)))
@@ -446,6 +450,8 @@ class AutoCodec:
         probe_bytes: size of the fp32 all-reduce that measures bandwidth.
         sample_numel: at most this many elements of the bucket are encoded to measure codec costs.
         recheck_steps: probe again when ``step_fn()`` has advanced this many steps (0: never).
+        bf16_error_feedback: whether the ``bf16_allreduce`` route feeds back its cast's rounding
+            (what its measured cost includes; ``compression.auto_bf16_error_feedback``).
         step_fn: the host's optimizer step counter (default: number of probes-worthy calls made).
     """
 
@@ -461,6 +467,7 @@ class AutoCodec:
         sample_numel: int = 1 << 20,
         recheck_steps: int = 1000,
         step_fn: Callable[[], int] | None = None,
+        bf16_error_feedback: bool = False,
     ):
         bad = [c for c in candidates if c not in AUTO_CANDIDATES]
         if bad or not candidates:
@@ -473,6 +480,7 @@ class AutoCodec:
         self.probe_bytes = probe_bytes
         self.sample_numel = sample_numel
         self.recheck_steps = recheck_steps
+        self.bf16_error_feedback = bf16_error_feedback
         self._calls = 0
         self._step_fn = step_fn or (lambda: self._calls)
         self._probes: dict[Any, tuple[int, LinkEstimate, dict[str, CodecCost]]] = {}
@@ -497,7 +505,7 @@ class AutoCodec:
         import torch.distributed as dist
 
         w = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-        costs = {c: measure_codec(c, sample[: self.sample_numel], w, self.block_size)
+        costs = {c: measure_codec(c, sample[: self.sample_numel], w, self.block_size, self.bf16_error_feedback)
                  for c in self._codec_candidates() if c != "none"}
         latency, seconds_per_byte = 0.0, 0.0
         if w > 1:
@@ -587,7 +595,7 @@ class AutoCodec:
         import torch.distributed as dist
 
         w = dist.get_world_size(group)
-        costs = {c: measure_codec(c, sample[: self.sample_numel], w, self.block_size)
+        costs = {c: measure_codec(c, sample[: self.sample_numel], w, self.block_size, self.bf16_error_feedback)
                  for c in self.candidates if c != "none"}
         none = (0.0, 0.0, 1)  # no hierarchy: a node and a rail of one rank each
         measured = {"flat": self._link(group, self.link_gbit),

@@ -21,8 +21,8 @@ layout per bucket size: ``flat none`` (the plain all-reduce), flat or hierarchic
 from trial runs of the candidate routes on the first bucket of each size (``topology.hierarchical``
 then means "the hierarchy may be used"). Among the routes is ``flat bf16_allreduce``, one bf16
 all-reduce of the whole bucket (DeepSpeed's ``communication_data_type: bf16``), with error feedback
-of the cast's rounding when ``error_feedback`` is on (residuals under the bucket's key, like a
-codec's, and checkpointed with them).
+of the cast's rounding only with ``auto_bf16_error_feedback`` (residuals under the bucket's key,
+like a codec's, and checkpointed with them).
 """
 
 from __future__ import annotations
@@ -89,12 +89,15 @@ class GradientSync:
         if config.codec == AUTO_CODEC:
             from robust_plugins.comm.autocodec import AutoCodec
 
+            bf16_ef = config.auto_bf16_error_feedback and config.error_feedback
             self.auto = AutoCodec(
                 candidates=config.auto_candidates, block_size=config.block_size, min_gain=config.auto_min_gain,
                 max_error=config.auto_max_error, link_gbit=config.auto_link_gbit,
-                recheck_steps=config.auto_recheck_steps, step_fn=step_fn,
+                recheck_steps=config.auto_recheck_steps, step_fn=step_fn, bf16_error_feedback=bf16_ef,
             )
-            codecs = [c for c in self.auto.candidates if c != "none"]
+            # bf16_allreduce keeps residuals only with auto_bf16_error_feedback; without, it is
+            # DeepSpeed's plain bf16 all-reduce and has no state to keep.
+            codecs = [c for c in self.auto.candidates if c != "none" and (c != BF16_ALLREDUCE or bf16_ef)]
         else:
             codecs = [config.codec]
         # bf16_allreduce keeps only a sender residual of its cast; a bf16 CompressionState stores it
@@ -296,7 +299,6 @@ class GradientSync:
         from robust_plugins.comm.collectives import bf16_all_reduce
         from robust_plugins.topology import hierarchical_all_reduce
 
-        ef = self.config.error_feedback
         scratch: dict = {}  # lives for this bucket's trials only
 
         def run(route: str, t: torch.Tensor) -> None:  # trial runs: no residual is kept
@@ -307,7 +309,7 @@ class GradientSync:
                 # for a second trial run: a step reuses its residual, and allocating (first-touch
                 # pages of a bucket-sized buffer) is a cost the first run alone pays.
                 res = None
-                if ef:
+                if BF16_ALLREDUCE in self.states:  # auto_bf16_error_feedback
                     res = scratch.get(t.numel())
                     if res is None:
                         res = scratch[t.numel()] = torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
@@ -385,3 +387,6 @@ class GradientSync:
         for codec, st in sd["compression_auto"].items():
             if codec in self.states:
                 self.states[codec].load_state_dict(st)
+            else:  # e.g. bf16_allreduce residuals saved with auto_bf16_error_feedback, which is now off
+                log_rank0(log, logging.WARNING, "auto codec: the checkpoint's %s residuals are not used: this "
+                          "job does not feed back %s (its next bucket starts from a zero residual).", codec, codec)

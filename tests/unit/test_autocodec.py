@@ -137,7 +137,9 @@ def test_gradient_sync_auto_keeps_one_state_per_codec_and_refuses_the_single_sta
     from robust_plugins.comm.gradient_sync import GradientSync
     from robust_plugins.errors import UnsupportedError
 
-    sync = GradientSync(CompressionConfig(codec="auto"), step_fn=lambda: 0)
+    # By default bf16_allreduce is DeepSpeed's plain bf16 all-reduce: no residual to keep.
+    assert sorted(GradientSync(CompressionConfig(codec="auto"), step_fn=lambda: 0).states) == ["bf16", "int4", "int8"]
+    sync = GradientSync(CompressionConfig(codec="auto", auto_bf16_error_feedback=True), step_fn=lambda: 0)
     assert sorted(sync.states) == ["bf16", "bf16_allreduce", "int4", "int8"]
     # bf16_allreduce's residuals (of its cast) live in a bf16 state: the rounding it feeds back.
     assert sync.states["bf16_allreduce"].codec == "bf16" and sync.states["bf16_allreduce"].error_feedback
@@ -286,3 +288,16 @@ def test_host_wire_bf16_only_by_min_gain_on_medians_and_within_the_guard():
     assert wire == "fp32" and "quality guard" in why
     with pytest.raises(ConfigError, match="as many"):
         choose_host_wire([0.05], [], 0.0, min_gain=0.1, max_error=0.1)
+
+
+def test_auto_bf16_error_feedback_is_a_checked_bool_and_prices_the_feedback():
+    from robust_plugins.comm.autocodec import measure_bf16_allreduce
+
+    with pytest.raises(ConfigError, match="auto_bf16_error_feedback"):
+        PluginConfig.from_dict({"compression": {"codec": "auto", "auto_bf16_error_feedback": "yes"}})
+    on = CompressionConfig(codec="auto", auto_bf16_error_feedback=True)
+    assert "auto_bf16_error_feedback=True" in on.describe()
+    g = torch.randn(1 << 16)
+    # The guard's error is the backend's bf16 sums either way; only the priced compute differs.
+    plain, fed = measure_bf16_allreduce(g, 4), measure_bf16_allreduce(g, 4, error_feedback=True)
+    assert plain.rel_error == fed.rel_error > 0 and plain.seconds_per_element > 0
