@@ -291,9 +291,10 @@ class BucketedReduction:
     # -- codec auto: switching itself off ----------------------------------------------------------
     def _hand_back_if_off(self, keys: list) -> None:
         """After a step of planned buckets: when ``auto`` sent every bucket as ``flat none`` (the
-        plain fp32 all-reduce), or its routes save less than ``auto_min_gain`` of that all-reduce's
-        time summed over the step (:func:`~robust_plugins.comm.autocodec.step_gain`), hand the
-        reduction back to DeepSpeed, uncompressed, until ``auto`` is due to measure again
+        plain fp32 all-reduce), or its routes save less than ``auto_min_gain`` of the time of the
+        best single wire (fp32 or DeepSpeed's bf16 scheme) for every bucket, summed over the step
+        (:func:`~robust_plugins.comm.autocodec.step_gain`), hand the reduction back to DeepSpeed's
+        one bucket (its wire chosen by :meth:`_choose_host_wire`) until ``auto`` is due to measure again
         (``auto_recheck_steps``; never with 0). Planned buckets cost more collectives (and, with
         overlap, a thread competing with backward) for the same sums: on the simulator's 10 Gbit/s
         link that was 7-13 % of a training step (BENCHMARKS.md), more than a lossy route saved
@@ -309,7 +310,7 @@ class BucketedReduction:
             why = "chose the uncompressed flat all-reduce for all %d buckets" % len(keys)
         elif None not in decisions and step_gain(decisions) < auto.min_gain:
             why = (f"chose {', '.join(sorted(set(routes)))} for the {len(keys)} buckets, which save "
-                   f"{step_gain(decisions):.0%} of the uncompressed all-reduce's time over the step "
+                   f"{step_gain(decisions):.0%} of the time of one wire (fp32 or bf16) for all of them "
                    f"(< min_gain {auto.min_gain:.0%}), not worth planned buckets")
         else:
             return

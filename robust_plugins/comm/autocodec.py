@@ -309,24 +309,45 @@ def choose_route(
                     measured_s=dict(measured or {}))
 
 
-def step_gain(decisions: Sequence[Decision]) -> float:
-    """The fraction of the uncompressed flat all-reduce's time that ``decisions`` (one per bucket
-        of a step, routes chosen) save over the whole step (pure; 0 when every bucket is ``flat
-    none``). Each bucket counts its measured trial time where the route was run, else its
-    prediction. A host that can reduce the whole step itself (DeepSpeed ZeRO 0's one bucket)
-    hands the step back when this is below ``min_gain``: buckets then cost collectives and
-    book-keeping that no bucket's trial sees (on the simulator's 10 Gbit/s link about 7-13 %
-    of a training step, BENCHMARKS.md), for a saving within the trials' noise."""
-    def seconds(d: Decision, route: str) -> float:
-        t = d.measured_s.get(route, d.predicted_s.get(route))
-        if t is None:
-            raise ConfigError(f"decision for {d.numel} elements has no time for route {route!r}.")
-        return t
+#: The routes a host's own single bucket can send (uncompressed, or DeepSpeed's bf16 scheme): what
+#: :func:`step_gain` measures planned buckets against.
+HOST_ROUTES = ("flat none", f"flat {BF16_ALLREDUCE}")
 
-    base = sum(seconds(d, "flat none") for d in decisions)
+
+def step_gain(decisions: Sequence[Decision], host_routes: Sequence[str] = HOST_ROUTES) -> float:
+    """The fraction of the time of the best uniform host wire that ``decisions`` (one per bucket of a
+    step, routes chosen) save over the whole step (pure). A uniform host wire is one of
+    ``host_routes`` used for every bucket: what the host's own single bucket would send (``flat
+    none``: its fp32 all-reduce; ``flat bf16_allreduce``: its bf16 scheme, where that route was a
+    candidate for every bucket). Each bucket counts its measured trial time where the route was run,
+    else its prediction. 0 when every bucket chose the best uniform wire.
+
+    A host that can reduce the whole step itself (DeepSpeed ZeRO 0's one bucket) hands the step
+    back when this is below ``min_gain``: planned buckets cost collectives and book-keeping that no
+    bucket's trial sees (on the simulator's 10 Gbit/s link 7-13 % of a training step,
+    BENCHMARKS.md), for a saving a single bucket could mostly have had too.
+    """
+    def seconds(d: Decision, route: str) -> float | None:
+        return d.measured_s.get(route, d.predicted_s.get(route))
+
+    bases = []
+    for route in host_routes:
+        times = [seconds(d, route) for d in decisions]
+        if all(t is not None for t in times):
+            bases.append(sum(times))
+    if not bases:
+        raise ConfigError(f"no decision of {len(decisions)} has a time for every bucket of any host route "
+                          f"{list(host_routes)}.")
+    base = min(bases)
     if base <= 0:
         return 0.0
-    return 1 - sum(seconds(d, d.route) for d in decisions) / base
+    chosen = []
+    for d in decisions:
+        t = seconds(d, d.route)
+        if t is None:
+            raise ConfigError(f"decision for {d.numel} elements has no time for its own route {d.route!r}.")
+        chosen.append(t)
+    return 1 - sum(chosen) / base
 
 
 #: Interleaved timed runs of each wire in :func:`choose_host_wire`'s trial (medians compared).

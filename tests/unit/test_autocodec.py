@@ -273,8 +273,13 @@ def test_step_gain_sums_the_buckets_of_a_step_against_flat_none():
     # A route that was not run counts its prediction.
     pred = d("hier int8", {"hier int8": 0.05}, predicted={"flat none": 0.1, "hier int8": 0.04})
     assert step_gain([pred]) == pytest.approx(0.5)
-    with pytest.raises(ConfigError, match="no time for route 'flat none'"):
+    with pytest.raises(ConfigError, match="any host route"):
         step_gain([d("hier int8", {"hier int8": 0.05})])
+    # Every bucket chose bf16_allreduce: the host's one bucket could send bf16 too, nothing saved.
+    fast = d("flat bf16_allreduce", {"flat none": 0.010, "flat bf16_allreduce": 0.008})
+    assert step_gain([fast, fast, fast]) == pytest.approx(0.0)
+    # Mixed: measured against the better uniform wire (none: 0.030 + 0.010 vs bf16: 0.024 + 0.012).
+    assert step_gain([fast, fast, fast, none]) == pytest.approx(1 - 0.034 / 0.036)
 
 
 def test_host_wire_bf16_only_by_min_gain_on_medians_and_within_the_guard():
