@@ -306,3 +306,11 @@ def test_auto_bf16_error_feedback_is_a_checked_bool_and_prices_the_feedback():
     # The guard's error is the backend's bf16 sums either way; only the priced compute differs.
     plain, fed = measure_bf16_allreduce(g, 4), measure_bf16_allreduce(g, 4, error_feedback=True)
     assert plain.rel_error == fed.rel_error > 0 and plain.seconds_per_element > 0
+
+
+def test_measured_error_is_the_largest_over_the_probes_in_force():
+    auto = AutoCodec(candidates=("none", "bf16_allreduce", "int8"))
+    assert auto.measured_error("bf16_allreduce") is None
+    auto._probes = {("a",): (0, None, {"bf16_allreduce": CodecCost(1e-9, 0.002)}),
+                    ("b",): (0, None, {"bf16_allreduce": CodecCost(1e-9, 0.003), "int8": CodecCost(1e-9, 0.01)})}
+    assert auto.measured_error("bf16_allreduce") == 0.003 and auto.measured_error("int4") is None
