@@ -62,14 +62,14 @@ AUTO_BLOCK = {"compression": {"codec": "auto", "auto_link_gbit": 1000, "auto_rec
                               "bucket_mb": BUCKET_MB}}
 
 
-def plain_run(steps: int, corpus, bf16_steps: tuple = ()) -> dict:
-    """DeepSpeed alone (no robust_plugins block): the reference of the hand-back; its
-    ``communication_data_type`` (a public property) is bf16 at ``bf16_steps``, else fp32."""
-    engine = make_engine(None)
+def train(engine, steps: int, corpus, before_micro=None, after_micro=None) -> list:
+    """Train ``steps`` optimizer steps; the losses of every micro-step. ``before_micro()`` and
+    ``after_micro(micro)`` run around each micro-step."""
     rank, world = dist.get_rank(), dist.get_world_size()
     losses, micro = [], 0
     while engine.global_steps < steps:
-        engine.communication_data_type = torch.bfloat16 if engine.global_steps in bf16_steps else torch.float32
+        if before_micro is not None:
+            before_micro()
         x, y = get_batch(corpus, "train", seed=SEED, step=micro, rank=rank, world_size=world,
                          micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
         loss = engine(x, y)
@@ -77,6 +77,20 @@ def plain_run(steps: int, corpus, bf16_steps: tuple = ()) -> dict:
         engine.step()
         losses.append(loss.item())
         micro += 1
+        if after_micro is not None:
+            after_micro(micro)
+    return losses
+
+
+def plain_run(steps: int, corpus, bf16_steps: tuple = ()) -> dict:
+    """DeepSpeed alone (no robust_plugins block): the reference of the hand-back; its
+    ``communication_data_type`` (a public property) is bf16 at ``bf16_steps``, else fp32."""
+    engine = make_engine(None)
+
+    def set_wire() -> None:
+        engine.communication_data_type = torch.bfloat16 if engine.global_steps in bf16_steps else torch.float32
+
+    losses = train(engine, steps, corpus, before_micro=set_wire)
     return {"digests": all_digests(engine), "losses": losses}
 
 
@@ -106,19 +120,12 @@ def run(block: dict, overlap: bool, steps: int, corpus, host_wire: str | None = 
             first_started.clear()
 
     reduction.observers.append(observe)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    micro = 0
-    while engine.global_steps < steps:
-        x, y = get_batch(corpus, "train", seed=SEED, step=micro, rank=rank, world_size=world,
-                         micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-        micro += 1
-        if micro % GAS == 0:
+
+    def record_wire(micro: int) -> None:
+        if micro % GAS == 0:  # after each optimizer step: is the next one handed back, and how
             wires.append(reduction.host_wire if reduction.host_reduces() else None)
+
+    losses = train(engine, steps, corpus, after_micro=record_wire)
     s = engine.robust_plugins.sync.stats
     return {"digests": all_digests(engine), "losses": losses, "events": events, "early": early,
             "buckets": len(reduction.plan),
