@@ -100,9 +100,9 @@ def attach_buckets(engine, plugin) -> "BucketedReduction | None":
         if grads is not None:  # an explicit gradient list is DeepSpeed's business, not the plan's
             return original(grads, elements_per_buffer)
         if reduction.host_reduces():
-            # codec auto chose the uncompressed flat all-reduce for every bucket: DeepSpeed's own
-            # reduction (one bucket, its communication_data_type) is then the same math in fewer,
-            # larger collectives, with no hook or thread in the way.
+            # codec auto found the planned buckets not worth it (see _hand_back_if_off): DeepSpeed's
+            # own reduction, one bucket in fewer, larger collectives with no hook or thread in the
+            # way, its allreduce_bucket sending the wire auto chose (host_allreduce_bucket).
             reduction._emit("host", "all")
             return original(None, elements_per_buffer)
         return reduction.reduce_at_boundary()
@@ -157,14 +157,15 @@ class BucketedReduction:
         self._handles: list = []
         self._keys: list = []
         self._host_until: float | None = None
+        """``codec: auto``: the engine step until which DeepSpeed reduces on its own (see
+        :meth:`host_reduces`); None while the planned buckets are in use."""
         self.host_wire = "deepspeed"
         """While :meth:`host_reduces`: ``deepspeed`` (its own all-reduce) or ``bf16`` (see
         :meth:`_choose_host_wire`)."""
         self.host_choices: list = []
         """Every hand-back: step, why, wire and the wire's reason (for tests and telemetry)."""
         self.host_trial_s: dict = {}
-        """``codec: auto``: the engine step until which DeepSpeed reduces on its own (see
-        :meth:`host_reduces`); None while the planned buckets are in use."""
+        """The last wire trial's medians (seconds), by wire."""
         if overlap:
             if self.sync.hierarchical:
                 # Node and rail groups now, on every rank (a collective), not at the first bucket
