@@ -467,14 +467,19 @@ def _scaling(average: bool, postscale: bool, predivide: float, world: float, ful
     return 1.0 / world, 1.0
 
 
-def _scaled_sum(plugin: DeepSpeedPlugin, tensor, group, key: str, pre: float, post: float):
-    """DeepSpeed's pre-scale, the compressed sum in place of its all-reduce, its post-scale."""
+def _scaled(tensor, pre: float, post: float, reduce_sum):
+    """DeepSpeed's pre-scale, ``reduce_sum(tensor)`` (in place) in place of its all-reduce, its post-scale."""
     if pre != 1.0:
         tensor.mul_(pre)
-    plugin.sync.all_reduce_sum(tensor, group, key)
+    reduce_sum(tensor)
     if post != 1.0:
         tensor.mul_(post)
     return tensor
+
+
+def _scaled_sum(plugin: DeepSpeedPlugin, tensor, group, key: str, pre: float, post: float):
+    """DeepSpeed's pre-scale, the compressed sum in place of its all-reduce, its post-scale."""
+    return _scaled(tensor, pre, post, lambda t: plugin.sync.all_reduce_sum(t, group, key))
 
 
 def _engine_allreduce_bucket(engine, plugin: DeepSpeedPlugin):

@@ -333,11 +333,10 @@ class BucketedReduction:
         :func:`~robust_plugins.comm.autocodec.choose_host_wire` from interleaved timed runs of both
         on a copy of this step's whole gradient; a collective on the data-parallel group)."""
         import statistics
-        import time
 
         import torch.distributed as dist
 
-        from robust_plugins.comm.autocodec import HOST_TRIALS, _max_over_group, choose_host_wire
+        from robust_plugins.comm.autocodec import HOST_TRIALS, choose_host_wire, timed_runs
         from robust_plugins.comm.collectives import bf16_all_reduce
         from robust_plugins.config import BF16_ALLREDUCE
 
@@ -347,29 +346,24 @@ class BucketedReduction:
         grads = [self.params[i].grad.data for idx in self.plan for i in idx]
         if e.communication_data_type != torch.float32 or any(g.dtype != torch.float32 for g in grads):
             return "deepspeed", f"DeepSpeed's communication_data_type is {e.communication_data_type}"
-        flat = e.flatten(grads)  # this step's (reduced) gradients: realistic values, kept intact
-        times: dict = {"fp32": [], "bf16": []}
-        for _ in range(HOST_TRIALS):  # interleaved: a slow spell of the machine hits both
-            for wire in ("fp32", "bf16"):
-                copy = flat.clone()
-                dist.barrier(group=self.group)
-                start = time.perf_counter()
-                if wire == "fp32":
-                    dist.all_reduce(copy, group=self.group)
-                else:
-                    bf16_all_reduce(copy, group=self.group, op="sum")
-                times[wire].append(time.perf_counter() - start)
-        n = HOST_TRIALS
-        agreed = _max_over_group(times["fp32"] + times["bf16"], self.group)
         # The quality guard's error is the probe's (a real bucket before its reduction, every rank's
-        # bf16 sum simulated): these reduced gradients are equal on every rank, whose bf16 sum can
-        # be exact (it measured 0.0 when the step had sent every bucket as bf16).
+        # bf16 sum simulated): the reduced gradients timed below are equal on every rank, whose bf16
+        # sum can be exact (it measured 0.0 when the step had sent every bucket as bf16).
         rel = auto.measured_error(BF16_ALLREDUCE)
         if rel is None:
             return "deepspeed", "no probe measured bf16_allreduce's error"
-        wire, reason = choose_host_wire(agreed[:n], agreed[n:], rel, min_gain=auto.min_gain,
+
+        def run(wire: str, copy: torch.Tensor) -> None:
+            if wire == "fp32":
+                dist.all_reduce(copy, group=self.group)
+            else:
+                bf16_all_reduce(copy, group=self.group, op="sum")
+
+        # This step's (reduced) gradients: realistic values; each run works on a copy.
+        times = timed_runs(e.flatten(grads), ("fp32", "bf16"), run, self.group, rounds=HOST_TRIALS)
+        wire, reason = choose_host_wire(times["fp32"], times["bf16"], rel, min_gain=auto.min_gain,
                                         max_error=auto.max_error)
-        self.host_trial_s = {"fp32": statistics.median(agreed[:n]), "bf16": statistics.median(agreed[n:2 * n])}
+        self.host_trial_s = {w: statistics.median(t) for w, t in times.items()}
         return ("bf16" if wire == "bf16" else "deepspeed"), reason
 
     def host_allreduce_bucket(self, original, bucket, dp_group, dp_world_size):
@@ -377,7 +371,7 @@ class BucketedReduction:
         ``deepspeed``), or its bf16 scheme (``bf16``: cast, one bf16 all-reduce, DeepSpeed's
         scaling, cast back; what ``communication_data_type: bf16`` does, without touching its config)."""
         from robust_plugins.comm.collectives import bf16_all_reduce
-        from robust_plugins.patches.deepspeed import _scaling
+        from robust_plugins.patches.deepspeed import _scaled, _scaling
 
         numel = sum(t.numel() for t in bucket)
         self.sync.count_passthrough(SITE, numel, f"auto: DeepSpeed's one bucket, {self.host_wire}")
@@ -390,12 +384,7 @@ class BucketedReduction:
         world = dp_world_size if dp_world_size is not None else dist.get_world_size(group=dp_group)
         pre, post = _scaling(e.gradient_average, e.postscale_gradients(), e.gradient_predivide_factor(), world,
                              world)
-        if pre != 1.0:
-            tensor.mul_(pre)
-        bf16_all_reduce(tensor, group=dp_group, op="sum")
-        if post != 1.0:
-            tensor.mul_(post)
-        return tensor
+        return _scaled(tensor, pre, post, lambda t: bf16_all_reduce(t, group=dp_group, op="sum"))
 
     def host_reduces(self) -> bool:
         """True while ``auto`` has handed this step's reduction back to DeepSpeed (see

@@ -377,6 +377,28 @@ def choose_host_wire(fp32_s: Sequence[float], bf16_s: Sequence[float], rel_error
     return "bf16", said
 
 
+def timed_runs(tensor: torch.Tensor, names: Sequence[str], run: Callable[[str, torch.Tensor], Any], group,
+               rounds: int = 1) -> dict[str, list[float]]:
+    """Time ``run(name, copy)`` on a fresh copy of ``tensor`` for every name, ``rounds`` times,
+    interleaved (a slow spell of the machine hits them all); each run starts at a barrier (a
+    rank's wait for late peers is not the run's cost). A collective on ``group``: the times are
+    agreed, the slowest rank's, so every rank decides alike. Returns each name's times, in order."""
+    import torch.distributed as dist
+
+    out = []
+    for _ in range(rounds):
+        for name in names:
+            copy = tensor.detach().clone()
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier(group=group)
+            start = time.perf_counter()
+            run(name, copy)
+            out.append(time.perf_counter() - start)
+    agreed = _max_over_group(out, group)
+    k = len(names)
+    return {name: agreed[i::k] for i, name in enumerate(names)}
+
+
 def _max_over_group(values: list[float], group) -> list[float]:
     import torch.distributed as dist
 
@@ -640,27 +662,12 @@ class AutoCodec:
                group, predicted: Mapping[str, float]) -> dict[str, float]:
         """Run each route on a copy of ``tensor``; the agreed (max over ``group``) time of each, the
         median of ``1 + CLOSE_RERUNS`` interleaved runs for the routes :func:`rerun_routes` names."""
-        import torch.distributed as dist
-
-        def once(names: Sequence[str]) -> list[float]:
-            out = []
-            for r in names:
-                copy = tensor.detach().clone()
-                dist.barrier(group=group)  # start together: a rank's wait for late peers is not the route's cost
-                start = time.perf_counter()
-                run(r, copy)
-                out.append(time.perf_counter() - start)
-            return _max_over_group(out, group)
-
-        times = dict(zip(routes, once(routes)))
+        times = {r: t[0] for r, t in timed_runs(tensor, routes, run, group).items()}
         close = rerun_routes(times, predicted)
         if len(close) > 1:
-            samples = {r: [times[r]] for r in close}
-            for _ in range(CLOSE_RERUNS):  # interleaved: a slow spell of the machine hits them all
-                for r, t in zip(close, once(close)):
-                    samples[r].append(t)
+            again = timed_runs(tensor, close, run, group, rounds=CLOSE_RERUNS)
             for r in close:
-                times[r] = statistics.median(samples[r])
+                times[r] = statistics.median([times[r], *again[r]])
         return times
 
     def route_for(self, tensor: torch.Tensor, *, group, intra, rail, per_node: int,
