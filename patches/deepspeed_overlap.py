@@ -298,7 +298,7 @@ class BucketedReduction:
         one bucket (its wire chosen by :meth:`_choose_host_wire`) until ``auto`` is due to measure again
         (``auto_recheck_steps``; never with 0). Planned buckets cost more collectives (and, with
         overlap, a thread competing with backward) for the same sums: on the simulator's 10 Gbit/s
-        link that was 7-13 % of a training step (BENCHMARKS.md), more than a lossy route saved
+        link that was 7-14 % of a training step (BENCHMARKS.md), more than a lossy route saved
         there. Every rank agrees: ``auto``'s decisions are agreed over the group."""
         from robust_plugins.comm.autocodec import step_gain
 

@@ -324,7 +324,7 @@ def step_gain(decisions: Sequence[Decision], host_routes: Sequence[str] = HOST_R
 
     A host that can reduce the whole step itself (DeepSpeed ZeRO 0's one bucket) hands the step
     back when this is below ``min_gain``: planned buckets cost collectives and book-keeping that no
-    bucket's trial sees (on the simulator's 10 Gbit/s link 7-13 % of a training step,
+    bucket's trial sees (on the simulator's 10 Gbit/s link 7-14 % of a training step,
     BENCHMARKS.md), for a saving a single bucket could mostly have had too.
     """
     def seconds(d: Decision, route: str) -> float | None:
