@@ -201,8 +201,11 @@ def test_node_whose_rank_hangs_twice_is_excluded(tmp_path):
     assert b.proc.returncode == 3, b.output[-4000:]
     assert a.proc.returncode == 0, a.output[-4000:]
     hangs = [f for f in b.jsonl("faults.jsonl") if f["kind"] == "hang"]
-    assert [(f["suspect_ranks"], f["detail"]["in_collective"], f["detail"]["node_blamed"]) for f in hangs] \
-        == [([1], {"1": False}, True)] * 2, hangs
+    blamed = [f for f in hangs if f["detail"]["node_blamed"]]
+    assert [(f["suspect_ranks"], f["detail"]["in_collective"]) for f in blamed] == [([1], {"1": False})] * 2, hangs
+    # Under load (the full suite on 2 cores) B's restarted rank once also waited past these 2-3 s
+    # timeouts inside a collective for A's restart: reported, but, being in a collective, not blamed.
+    assert all(f["detail"]["in_collective"] == {"1": True} for f in hangs if f not in blamed), hangs
     excluded = json.loads((a.run_dir / "excluded_nodes.json").read_text())["nodes"]
     assert [(e["node"], e["blames"], e["fault"]["kind"]) for e in excluded] == [("127.0.0.2", 2, "hang")]
     assert not any(f["detail"].get("node_blamed") for f in a.jsonl("faults.jsonl"))
