@@ -2,7 +2,7 @@
 
 Every torchrun option works unchanged (the parser *is* torchrun's), for example::
 
-    robust run --standalone --nproc-per-node 4 --max-restarts 3 train.py --steps 200
+    robust run --standalone --nproc-per-node 4 train.py --steps 200
     robust run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint host0:29400 ...
 
 plus:
@@ -14,6 +14,9 @@ plus:
 ``--watchdog K=V``       one watchdog setting (``--watchdog hang_min_timeout_s=5``)
 ``--watchdog-config F``  a JSON file: a DeepSpeed config (its ``robust_plugins.watchdog`` block is
                          read) or a bare ``{"watchdog": {...}}`` block
+
+Restarts are on by default: ``--max-restarts`` defaults to 3 (``DEFAULT_MAX_RESTARTS``; torchrun's
+is 0), with the watchdog's ``restart_backoff_s`` between them; ``--max-restarts 0`` means none.
 
 Training scripts report steps with ``robust_plugins.watchdog.step_end(step, loss=..., grad_norm=...)``
 and resume from their newest checkpoint on start (the resume contract in ``watchdog/FORMAT.md``).
@@ -30,6 +33,7 @@ node its own ``--run-dir`` (or ``--local-addr``, which also names the node in bl
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import logging
@@ -44,6 +48,12 @@ from robust_plugins.errors import ConfigError
 
 #: torchrun's default --master-port (used by its static rendezvous only).
 _TORCHRUN_MASTER_PORT = 29500
+
+#: ``--max-restarts`` when not given (torchrun's default is 0: no restart). A fault-tolerance
+#: launcher restarts by default; 3 is enough for a fault every few minutes of a short job and
+#: stops a script that crashes on every start after 3 tries (each a cold or warm start), not
+#: after hours. ``--max-restarts 0`` still means none; ``PET_MAX_RESTARTS`` sets it too.
+DEFAULT_MAX_RESTARTS = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +76,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for action in get_args_parser()._actions:
         if isinstance(action, argparse._HelpAction):
             continue
+        if action.dest == "max_restarts":
+            action = _restart_default(action)
         parser._add_action(action)
+
+
+def _restart_default(action: argparse.Action) -> argparse.Action:
+    # torchrun's own action (its PET_MAX_RESTARTS fallback kept), with our default and help.
+    action = copy.copy(action)
+    # A string default goes through type=int (argparse), so a bad PET_MAX_RESTARTS is a usage error.
+    action.default = os.environ.get("PET_MAX_RESTARTS") or DEFAULT_MAX_RESTARTS
+    action.help = (f"restarts of the worker group before the job fails (default "
+                   f"{DEFAULT_MAX_RESTARTS}; torchrun's is 0). Each restart waits "
+                   f"restart_backoff_s (default 0 s, doubling each time, capped at "
+                   f"restart_backoff_max_s). 0: no restart, the first fault ends the job.")
+    return action
 
 
 def watchdog_config(path: str | None, overrides: list[str]) -> WatchdogConfig:

@@ -53,3 +53,19 @@ def test_default_run_dirs_never_collide(tmp_path, monkeypatch):
     first.mkdir()
     second = run_cmd._new_run_dir(tmp_path)
     assert first.name == "run-20260101-000000" and second.name == "run-20260101-000000-1"
+
+
+def test_restarts_are_on_by_default_and_the_help_says_so(monkeypatch, capsys):
+    monkeypatch.delenv("PET_MAX_RESTARTS", raising=False)
+    assert _parse(["t.py"]).max_restarts == run_cmd.DEFAULT_MAX_RESTARTS == 3
+    assert _parse(["--max-restarts", "0", "t.py"]).max_restarts == 0
+    monkeypatch.setenv("PET_MAX_RESTARTS", "7")  # torchrun's environment fallback still works
+    assert _parse(["t.py"]).max_restarts == 7
+    monkeypatch.setenv("PET_MAX_RESTARTS", "many")
+    with pytest.raises(SystemExit):
+        _parse(["t.py"])
+    assert "invalid int value: 'many'" in capsys.readouterr().err
+    monkeypatch.delenv("PET_MAX_RESTARTS")
+    with pytest.raises(SystemExit):
+        _parse(["--help"])
+    assert "(default 3; torchrun's is 0)" in " ".join(capsys.readouterr().out.split())
