@@ -15,11 +15,13 @@ import json
 import logging
 import os
 import pathlib
+import random
 import uuid
 
 import robust_plugins  # noqa: F401  (must precede deepspeed.initialize: installs the patch)
 
 import deepspeed
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -80,15 +82,47 @@ class DataPosition:
         self.seen, self.order = v["seen"], v["order"].clone()
 
 
-def train(engine, until, corpus, data=None) -> list[float]:
+def seed_all(seed: int) -> None:
+    """Seed torch, numpy and Python's RNG, differently on each rank (a restore must hand every
+    rank back its own states)."""
+    s = seed + 1000 * dist.get_rank()
+    torch.manual_seed(s)
+    np.random.seed(s)
+    random.seed(s)
+
+
+def rng_states() -> tuple:
+    """This rank's torch, numpy and Python RNG states, as they are now."""
+    return torch.get_rng_state().clone(), np.random.get_state(), random.getstate()
+
+
+def set_rng_states(states: tuple) -> None:
+    torch.set_rng_state(states[0])
+    np.random.set_state(states[1])
+    random.setstate(states[2])
+
+
+def rng_digest() -> str:
+    """sha256 of this rank's torch, numpy and Python RNG states."""
+    t, n, p = rng_states()
+    h = hashlib.sha256(t.numpy().tobytes())
+    h.update(n[1].tobytes())
+    h.update(repr((n[0], n[2:], p)).encode())
+    return h.hexdigest()
+
+
+def train(engine, until, corpus, data=None, rng_log=None) -> list[float]:
     losses = []
     rank, world = dist.get_rank(), dist.get_world_size()
     while engine.global_steps < until:
+        if rng_log is not None:  # the states a snapshot of the previous step must give back
+            rng_log[engine.global_steps] = rng_states()
         x, y = get_batch(corpus, "train", seed=SEED, step=engine.global_steps, rank=rank, world_size=world,
                          micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
-        # A random draw consumed every step: a resumed run matches only if RNG state came back.
-        noise = torch.rand(()) * 0
-        loss = engine(x, y) + noise
+        # Draws from torch, numpy and Python's RNG every step, scaling the loss (and so the
+        # gradients): a resumed run matches the reference only if all three states came back.
+        noise = torch.rand(()) + float(np.random.rand()) + random.random()
+        loss = engine(x, y) * (1 + 0.05 * noise)
         engine.backward(loss)
         if data is not None:  # the position after this step's batch, as a loader would hold it
             data.seen += 1
@@ -114,6 +148,15 @@ def digests(engine) -> list[str]:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, h.hexdigest())
     return out
+
+
+def _digest_of(states: tuple) -> str:
+    now = rng_states()
+    set_rng_states(states)
+    try:
+        return rng_digest()
+    finally:
+        set_rng_states(now)
 
 
 CLIENT_STATE = {"epoch": 3, "sampler": {"position": torch.arange(4) * 7, "name": "text"}, "history": [1.5, 2]}
@@ -159,16 +202,17 @@ def main() -> None:
              "compression": {"codec": "int8", "block_size": 256}}
 
     # Reference: uninterrupted, same block (snapshots every step, disk save at 4).
-    torch.manual_seed(7)
     ref = make_engine(args.stage, {"compression": block["compression"]})
-    res["reference"] = {"losses": train(ref, STEPS, corpus), "digests": digests(ref)}
+    seed_all(7)
+    ref_rng: dict[int, tuple] = {}
+    res["reference"] = {"losses": train(ref, STEPS, corpus, rng_log=ref_rng), "digests": digests(ref)}
 
     # Main: snapshots every step; the background save of step 3 fails (ENOSPC on rank 1); a
     # foreground DeepSpeed save at step 4; stop at 5 (the "crash").
     os.environ[memory.ENV_JOB] = job
-    torch.manual_seed(7)
     data = DataPosition()
     eng = make_engine(args.stage, block)
+    seed_all(7)
     eng.robust_plugins.memory.register("data", data.get, data.set)
     real_write = persist._write
 
@@ -201,14 +245,20 @@ def main() -> None:
     records.take()
 
     def restart(seed, until):
-        torch.manual_seed(999)  # a different RNG state: only the snapshot can make it right
         d = DataPosition()
         e = make_engine(args.stage, block, seed=seed)
+        seed_all(999 + seed)  # different RNG states: only the snapshot can make them right
         e.robust_plugins.memory.register("data", d.get, d.set)
         load_path, client = e.load_checkpoint(root)
         info = {"load_path": load_path, "resumed_at": e.global_steps, "data_seen": d.seen,
                 "data_order": d.order.tolist(),
                 "client_state": gather(plain({k: client[k] for k in CLIENT_STATE if k in client}))}
+        # torch, numpy and Python RNG states as the reference had them at the resumed step
+        info["rng_restored"] = gather(rng_digest() == _digest_of(ref_rng[e.global_steps]))
+        if "global_step" in load_path and load_path.endswith("mp_rank_00_model_states.pt"):
+            # DeepSpeed's own checkpoint holds no RNG state: a script restores its own (as from
+            # its client_state); here the reference's states of that step.
+            set_rng_states(ref_rng[e.global_steps])
         info["log"] = records.take()
         info["losses"] = train(e, until, corpus, d)
         info["digests"] = digests(e)
@@ -282,17 +332,17 @@ def main() -> None:
             e, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
             return e
 
-        torch.manual_seed(7)
         b_ref = bf16_engine(SEED)
+        seed_all(7)
         bf16 = {"optimizer": type(b_ref.optimizer).__name__, "ref_losses": train(b_ref, 6, corpus)}
         bf16["ref_digests"] = digests(b_ref)
         b_ref.robust_plugins.memory.close(remove=True)
-        torch.manual_seed(7)
         b1 = bf16_engine(SEED)
+        seed_all(7)
         bf16["losses"] = train(b1, 4, corpus)
         b1.robust_plugins.memory.store.flush()
-        torch.manual_seed(999)
         b2 = bf16_engine(SEED + 3)
+        seed_all(999)
         path, _ = b2.load_checkpoint()
         bf16["load_path"], bf16["resumed_at"] = path, b2.global_steps
         bf16["losses"] += train(b2, 6, corpus)

@@ -41,6 +41,17 @@ def _sources(x):
     return [(r or {}).get("source") for r in x["restored"]]
 
 
+def test_every_restore_hands_back_each_ranks_rng_states(run):
+    """The worker's loss is scaled by draws from torch, numpy and Python's RNG (seeded per rank),
+    and each restart reseeds all three: right after load_checkpoint every rank's states must be
+    the reference's at the resumed step (memory, peer copy, background disk save)."""
+    _, _, r = run
+    for case in ("own", "peer", "corrupt", "common", "disk"):
+        assert r[case]["rng_restored"] == [True, True], case
+    # DeepSpeed's own checkpoint holds no RNG state (the worker sets it back itself after it)
+    assert r["older_disk"]["rng_restored"] == [False, False]
+
+
 def test_snapshots_leave_training_unchanged_and_live_in_shared_memory(run):
     _, _, r = run
     ref = r["reference"]["losses"]
