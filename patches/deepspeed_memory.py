@@ -58,6 +58,7 @@ from robust_plugins.checkpoint.peer import PeerBackup, plan_peers
 from robust_plugins.checkpoint.persist import FORMAT as PERSIST_FORMAT
 from robust_plugins.checkpoint.persist import SnapshotPersister, load_snapshot_checkpoint
 from robust_plugins.checkpoint.restore import restore_from_memory, rollback_bound
+from robust_plugins.device import device_rng_state, set_device_rng_state
 from robust_plugins.errors import CheckpointError, UnsupportedError
 
 log = get_logger(__name__)
@@ -117,8 +118,9 @@ def _rng_state() -> dict:
     import numpy as np
 
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    cuda = device_rng_state()  # this rank's device only: a restart may see another device count
+    if cuda is not None:
+        state["cuda"] = cuda
     return state
 
 
@@ -129,8 +131,7 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    set_device_rng_state(state.get("cuda"))
 
 
 class SnapshotBinding:

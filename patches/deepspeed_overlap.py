@@ -40,6 +40,8 @@ import torch
 
 from robust_plugins._logging import get_logger, log_rank0, warn_once
 from robust_plugins.comm.overlap import Completed, SyncThread, clone_groups, plan_buckets
+from robust_plugins.config import DEFAULT_BUCKET_MB
+from robust_plugins.device import default_bucket_mb
 from robust_plugins.errors import UnsupportedError
 from robust_plugins.patches import _guard
 
@@ -68,6 +70,13 @@ def unsupported_reason(engine) -> str | None:
     if engine.pipeline_parallelism:
         return "pipeline engines reduce on their own schedule"
     return None
+
+
+def bucket_mb_for(configured_mb: float, device_type: str) -> float:
+    """The planned buckets' size in MB (pure): ``compression.bucket_mb`` when set, else the
+    default of the gradients' device type (:data:`robust_plugins.device.BUCKET_MB`: 4 on CPU,
+    25 on CUDA, why there). Unset is the config's default value, as elsewhere in the patches."""
+    return configured_mb if configured_mb != DEFAULT_BUCKET_MB else default_bucket_mb(device_type)
 
 
 def attach_buckets(engine, plugin) -> "BucketedReduction | None":
@@ -109,7 +118,7 @@ def attach_buckets(engine, plugin) -> "BucketedReduction | None":
 
     _guard.bind_instance(engine, "buffered_allreduce_fallback", buffered_allreduce_fallback)
     log_rank0(log, logging.INFO, "robust_plugins: %d gradient buckets of >= %g MB, %s", len(reduction.plan),
-              cfg.bucket_mb, "each reduced during backward once ready" if reduction.overlap
+              reduction.bucket_mb, "each reduced during backward once ready" if reduction.overlap
               else "reduced after backward (compression.overlap = false)")
     return reduction
 
@@ -135,7 +144,10 @@ class BucketedReduction:
         self.plugin = plugin
         self.sync = plugin.sync
         self.params = [p for p in engine.module.parameters() if p.requires_grad and p.numel() > 0]
-        numel = max(1, int(plugin.config.compression.bucket_mb * 2**20 / 4))
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.bucket_mb = bucket_mb_for(plugin.config.compression.bucket_mb, device.type)
+        """The planned buckets' size (MB): ``compression.bucket_mb``, or the device's default if unset."""
+        numel = max(1, int(self.bucket_mb * 2**20 / 4))
         self.plan: list[list[int]] = plan_buckets([(p.numel(), p.dtype) for p in self.params], numel)
         """Parameter indices (into :attr:`params`) of each bucket, in reduction order."""
         # DeepSpeed's own ZeRO 0 group and averaging world (_reduce_non_expert_gradients).
@@ -172,7 +184,8 @@ class BucketedReduction:
                 # on the sync thread while the training thread runs on.
                 self.sync._hierarchy(self.group)
             self.clone = clone_groups([self.group])[id(self.group)]
-            self.thread = SyncThread("robust-ds-grad-sync", "DeepSpeed gradient bucket", self._emit)
+            self.thread = SyncThread("robust-ds-grad-sync", "DeepSpeed gradient bucket", self._emit,
+                                     device=device)
             for i, p in enumerate(self.params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(i)))
 
@@ -243,19 +256,9 @@ class BucketedReduction:
             self._reduce(grads, key, self.group)
             self._handles.append(Completed())
             return
-        ready = None
-        if grads[0].is_cuda:  # untested (no GPU here): the thread starts after the kernels that
-            ready = torch.cuda.Event()  # produced these gradients, and finishes with its own
-            ready.record()
-
-        def work() -> None:
-            if ready is not None:
-                ready.synchronize()
-            self._reduce(grads, key, self.clone)
-            if ready is not None:
-                torch.cuda.current_stream().synchronize()
-
-        self._handles.append(self.thread.submit(name, work))
+        # On a GPU the thread's stream waits for the kernels that produced these gradients and
+        # the waiting stream for the thread's (events, SyncThread): no host synchronize here.
+        self._handles.append(self.thread.submit(name, lambda: self._reduce(grads, key, self.clone), grads))
 
     def _reduce(self, grads: list, key, group) -> None:
         """One bucket: DeepSpeed's ``allreduce_bucket`` (uncompressed: warm-up, ``min_numel``) or its

@@ -169,7 +169,8 @@ class MegatronPlugin:
                for _, g in self.groups]
         unique = list({id(g): g for g in pgs}.values())
         self.clones = clone_groups(unique)
-        self.thread = SyncThread("robust-mcore-grad-sync", "megatron bucket group", self._emit)
+        device = self.groups[0][1].buckets[0].grad_data.device if self.groups else None
+        self.thread = SyncThread("robust-mcore-grad-sync", "megatron bucket group", self._emit, device=device)
 
     def close(self) -> None:
         """Stop the sync thread (after the work already submitted) and close the telemetry recorder."""
@@ -489,19 +490,15 @@ def _start_grad_sync(group, name: str, plugin: MegatronPlugin):
             group.grad_reduce_handle = Completed() if cfg.overlap_grad_reduce else None
             return
         clone = plugin.clones[id(pg)]
-        ready = None
-        if buckets[0].grad_data.is_cuda:  # untested (no GPU here): the thread starts after the
-            ready = torch.cuda.Event()   # kernels that produced these grads, and finishes with its own
-            ready.record()
 
         def work():
-            if ready is not None:
-                ready.synchronize()
             _reduce_buckets(plugin, buckets, keys, locals_, clone, op, reduce_op)
-            if ready is not None:
-                torch.cuda.current_stream().synchronize()
 
         plugin._emit("dispatch", name)
-        group.grad_reduce_handle = plugin.thread.submit(name, work)
+        # On a GPU the thread's stream waits for the kernels that produced these gradients (an
+        # event recorded here, after megatron's scaling) and finish_grad_sync's stream for the
+        # thread's: SyncThread's events, no host synchronize.
+        tensors = [b.grad_data for b in buckets] + [t for t in locals_ if t is not None]
+        group.grad_reduce_handle = plugin.thread.submit(name, work, tensors)
 
     return start_grad_sync

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from robust_plugins.comm import _twophase, wire
 from robust_plugins.comm.state import CompressionState
 from robust_plugins.config import CompressionConfig
+from robust_plugins.device import default_piece_numel
 from robust_plugins.errors import ConfigError, RobustPluginsError
 
 OPS = ("avg", "sum")
@@ -143,7 +144,7 @@ def compressed_all_reduce(
         row = _twophase.reduce_chunk(_twophase.encode(flat, layout, sender_res), layout, rank, server_res, scale)
         _twophase.decode_piece(row.view(1, -1), layout, flat, 0, layout.chunk)
         return tensor
-    _pipelined(flat, layout, rank, group, sender_res, server_res, scale, PIECE_NUMEL)
+    _pipelined(flat, layout, rank, group, sender_res, server_res, scale, piece_numel_for(flat.device.type))
     return tensor
 
 
@@ -156,8 +157,15 @@ def compressed_all_reduce(
 #: 2**21 elements 1194, 2**20 1094, 2**19 1033, 2**18 1002. 2**19 is 8 pieces of that bucket's
 #: 4M-element rail chunks and keeps every chunk of up to 2 MB of fp32 (the 4 MB training buckets
 #: over 2 or more ranks) one piece: one all-to-all and one all-gather, as before. The result is
-#: bitwise the same for every piece size.
-PIECE_NUMEL = 1 << 19
+#: bitwise the same for every piece size. This is the CPU size; other devices take
+#: :data:`robust_plugins.device.PIECE_NUMEL` (:func:`piece_numel_for`, why there).
+PIECE_NUMEL = default_piece_numel("cpu")
+
+
+def piece_numel_for(device_type: str) -> int:
+    """Piece size of a compressed all-reduce of a tensor on ``device_type``: :data:`PIECE_NUMEL`
+    on CPU (read at each call, so a benchmark or test may set it), the device's default elsewhere."""
+    return PIECE_NUMEL if device_type == "cpu" else default_piece_numel(device_type)
 
 
 def _pipelined(flat: torch.Tensor, layout: _twophase.Layout, rank: int, group: Any,
