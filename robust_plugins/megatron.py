@@ -31,6 +31,7 @@ import torch
 
 from robust_plugins._logging import get_logger
 from robust_plugins.config import CheckpointConfig, PluginConfig
+from robust_plugins.device import collective_device, device_rng_state, set_device_rng_state
 from robust_plugins.errors import CheckpointError, ConfigError
 
 log = get_logger(__name__)
@@ -198,8 +199,8 @@ class MegatronCheckpointer:
                           gradient_accumulation_steps=self.gradient_accumulation_steps)
         self.disk = DiskCheckpointer(
             self.config, rank=self.rank, world_size=self.world_size, layout=layout,
-            versions={"megatron-core": megatron_version(), "torch": torch.__version__}, device="cpu",
-        )
+            versions={"megatron-core": megatron_version(), "torch": torch.__version__},
+        )  # device: the default group's (CUDA on NCCL, CPU on gloo), looked up at each agreement
         # Checked by plan_megatron_reshard after the tag is chosen, not by the manifest match.
         self.disk.reshardable = ("world_size", "dp", "global_batch", "micro_batch", "gradient_accumulation_steps")
         self.resharded: str | None = None
@@ -271,7 +272,8 @@ class MegatronCheckpointer:
 
         return {"format": 1, "step": int(step), "extra": extra,
                 "plugin": None if self.plugin is None else self.plugin.state_dict(),
-                "cpu_rng": torch.get_rng_state(), "tracker_rng": get_cuda_rng_tracker().get_states()}
+                "cpu_rng": torch.get_rng_state(), "tracker_rng": get_cuda_rng_tracker().get_states(),
+                **({"cuda_rng": rng} if (rng := device_rng_state()) is not None else {})}
 
     # ------------------------------------------------------------------------------ save
     def _root(self, root: str | os.PathLike | None) -> str:
@@ -372,6 +374,7 @@ class MegatronCheckpointer:
             self.plugin.load_state_dict(state["plugin"])
         torch.set_rng_state(state["cpu_rng"])
         get_cuda_rng_tracker().set_states(state["tracker_rng"])
+        set_device_rng_state(state.get("cuda_rng"))
         self.extra = state["extra"]
         if self.memory is not None:
             from robust_plugins.patches.deepspeed_memory import record_restore
@@ -458,7 +461,8 @@ class MegatronCheckpointer:
             self.plugin.step_end(step, loss=loss, grad_norm=grad_norm)
         else:
             watchdog.step_end(step, loss=loss, grad_norm=grad_norm)
-        flag = torch.tensor([1 if self._term else 0], dtype=torch.int32)
+        # On the default group's device: NCCL moves CUDA tensors only.
+        flag = torch.tensor([1 if self._term else 0], dtype=torch.int32, device=collective_device())
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item():

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from robust_plugins.device import collective_device
 from robust_plugins.errors import CheckpointError
 
 
@@ -33,11 +34,15 @@ def _wait(work, timeout_s: float, what: str) -> None:
         ) from exc
 
 
-def all_gather_json(value: Any, timeout_s: float, what: str, device: torch.device | str = "cpu",
+def all_gather_json(value: Any, timeout_s: float, what: str, device: torch.device | str | None = None,
                     group: Any = None) -> list[Any]:
-    """Every rank's ``value`` (JSON-serializable), in rank order (of ``group``; default: world)."""
+    """Every rank's ``value`` (JSON-serializable), in rank order (of ``group``; default: world).
+
+    ``device``: where the tensors live; None (default) is what ``group``'s backend moves
+    (:func:`~robust_plugins.device.collective_device`: CUDA on NCCL, CPU on gloo)."""
     if not _distributed(group):
         return [json.loads(json.dumps(value))]
+    device = collective_device(group) if device is None else device
     payload = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
     world = dist.get_world_size(group)
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
@@ -52,10 +57,12 @@ def all_gather_json(value: Any, timeout_s: float, what: str, device: torch.devic
 
 
 def broadcast_json(value: Any, timeout_s: float, what: str, src: int = 0,
-                   device: torch.device | str = "cpu", group: Any = None) -> Any:
-    """Global rank ``src``'s ``value`` on every rank of ``group`` (others' ``value`` is ignored)."""
+                   device: torch.device | str | None = None, group: Any = None) -> Any:
+    """Global rank ``src``'s ``value`` on every rank of ``group`` (others' ``value`` is ignored;
+    ``device`` as in :func:`all_gather_json`)."""
     if not _distributed(group):
         return json.loads(json.dumps(value))
+    device = collective_device(group) if device is None else device
     is_src = dist.get_rank() == src
     data = json.dumps(value).encode() if is_src else b""
     length = torch.tensor([len(data)], dtype=torch.int64, device=device)
@@ -67,7 +74,8 @@ def broadcast_json(value: Any, timeout_s: float, what: str, src: int = 0,
     return json.loads(buf.cpu().numpy().tobytes().decode())
 
 
-def barrier(timeout_s: float, what: str, device: torch.device | str = "cpu") -> None:
-    """Wait (at most ``timeout_s``) until every rank got here."""
+def barrier(timeout_s: float, what: str, device: torch.device | str | None = None) -> None:
+    """Wait (at most ``timeout_s``) until every rank got here (``device`` as in :func:`all_gather_json`)."""
     if _distributed():
+        device = collective_device() if device is None else device
         _wait(dist.all_reduce(torch.zeros(1, device=device), async_op=True), timeout_s, what)

@@ -39,7 +39,7 @@ class DiskCheckpointer:
 
     def __init__(self, config: CheckpointConfig, rank: int, world_size: int,
                  layout: Mapping[str, Any] | None = None, versions: Mapping[str, str] | None = None,
-                 device: Any = "cpu", group: Any = None) -> None:
+                 device: Any = None, group: Any = None) -> None:
         self.config = config
         self.group = group
         """Process group of the save/load agreement (None: the default group). A save from a
@@ -53,6 +53,8 @@ class DiskCheckpointer:
         """``world_size`` / layout keys a loader may differ in (recorded, not required to match):
         the host reshards (``checkpoint.elastic``) or refuses after :meth:`select`."""
         self.device = device
+        """Device of the agreement's tensors; None: what ``group``'s backend moves (CUDA on NCCL,
+        CPU on gloo; :func:`robust_plugins.device.collective_device`, looked up at each call)."""
         self._written: list[str] = []
         self._error: str | None = None
         self._staging: str | None = None

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from robust_plugins._logging import get_logger
 from robust_plugins.checkpoint.memory import HEADER_SIZE, SHM_ROOT, Header, SnapshotInfo, Slot, held_name
+from robust_plugins.device import collective_device
 from robust_plugins.errors import CheckpointError
 
 log = get_logger(__name__)
@@ -95,15 +96,26 @@ def _wait(works: list, timeout_s: float, what: str) -> None:
             raise CheckpointError(f"{what}: the peer did not answer within {timeout_s:g} s ({exc}).") from exc
 
 
-def _meta(h: Header) -> torch.Tensor:
+def _meta(h: Header, device: Any) -> torch.Tensor:
     return torch.tensor([h.step, h.rank, h.world_size, h.schema_len, h.data_off, h.data_len, h.crc, 0],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device=device)
+
+
+def _host_group(group: Any) -> torch.device:
+    """The device of ``group``'s tensors, which must be the host: slots are shared host memory."""
+    device = collective_device(group)
+    if device.type != "cpu":
+        raise CheckpointError(
+            f"the peer backup sends shared-memory snapshot bytes (host memory), but its process group moves "
+            f"{device.type} tensors ({dist.get_backend(group)}); give it a gloo group "
+            f"(torch.distributed.new_group(backend=\"gloo\")), as the DeepSpeed and megatron-core bindings do.")
+    return device
 
 
 def send_slot(slot: Slot, dst: int, group: Any, timeout_s: float, what: str) -> None:
     """Send a committed slot's header fields and bytes to ``dst``."""
     h = slot.header()
-    meta = _meta(h)
+    meta = _meta(h, _host_group(group))
     _wait([dist.isend(meta, dst=dst, group=group)], timeout_s, what)
     if h.total > HEADER_SIZE:
         _wait([dist.isend(slot.bytes()[HEADER_SIZE:h.total], dst=dst, group=group)], timeout_s, what)
@@ -111,7 +123,7 @@ def send_slot(slot: Slot, dst: int, group: Any, timeout_s: float, what: str) -> 
 
 def recv_slot(slot: Slot, src: int, job: str, group: Any, timeout_s: float, what: str) -> Header:
     """Receive what :func:`send_slot` sent into ``slot``; committed only after the last byte."""
-    meta = torch.zeros(8, dtype=torch.int64)
+    meta = torch.zeros(8, dtype=torch.int64, device=_host_group(group))
     _wait([dist.irecv(meta, src=src, group=group)], timeout_s, what)
     step, rank, world, slen, doff, dlen, crc, _ = (int(x) for x in meta.tolist())
     h = Header(False, step, rank, world, slen, doff, dlen, crc, job)
@@ -131,6 +143,7 @@ class PeerBackup:
     def __init__(self, job: str, rank: int, holders: Sequence[int], group: Any,
                  root: str = SHM_ROOT, timeout_s: float = 300.0) -> None:
         self.job, self.rank, self.group, self.timeout_s = job, rank, group, timeout_s
+        _host_group(group)  # refused here, not later on the snapshot thread
         self.holders = list(holders)
         self.holder = self.holders[rank]
         """The rank that keeps this rank's copy."""
@@ -152,7 +165,8 @@ class PeerBackup:
         """
         h = own.header()
         what = f"peer backup of step {h.step} (rank {self.rank} -> {self.holder}, {self.source} -> {self.rank})"
-        meta_out, meta_in = _meta(h), torch.zeros(8, dtype=torch.int64)
+        device = _host_group(self.group)
+        meta_out, meta_in = _meta(h, device), torch.zeros(8, dtype=torch.int64, device=device)
         _wait([dist.isend(meta_out, dst=self.holder, group=self.group),
                dist.irecv(meta_in, src=self.source, group=self.group)], self.timeout_s, what)
         step, rank, world, slen, doff, dlen, crc, _ = (int(x) for x in meta_in.tolist())

@@ -26,6 +26,7 @@ from robust_plugins._logging import get_logger
 from robust_plugins.checkpoint import coord
 from robust_plugins.checkpoint.disk import DiskCheckpointer
 from robust_plugins.checkpoint.memory import Slot
+from robust_plugins.device import collective_device
 from robust_plugins.errors import CheckpointError
 
 log = get_logger(__name__)
@@ -88,7 +89,8 @@ class SnapshotPersister:
 
         from robust_plugins import watchdog
 
-        ok = torch.tensor([1 if watchdog.ok_to_save(step) else 0], dtype=torch.int32)
+        ok = torch.tensor([1 if watchdog.ok_to_save(step) else 0], dtype=torch.int32,
+                          device=collective_device(self.disk.group))
         if dist.is_available() and dist.is_initialized():
             work = dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.disk.group, async_op=True)
             coord._wait(work, self.disk.config.timeout_s, f"background save of step {step}: agreeing")

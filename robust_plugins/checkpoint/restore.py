@@ -122,11 +122,12 @@ def rollback_bound(env: Mapping[str, str] | None = None) -> int | None:
 
 
 def restore_from_memory(store: SnapshotStore, peers: PeerBackup | None, timeout_s: float,
-                        disk_step: int | None = None, device: Any = "cpu",
+                        disk_step: int | None = None, device: Any = None,
                         max_step: int | None = None) -> tuple[int, Any, str] | None:
     """Carry out the plan on every rank (a collective); (step, state, source) or None.
 
-    ``source`` is ``memory`` or ``peer:<holder>``. Returns None (every rank alike) when memory
+    ``source`` is ``memory`` or ``peer:<holder>``. ``device``: of the agreement's tensors (None:
+    what the default group's backend moves). Returns None (every rank alike) when memory
     cannot serve; the reason is logged once on rank 0, and each rank logs why its own slots
     were unusable.
     """

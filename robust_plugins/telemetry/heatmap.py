@@ -123,10 +123,15 @@ def probe(nbytes: int = 1 << 20, group: Any = None, hosts: Sequence[str] | None 
     import torch
     import torch.distributed as dist
 
+    from robust_plugins.device import collective_device, synchronize
+
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    big = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
-    small = torch.zeros(1, dtype=torch.float32)
+    # Point-to-point goes over the default group (group=None below), so its device; the host
+    # timers wait for the device after each exchange (NCCL's send/recv return once queued).
+    device = collective_device(None)
+    big = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    small = torch.zeros(1, dtype=torch.float32, device=device)
     row_bw = [float("nan")] * world
     row_lat = [float("nan")] * world
     for pairs in pair_rounds(world):
@@ -144,6 +149,7 @@ def probe(nbytes: int = 1 << 20, group: Any = None, hosts: Sequence[str] | None 
                 else:
                     dist.recv(small, peer, group=None)
                     dist.send(small, peer, group=None)
+                synchronize(device)
                 return time.perf_counter() - t0
 
             ping(me_first)  # gloo connects a pair lazily: the first message pays for it
@@ -159,13 +165,15 @@ def probe(nbytes: int = 1 << 20, group: Any = None, hosts: Sequence[str] | None 
                     if sender_is_me:
                         dist.send(big, peer)
                         dist.recv(small, peer)
+                        synchronize(device)
                         best = min(best, time.perf_counter() - t0)
                     else:
                         dist.recv(big, peer)
                         dist.send(small, peer)
+                        synchronize(device)
                 if sender_is_me:
                     row_bw[b if me_first else a] = big.numel() * 4 / best
-    mine = torch.tensor([row_bw, row_lat], dtype=torch.float64)
+    mine = torch.tensor([row_bw, row_lat], dtype=torch.float64, device=collective_device(group))
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
 
