@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import ctypes
 import faulthandler
-import hashlib
 import json
 import math
 import os
@@ -36,6 +35,7 @@ from typing import Any
 
 from robust_plugins._logging import get_logger, warn_once
 from robust_plugins.watchdog import inject as _inject
+from robust_plugins.watchdog.param_hash import param_hash
 from robust_plugins.watchdog.ring import RingError, RingWriter
 
 log = get_logger(__name__)
@@ -257,9 +257,10 @@ class _Client:
             fault = self.param_injections.pop(0)
             self.send({"k": "inject", "s": step, "spec": fault.spec()}, wait=True)
             _flip_bit(params[0], int(fault.option))
+        from robust_plugins.device import collective_device
+
         mine = param_hash(params)
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        mine_t = torch.tensor([mine], dtype=torch.int64, device=device)
+        mine_t = torch.tensor([mine], dtype=torch.int64, device=collective_device(group))
         world = dist.get_world_size(group)
         gathered = [torch.empty_like(mine_t) for _ in range(world)]
         dist.all_gather(gathered, mine_t, group=group)
@@ -335,17 +336,6 @@ def load_state_dict(state: dict[str, Any] | None) -> None:
 def parse_skip_steps(text: str) -> frozenset[int]:
     """``"25,40"`` -> ``{25, 40}`` (the ``ROBUST_SKIP_STEPS`` value ``robust run`` sets)."""
     return frozenset(int(x) for x in text.split(",") if x.strip())
-
-
-def param_hash(params: list) -> int:
-    """A 64-bit hash (signed, to fit an int64 tensor) of the parameters' bytes, in order."""
-    import torch
-
-    h = hashlib.blake2b(digest_size=8)
-    for p in params:
-        t = p.detach().contiguous().reshape(-1).view(torch.uint8)
-        h.update(t.cpu().numpy().tobytes())
-    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 def minority_ranks(hashes: dict[int, int]) -> tuple[list[int], str]:
