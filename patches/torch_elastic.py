@@ -3,7 +3,8 @@
 ``robust_plugins/watchdog/agent.py`` subclasses torchrun's ``LocalElasticAgent`` and overrides
 three private methods (``_rendezvous``, ``_start_workers``, ``_monitor_workers``), reads the
 private counter ``_remaining_restarts`` and the ``WorkerGroup`` fields the rendezvous fills
-(``store``, ``group_rank``, ``master_addr``, ``master_port``). None of that is public API: a
+(``store``, ``group_rank``, ``master_addr``, ``master_port``), and for warm standbys swaps the
+per-rank process factory ``get_subprocess_handler`` while ranks start. None of that is public API: a
 torch release may rename or re-sign any of it, and an override that no longer matches would be
 skipped or called wrongly without an error. This module is the check, in the style of every host
 patch here (``_guard.py``): a supported version range, then the parameter names of each
@@ -17,7 +18,11 @@ stays beside the monitor it drives (``watchdog/agent.py``) and calls :func:`chec
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import signal
+from typing import Any, Callable, Iterator
 
 from robust_plugins.errors import HostVersionError
 from robust_plugins.patches import _guard
@@ -44,6 +49,58 @@ AGENT_FIELDS = ("_remaining_restarts", "_worker_group")
 
 #: ``torch.distributed.run`` functions ``robust run`` calls with torchrun's parsed arguments.
 RUN_FUNCTIONS = {"config_from_args": ["args"], "get_args_parser": []}
+
+#: The factory ``SubprocessContext._start`` calls (by keyword) for each rank's process; the
+#: standby hand-off (:func:`subprocess_handlers`) replaces it while the agent starts ranks.
+HANDLER_FACTORY = ("get_subprocess_handler",
+                   ["entrypoint", "args", "env", "stdout", "stderr", "local_rank_id", "numa_options"])
+
+#: Variables ``LocalElasticAgent._start_workers`` sets per rank and incarnation (besides the
+#: ``TORCHELASTIC_*`` ones): the only ones a warm standby may see change at its hand-off.
+RANK_ENV = frozenset({"RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                      "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                      "TORCH_NCCL_ASYNC_ERROR_HANDLING"})
+
+
+def is_rank_env(name: str) -> bool:
+    """True for a variable torch's agent sets per rank or incarnation."""
+    return name in RANK_ENV or name.startswith("TORCHELASTIC_")
+
+
+class StandbyHandler:
+    """What ``SubprocessContext`` uses of a ``SubprocessHandler`` (``proc``, ``local_rank_id``,
+    ``close``), for a rank that runs in an already started process (a session leader)."""
+
+    def __init__(self, proc, local_rank_id: int) -> None:
+        self.proc = proc
+        self.local_rank_id = local_rank_id
+
+    def close(self, death_sig: signal.Signals | None = None) -> None:
+        """Signal the rank's process group, as torch's handler does."""
+        try:
+            os.killpg(self.proc.pid, death_sig or signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+@contextlib.contextmanager
+def subprocess_handlers(factory: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, each rank torch's elastic agent starts gets ``factory(**kwargs)`` (torch's
+    own keyword arguments, :data:`HANDLER_FACTORY`), or torch's handler where it returns None."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = api.get_subprocess_handler
+    _guard.check_signature("torch", original, HANDLER_FACTORY[1], SUPPORTED)
+
+    def get_subprocess_handler(**kwargs: Any):
+        return factory(**kwargs) or original(**kwargs)
+
+    get_subprocess_handler.__wrapped__ = original
+    api.get_subprocess_handler = get_subprocess_handler
+    try:
+        yield
+    finally:
+        api.get_subprocess_handler = original
 
 
 def check(torch_version: str | None = None) -> None:
@@ -84,6 +141,16 @@ def check(torch_version: str | None = None) -> None:
     # WorkerSpec (that needs a rendezvous handler).
     _check_fields("WorkerGroup", WorkerGroup.__init__, WORKER_GROUP_FIELDS)
     _check_fields("SimpleElasticAgent", SimpleElasticAgent.__init__, AGENT_FIELDS)
+    from torch.distributed.elastic.multiprocessing import api
+
+    factory = getattr(api, HANDLER_FACTORY[0], None)
+    if factory is None:
+        raise HostVersionError(
+            f"torch {torch.__version__}: torch.distributed.elastic.multiprocessing.api."
+            f"{HANDLER_FACTORY[0]} no longer exists; robust run's standby workers replace it. "
+            f"Supported: {SUPPORTED}; --no-standby runs without them."
+        )
+    _guard.check_signature("torch", factory, HANDLER_FACTORY[1], SUPPORTED)
 
 
 def _check_fields(owner: str, init, fields: tuple[str, ...]) -> None:

@@ -14,6 +14,7 @@ plus:
 ``--watchdog K=V``       one watchdog setting (``--watchdog hang_min_timeout_s=5``)
 ``--watchdog-config F``  a JSON file: a DeepSpeed config (its ``robust_plugins.watchdog`` block is
                          read) or a bare ``{"watchdog": {...}}`` block
+``--no-standby``         no warm standby workers (restarts start fresh interpreters)
 
 Restarts are on by default: ``--max-restarts`` defaults to 3 (``DEFAULT_MAX_RESTARTS``; torchrun's
 is 0), with the watchdog's ``restart_backoff_s`` between them; ``--max-restarts 0`` means none.
@@ -71,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="one watchdog setting, e.g. hang_min_timeout_s=5 (repeatable)")
     ours.add_argument("--watchdog-config", metavar="JSON",
                       help="DeepSpeed config or {\"watchdog\": {...}} file with watchdog settings")
+    ours.add_argument("--no-standby", dest="standby", action="store_false",
+                      help="no warm standby workers: every restart starts fresh interpreters "
+                           "(default: one standby per local rank, started once the ranks train, "
+                           "with torch, the plugin and the script's DeepSpeed/megatron-core imports "
+                           "done; a restart hands each rank to one)")
     # Reuse torchrun's parser actions as they are: same names, defaults, PET_* environment
     # fallbacks and help, so a torchrun command line works after `robust run`.
     for action in get_args_parser()._actions:
@@ -89,7 +95,8 @@ def _restart_default(action: argparse.Action) -> argparse.Action:
     action.help = (f"restarts of the worker group before the job fails (default "
                    f"{DEFAULT_MAX_RESTARTS}; torchrun's is 0). Each restart waits "
                    f"restart_backoff_s (default 0 s, doubling each time, capped at "
-                   f"restart_backoff_max_s). 0: no restart, the first fault ends the job.")
+                   f"restart_backoff_max_s) and is served by warm standby workers unless "
+                   f"--no-standby. 0: no restart, the first fault ends the job.")
     return action
 
 
@@ -166,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     (run_dir / "run.json").write_text(json.dumps({
         "argv": sys.argv, "watchdog": dataclasses.asdict(cfg),
         "inject": [i.spec() for i in injections], "max_restarts": config.max_restarts,
+        "standby": args.standby,
     }, indent=1) + "\n")
     print(f"robust run: run directory {run_dir} ({cfg.describe()})", flush=True)
 
@@ -174,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault(ENV_JOB, str(run_dir.resolve()))
     monitor = Monitor(cfg, run_dir, injections, host=args.local_addr or None)
     try:
-        result = launch(config, cmd, cmd_args, monitor)
+        result = launch(config, cmd, cmd_args, monitor, standby=args.standby)
     except NodeExcluded as exc:
         # One line a scheduler can grep, then the reason; the ranks of this node were stopped.
         print(f"robust run: EXCLUDED NODE {exc.record['node']}", file=sys.stderr, flush=True)

@@ -11,6 +11,12 @@ ones, and ``connectFullMesh`` fails with "Connection refused" (the old ranks are
 below starts a new, empty TCPStore on the node of group rank 0 for every incarnation (an OS-chosen
 port, announced to the other nodes through the rendezvous store under a per-incarnation key) and
 points ``MASTER_ADDR``/``MASTER_PORT`` at it, so no incarnation can read another's keys.
+
+Warm restarts (on unless ``--no-standby``): the agent keeps one standby interpreter per local
+rank (:mod:`robust_plugins.watchdog.standby`), started once the ranks train; on a restart it kills
+the old ranks at once (SIGKILL: their state is in shared-memory snapshots and atomically written
+checkpoints, so a grace period buys nothing) and hands each rank to a standby instead of starting
+a fresh ``python``. Every restart's ``detail.restart_s`` and ``detail.standby`` go to faults.jsonl.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -26,6 +33,7 @@ from robust_plugins.watchdog.detect import restart_delay
 from robust_plugins.watchdog.client import ENV_LAUNCH_WORLD
 from robust_plugins.watchdog.monitor import Monitor
 from robust_plugins.watchdog.nodes import NodeExcluded, NodeRegistry, node_blame
+from robust_plugins.watchdog.standby import StandbyPool, target_of
 
 log = get_logger(__name__)
 
@@ -47,8 +55,20 @@ def _agent_class():
         """``LocalElasticAgent`` with a per-incarnation worker store and the watchdog monitor."""
 
         def __init__(self, *args: Any, monitor: Monitor, node: str,
-                     registry: NodeRegistry | None = None, **kwargs: Any) -> None:
+                     registry: NodeRegistry | None = None, standby: bool = True, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self.pool: StandbyPool | None = None
+            self._our_env: set[str] | None = None
+            self._served: list[int] = []
+            self._standby_ready_s: list[float] = []
+            if standby:
+                spec = self._worker_group.spec
+                target, why = target_of(spec.entrypoint, spec.args)
+                if target is None:
+                    log.warning("robust run: no standby workers: %s; restarts start cold.", why)
+                else:
+                    self.pool = StandbyPool(spec.local_world_size, target, monitor.run_dir,
+                                            per_rank=self._per_rank_env)
             self.monitor = monitor
             self.node = node
             self.registry = registry
@@ -157,19 +177,80 @@ def _agent_class():
             worker_group.master_addr, worker_group.master_port = addr, int(port)
             self._note_membership(worker_group)
 
+        def _per_rank_env(self, name: str) -> bool:
+            # What may differ between a standby's import environment and its rank's: torch's
+            # per-rank variables and ours (set below for every incarnation).
+            if self._our_env is None:
+                self._our_env = {*self.monitor.worker_env(), ENV_LAUNCH_WORLD}
+            return torch_elastic.is_rank_env(name) or name in self._our_env
+
         def _start_workers(self, worker_group):
             # Start the worker processes with our variables: the elastic subprocess handler
             # copies this process's environment into each rank's. The monitor also creates the
             # step rings of the global ranks about to start here.
             os.environ.update(self.monitor.worker_env(w.global_rank for w in worker_group.workers))
             os.environ[ENV_LAUNCH_WORLD] = str(self._launch_world or "")
-            pids = super()._start_workers(worker_group)
+            self._served = []
+            if self.pool is not None and self.monitor.incarnation >= 0:
+                with torch_elastic.subprocess_handlers(self._from_standby):
+                    pids = super()._start_workers(worker_group)
+            else:
+                pids = super()._start_workers(worker_group)
             by_rank = {worker_group.workers[lr].global_rank: pid for lr, pid in pids.items()}
+            self.monitor.note_restart(self._served, len(by_rank))
             self.monitor.begin_incarnation(by_rank)
             return pids
 
+        def _from_standby(self, entrypoint, args, env, stdout, stderr, local_rank_id,
+                          numa_options=None):
+            # torch's per-rank process factory during a restart: a standby's process, or None
+            # (torch starts the rank cold; each reason is logged by the pool or here).
+            target, why = target_of(entrypoint, args)
+            if target is None or numa_options is not None:
+                log.warning("robust run: rank %s starts cold: %s", env.get("RANK"),
+                            why or "NUMA binding wraps the command (numactl)")
+                return None
+            # An importing standby started before a fresh process would: wait for it up to twice
+            # the time standbys took to get ready so far (60 s before any was).
+            typical = sorted(self._standby_ready_s)[len(self._standby_ready_s) // 2] if self._standby_ready_s else 30.0
+            sb = self.pool.take(wait_s=2 * typical)
+            if sb is None:
+                log.info("robust run: no standby ready for rank %s; it starts cold", env.get("RANK"))
+                return None
+            full = os.environ.copy()
+            full.update(env)  # what torch's SubprocessHandler gives a rank it starts itself
+            if not self.pool.hand(sb, target, full, stdout or None, stderr or None, env["RANK"]):
+                return None
+            self._served.append(int(env["RANK"]))
+            return torch_elastic.StandbyHandler(sb.proc, local_rank_id)
+
+        def _stop_workers(self, worker_group) -> None:
+            if self.pool is None:
+                return super()._stop_workers(worker_group)
+            self._shutdown(death_sig=signal.SIGKILL, timeout=5)
+
+        def _tick_standbys(self) -> None:
+            # On the agent's main thread (PR_SET_PDEATHSIG follows the spawning thread); the
+            # standbys import while the ranks train, never while they start up.
+            if self.pool is None:
+                return
+            stepping = any(st.progress.last_step is not None for st in self.monitor.ranks.values())
+            spawn = stepping and self._remaining_restarts > 0  # no restart left: nothing to serve
+            before = {id(sb) for sb in self.pool.standbys if sb.ready is not None}
+            self.pool.tick(spawn=spawn)
+            for sb in self.pool.standbys:
+                if sb.ready is not None and id(sb) not in before:
+                    self._standby_ready_s.append(time.monotonic() - sb.spawned)
+
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
+            try:
+                self._tick_standbys()
+            except Exception:
+                # Standbys only make restarts faster: without them restarts start cold.
+                log.exception("robust run: the standby pool failed; restarts start cold.")
+                self.pool, pool = None, self.pool
+                pool.close()
             if not self._monitor_ok:
                 return result
             will_restart = self._remaining_restarts > 0
@@ -197,11 +278,11 @@ def _agent_class():
     return RobustAgent
 
 
-def launch(config, entrypoint, args: list[str], monitor: Monitor) -> Any:
+def launch(config, entrypoint, args: list[str], monitor: Monitor, standby: bool = True) -> Any:
     """Run ``entrypoint args`` under the robust agent; returns the agent's ``RunResult``.
 
     ``config`` is the ``LaunchConfig`` that torchrun's own ``config_from_args`` builds, so every
-    torchrun option means what it means there.
+    torchrun option means what it means there. ``standby``: keep warm standby workers.
     """
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -228,7 +309,7 @@ def launch(config, entrypoint, args: list[str], monitor: Monitor) -> Any:
     agent = _agent_class()(
         spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template, monitor=monitor, node=node,
-        registry=registry,
+        registry=registry, standby=standby,
     )
     t0 = time.monotonic()
     excluded = False
@@ -243,6 +324,8 @@ def launch(config, entrypoint, args: list[str], monitor: Monitor) -> Any:
         if not excluded:
             spec.rdzv_handler.shutdown()
         agent._worker_store = None
+        if agent.pool is not None:
+            agent.pool.close()
     log.info("robust run: agent finished in %.1f s (%s)", time.monotonic() - t0, result.state.name)
     return result
 

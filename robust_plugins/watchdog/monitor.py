@@ -459,6 +459,18 @@ class Monitor:
             return  # written with the replay's verdict
         self.faults.write(fault)
 
+    def note_restart(self, standby_ranks: list[int], ranks: int) -> None:
+        """The agent started the ranks after the pending fault (before ``begin_incarnation``):
+        ``detail.restart_s`` (detection to the ranks running the script again) and whether
+        standbys served it (``detail.standby``: every one of this node's ``ranks``)."""
+        with self._lock:
+            fault = self._pending_resume
+            if fault is None or self._detected_at is None:
+                return
+            fault.detail["restart_s"] = round(time.monotonic() - self._detected_at, 3)
+            fault.detail["standby"] = bool(ranks) and len(standby_ranks) == ranks
+            fault.detail["standby_ranks"] = sorted(standby_ranks)
+
     def _replay_verdict(self, verdict: str, minority: list[int]) -> Fault:
         """Close the awaited SDC replay (under ``self._lock``): record the verdict and its evidence
         in the held fault, and write the fault unless it still waits for its resume step."""

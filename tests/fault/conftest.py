@@ -133,12 +133,15 @@ def robust_run(run_dir: Path, nproc: int, *args: str, timeout_s: float = 120.0,
 def _kill_everything(sid: int, run_dir: Path) -> list[int]:
     """Kill what is left of the job; return what was left *after the launcher exited on its own*."""
     workers_file = run_dir / "workers.jsonl"
+    standbys_file = run_dir / "standbys.jsonl"  # warm standby workers live in their own sessions
 
     def survivors() -> list[int]:
         pids = set(_session_members(sid))
         if workers_file.exists():
             for line in workers_file.read_text().splitlines():
                 pids.update(int(p) for p in json.loads(line)["pids"].values())
+        if standbys_file.exists():
+            pids.update(json.loads(line)["pid"] for line in standbys_file.read_text().splitlines())
         return sorted(p for p in pids if _alive(p))
 
     # Ranks get SIGKILL from the kernel when the launcher exits (PDEATHSIG); allow a moment.

@@ -1,0 +1,154 @@
+"""Warm standby workers of ``robust run`` (on by default): a restart hands each rank to an
+interpreter that imported torch and the plugin already, and the script runs there exactly as in
+a fresh process; dead or hung standbys are replaced; none outlives a SIGKILLed launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import _alive, robust_run
+
+from robust_plugins.launch import launch_env
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
+
+HERE = Path(__file__).parent
+PROBE = str(HERE / "standby_probe.py")
+
+#: What differs between two incarnations' environments whether they start cold or warm: the
+#: restart count, the incarnation's store port and error file, our incarnation and ring names.
+PER_INCARNATION = {"TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT",
+                   "ROBUST_INCARNATION", "ROBUST_WATCHDOG_RING", "ROBUST_INJECT"}
+
+#: Fields of the probe's record that must be the same in a cold and a warm incarnation.
+SAME = ("argv", "cwd", "name", "file", "package", "spec", "loader", "path0", "main_is_me", "pickle", "ppid")
+
+
+def _probes(probe_dir: Path) -> dict[tuple[int, int], dict]:
+    return {(int(p.stem.split("inc")[1].split("-")[0]), int(p.stem.split("rank")[1])): json.loads(p.read_text())
+            for p in probe_dir.glob("probe-inc*-rank*.json")}
+
+
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "standbys.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _same_start(cold: dict, warm: dict) -> None:
+    assert cold["torch_at_start"] is False and warm["torch_at_start"] is True  # cold vs warm indeed
+    assert {k: warm[k] for k in SAME} == {k: cold[k] for k in SAME}
+    assert warm["name"] == "__main__" and warm["main_is_me"] and warm["pickle"] == 3
+    changed = {k for k in cold["env"].keys() | warm["env"].keys() if cold["env"].get(k) != warm["env"].get(k)}
+    assert changed <= PER_INCARNATION, changed - PER_INCARNATION
+
+
+def test_a_restart_is_served_by_standbys_running_the_script_as_a_fresh_process(tmp_path):
+    probe = tmp_path / "probe"
+    job = robust_run(tmp_path, 2, "--inject", "kill:rank=1,step=6",
+                     script=[PROBE, "--steps", "12", "--step-sleep", "0.05", "--probe-dir", str(probe)])
+    assert job.returncode == 0, job.output[-3000:]
+    (fault,) = job.faults
+    assert (fault["kind"], fault["suspect_ranks"], fault["action"]) == ("crash", [1], "restart")
+    detail = fault["detail"]
+    assert detail["standby"] is True and detail["standby_ranks"] == [0, 1]
+    assert 0 <= detail["restart_s"] <= detail["recovered_after_s"]
+    probes = _probes(probe)
+    assert sorted(probes) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank in (0, 1):
+        _same_start(probes[(0, rank)], probes[(1, rank)])
+    served = {e["rank"]: e["pid"] for e in _events(tmp_path) if e["event"] == "served"}
+    assert served == {r: probes[(1, r)]["pid"] for r in (0, 1)}
+    # Module-level side effects ran once per incarnation and rank: the standbys that were
+    # started after the restart (and stopped unused at the end) ran nothing of the script.
+    lines = sorted((probe / "side_effects.txt").read_text().split("\n")[:-1])
+    assert lines == sorted(f"{i} {r} {probes[(i, r)]['pid']}" for i in (0, 1) for r in (0, 1))
+    assert any(e["event"] == "stopped" for e in _events(tmp_path))
+
+
+def _wait(what, predicate, timeout_s: float, proc: subprocess.Popen, log: Path):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def test_dead_and_hung_standbys_are_replaced_and_none_outlives_a_sigkilled_launcher(tmp_path):
+    """Also the ``-m module`` form. One standby is SIGKILLed, the other SIGSTOPped (it stops
+    answering pings); both are replaced, the replacements serve the restart after a rank dies,
+    then the launcher is SIGKILLed with fresh standbys importing: nothing is left."""
+    probe, run_dir = tmp_path / "probe", tmp_path / "run"
+    cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(run_dir), "--standalone",
+           "--nproc-per-node", "2", "--monitor-interval", "0.1", "--watchdog", "straggler_factor=0",
+           "-m", "standby_probe", "--steps", "100000", "--step-sleep", "0.05", "--probe-dir", str(probe)]
+    env = launch_env(extra={"PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])})
+    run_dir.mkdir()
+    log = run_dir / "launcher.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, start_new_session=True)
+    pids: set[int] = set()
+    try:
+        def ready() -> list[int]:
+            ev = _events(run_dir)
+            gone = {e["pid"] for e in ev if e["event"] in ("died", "hung", "served", "stopped")}
+            return [e["pid"] for e in ev if e["event"] == "ready" and e["pid"] not in gone]
+
+        first = _wait("two ready standbys", lambda: len(ready()) == 2 and ready(), 150, proc, log)
+        pids.update(first)
+        os.kill(first[0], signal.SIGKILL)
+        os.kill(first[1], signal.SIGSTOP)
+        events = _wait("both replaced and ready",
+                       lambda: (len(set(ready()) - set(first)) == 2) and _events(run_dir), 150, proc, log)
+        fate = {e["pid"]: e for e in events if e["pid"] in first and e["event"] in ("died", "hung")}
+        assert fate[first[0]]["event"] == "died"
+        assert fate[first[1]]["event"] == "hung" and "ping" in fate[first[1]]["why"]
+        workers = [json.loads(x) for x in (run_dir / "workers.jsonl").read_text().splitlines()]
+        os.kill(workers[0]["pids"]["1"], signal.SIGKILL)  # a real crash of rank 1
+        _wait("the warm incarnation's first steps", lambda: (run_dir / "faults.jsonl").exists(), 60, proc, log)
+        _wait("standbys started after the restart",
+              lambda: sum(e["event"] == "spawned" for e in _events(run_dir)) >= 6, 60, proc, log)
+        workers = [json.loads(x) for x in (run_dir / "workers.jsonl").read_text().splitlines()]
+        pids.update(p for w in workers for p in w["pids"].values())
+        pids.update(e["pid"] for e in _events(run_dir))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], "processes outlived the SIGKILLed launcher"
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    (fault,) = [json.loads(x) for x in (run_dir / "faults.jsonl").read_text().splitlines()]
+    assert fault["kind"] == "crash" and fault["detail"]["standby"] is True
+    probes = _probes(probe)
+    for rank in (0, 1):
+        _same_start(probes[(0, rank)], probes[(1, rank)])
+        assert probes[(1, rank)]["spec"] == "standby_probe" and probes[(1, rank)]["argv"][0].endswith("standby_probe.py")
+
+
+def test_no_standby_restarts_cold(tmp_path):
+    probe = tmp_path / "probe"
+    job = robust_run(tmp_path, 2, "--no-standby", "--inject", "kill:rank=0,step=4",
+                     script=[PROBE, "--steps", "8", "--probe-dir", str(probe)])
+    assert job.returncode == 0, job.output[-3000:]
+    (fault,) = job.faults
+    assert fault["detail"]["standby"] is False and fault["detail"]["standby_ranks"] == []
+    assert not (tmp_path / "standbys.jsonl").exists()
+    assert not any(p["torch_at_start"] for p in _probes(probe).values())
