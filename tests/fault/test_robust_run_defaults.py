@@ -1,5 +1,6 @@
-"""``robust run`` with no restart flag recovers: restarts are on by default (3), and
-``--max-restarts 0`` still means none."""
+"""``robust run`` with no restart flag recovers, warm: restarts are on by default (3) and served
+by standby workers; ``--max-restarts 0`` still means none. The plain loop's warm recovery is
+bitwise equal to a run without faults."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ def test_the_defaults_alone_recover_a_sigkill_bitwise_losing_at_most_one_step(tm
     (fault,) = job.faults
     assert (fault["kind"], fault["suspect_ranks"], fault["action"]) == ("crash", [1], "restart")
     assert fault["detail"]["signal"] == "SIGKILL"
+    assert fault["detail"]["standby"] is True  # warm: the defaults include standby workers
     assert fault["lost_steps"] <= 1 and fault["resumed_at_step"] in (25, 26)
     assert job.result["final_loss"] == baseline_2["final_loss"]
     assert job.result["params_hash"] == baseline_2["params_hash"]
