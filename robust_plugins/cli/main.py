@@ -18,6 +18,7 @@ COMMANDS = {
     "report": ("report", "an HTML page comparing runs: loss + forecast, throughput, bytes, ETTR, heat map"),
     "topo": ("topo", "print the discovered (or simulated) topology and the planned process groups"),
     "sim": ("sim", "run a command on a simulated multi-node cluster (network namespaces, rate-limited links)"),
+    "plan": ("plan", "project ETTR and the best snapshot/persist intervals for 1k-100k GPUs"),
     "prebuild": ("prebuild", "build DeepSpeed's CPU comm extension once (used by make install)"),
 }
 
