@@ -64,7 +64,6 @@ from __future__ import annotations
 import logging
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -72,7 +71,9 @@ import torch
 
 from robust_plugins._logging import get_logger, log_rank0
 from robust_plugins.config import AUTO_CANDIDATES, BF16_ALLREDUCE
+from robust_plugins.device import collective_device
 from robust_plugins.errors import ConfigError
+from robust_plugins.timing import WARMUP, Clock
 
 _log = get_logger(__name__)
 
@@ -382,27 +383,46 @@ def timed_runs(tensor: torch.Tensor, names: Sequence[str], run: Callable[[str, t
     """Time ``run(name, copy)`` on a fresh copy of ``tensor`` for every name, ``rounds`` times,
     interleaved (a slow spell of the machine hits them all); each run starts at a barrier (a
     rank's wait for late peers is not the run's cost). A collective on ``group``: the times are
-    agreed, the slowest rank's, so every rank decides alike. Returns each name's times, in order."""
+    agreed, the slowest rank's, so every rank decides alike. Returns each name's times, in order.
+
+    Timed by :class:`~robust_plugins.timing.Clock` on the tensor's device (CUDA events around the
+    run, whose collectives join the current stream, on a GPU), after one untimed run per group and
+    name on a GPU (:data:`~robust_plugins.timing.WARMUP`): the first pays for NCCL's communicator
+    and Triton's JIT."""
     import torch.distributed as dist
 
+    distributed = dist.is_available() and dist.is_initialized()
+    ranks = _ranks_of(group)
+    for name in names:
+        WARMUP.ensure(("run", ranks, name), lambda: run(name, tensor.detach().clone()), tensor.device)
     out = []
     for _ in range(rounds):
         for name in names:
             copy = tensor.detach().clone()
-            if dist.is_available() and dist.is_initialized():
+            if distributed:
                 dist.barrier(group=group)
-            start = time.perf_counter()
+            clock = Clock(copy.device).start()
             run(name, copy)
-            out.append(time.perf_counter() - start)
+            out.append(clock.stop())
     agreed = _max_over_group(out, group)
     k = len(names)
     return {name: agreed[i::k] for i, name in enumerate(names)}
 
 
-def _max_over_group(values: list[float], group) -> list[float]:
+def _ranks_of(group) -> tuple:
+    """The group's global ranks (a warm-up key): ``("world",)`` for the default group."""
     import torch.distributed as dist
 
-    t = torch.tensor(values, dtype=torch.float64)
+    if not (dist.is_available() and dist.is_initialized()):
+        return ("none",)
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else ("world",)
+
+
+def _max_over_group(values: list[float], group) -> list[float]:
+    """``values`` max-reduced over ``group`` (on the device its backend needs: CUDA for NCCL)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
@@ -426,13 +446,20 @@ def measure_codec(codec: str, sample: torch.Tensor, group_size: int, block_size:
     flat = sample.detach().reshape(-1).float().contiguous()
     n = flat.numel()
     layout = _twophase.plan(n, group_size, codec, block_size)
-    elapsed = math.inf
-    for _ in range(2):  # the faster of two: the first pays for allocations the steady state reuses
-        start = time.perf_counter()
+
+    def compute():
         send = _twophase.encode(flat, layout, None)
         row = _twophase.reduce_chunk(send, layout, 0, None, 1.0)
         _twophase.decode(row.reshape(1, -1).expand(group_size, -1).contiguous(), layout)
-        elapsed = min(elapsed, time.perf_counter() - start)
+        return send
+
+    # On a GPU the first launch of each kernel compiles it (Triton's JIT): once per codec and device.
+    WARMUP.ensure(("codec", codec, block_size, str(flat.device)), compute, flat.device)
+    elapsed = math.inf
+    for _ in range(2):  # the faster of two: the first pays for allocations the steady state reuses
+        clock = Clock(flat.device).start()
+        send = compute()
+        elapsed = min(elapsed, clock.stop())
     roundtrip = _twophase.decode(send, layout)
     norm = float(flat.norm())
     err = float((roundtrip - flat).norm()) / norm if norm > 0 else 0.0
@@ -460,7 +487,7 @@ def measure_bf16_allreduce(sample: torch.Tensor, group_size: int, error_feedback
     elapsed = math.inf
     for _ in range(2):  # the faster of two: the first pays for allocations
         residual = torch.zeros_like(flat) if error_feedback else None
-        start = time.perf_counter()
+        clock = Clock(flat.device).start()
         if residual is not None:
             residual.add_(flat)
             wire = residual.to(torch.bfloat16)
@@ -469,7 +496,7 @@ def measure_bf16_allreduce(sample: torch.Tensor, group_size: int, error_feedback
         else:
             wire = flat.to(torch.bfloat16)
         flat.new_empty(n).copy_(wire)
-        elapsed = min(elapsed, time.perf_counter() - start)
+        elapsed = min(elapsed, clock.stop())
     m = min(n, max(1 << 12, _BF16_SUM_ELEMENTS // max(group_size, 1)))
     x = flat[:m]
     exact = x.double().clone()
@@ -534,11 +561,7 @@ class AutoCodec:
         """Every decision made, in order, as dicts (step, group, numel, codec, reason, predictions)."""
 
     def _group_key(self, group) -> Any:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return ("none",)
-        return tuple(dist.get_process_group_ranks(group)) if group is not None else ("world",)
+        return _ranks_of(group)
 
     def probe(self, sample: torch.Tensor, group=None, agree_group=None) -> tuple[LinkEstimate, dict[str, CodecCost]]:
         """Measure the group's link and each candidate's cost (a collective: every rank calls it).
@@ -615,19 +638,25 @@ class AutoCodec:
         w = dist.get_world_size(group)
         if w <= 1:
             return 0.0, 0.0, w
-        tiny = torch.zeros(1)
+        # On the device the group's backend moves (CUDA on NCCL), timed by its clock (CUDA events
+        # after the collective joined the current stream), after a warm-up of each size per group
+        # on a GPU: NCCL builds its communicator at the first collective.
+        device, ranks = collective_device(group), _ranks_of(group)
+        tiny = torch.zeros(1, device=device)
+        WARMUP.ensure(("link tiny", ranks), lambda: dist.all_reduce(tiny, group=group), device)
         lat = []
         for _ in range(3):
-            start = time.perf_counter()
+            clock = Clock(device).start()
             dist.all_reduce(tiny, group=group)
-            lat.append(time.perf_counter() - start)
+            lat.append(clock.stop())
         latency = min(lat)
         if given_gbit is not None:
             return latency, 8 / (given_gbit * 1e9), w
-        buf = torch.zeros(max(self.probe_bytes // 4, 1))
-        start = time.perf_counter()
+        buf = torch.zeros(max(self.probe_bytes // 4, 1), device=device)
+        WARMUP.ensure(("link buf", ranks, buf.numel()), lambda: dist.all_reduce(buf, group=group), device)
+        clock = Clock(device).start()
         dist.all_reduce(buf, group=group)
-        elapsed = max(time.perf_counter() - start - latency, 1e-9)
+        elapsed = max(clock.stop() - latency, 1e-9)
         return latency, elapsed / (2 * (w - 1) / w * buf.numel() * 4), w
 
     def probe_routes(self, sample: torch.Tensor, group, intra, rail) -> tuple[dict[str, LinkEstimate],

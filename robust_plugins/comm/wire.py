@@ -7,12 +7,13 @@ import functools
 import inspect
 import sys
 import threading
-import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from robust_plugins.timing import Clock
 
 #: The functions a :class:`WireCounter` intercepts (those this torch has). torch 2.13 deprecates
 #: ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour of the ``*_single`` names, which
@@ -108,6 +109,20 @@ _count_bytes = False  # some open counter wants bytes (not only calls and time):
 _restore: list[tuple[Any, str, Any, bool]] = []  # (owner, attribute, original, was in __dict__)
 _tls = threading.local()
 
+#: A counter folds finished device clocks into ``seconds`` as it goes; past this many unfinished
+#: ones it waits for the oldest (bounded memory when nobody reads ``seconds`` for a long time).
+_MAX_PENDING = 1024
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
+    """The device of the call's first tensor (or first tensor of a list): what clock times it."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return value[0].device
+    return None
+
 
 def _make_wrapper(name: str, original: Callable) -> Callable:
     sig = inspect.signature(original)
@@ -129,17 +144,20 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
             rank, world = dist.get_rank(group), dist.get_world_size(group)
             nbytes = measure(a, rank, world) if world > 1 and rank >= 0 else 0
         _tls.depth = 1
-        t0 = time.perf_counter()
+        # Host time on the CPU; on a CUDA tensor events on the current stream, read later: NCCL's
+        # host call returns at launch, and a synchronous one makes the current stream wait for the
+        # collective, so the events bracket the collective itself. An async_op call is its launch
+        # only (its wait is not seen unless the caller reports it: add_wait_seconds).
+        clock = Clock(_device_of(args, kwargs)).start()
         try:
             result = original(*args, **kwargs)
         finally:
             _tls.depth = 0
-        # Wall time of the call; for an async_op call only the launch (its wait is not seen).
-        seconds = time.perf_counter() - t0
+        seconds = clock.stop(wait=False)
         with _lock:
             counters = list(_active)
         for counter in counters:
-            counter._add(name, nbytes, group, seconds)
+            counter._add(name, nbytes, group, clock if seconds is None else seconds)
         return result
 
     counted._robust_wire_counter = True
@@ -221,8 +239,11 @@ class WireCounter:
         bytes_sent: total bytes (int).
         calls: ``collections.Counter`` of calls by function name.
         by_op: ``collections.Counter`` of bytes by function name.
-        seconds: wall time spent inside the counted calls (float; an ``async_op`` call counts
+        seconds: time spent inside the counted calls (float; an ``async_op`` call counts
             only its launch, plus the waits its caller reports with :func:`add_wait_seconds`).
+            Host time for CPU tensors; for CUDA tensors the device time between CUDA events on
+            the calling thread's current stream around the call (NCCL's host call returns at
+            launch): reading it waits for the counted collectives to finish.
     """
 
     def __init__(self, filter_group: Any = None, timing_only: bool = False):
@@ -234,7 +255,8 @@ class WireCounter:
         self.bytes_sent = 0
         self.calls: collections.Counter = collections.Counter()
         self.by_op: collections.Counter = collections.Counter()
-        self.seconds = 0.0
+        self._seconds = 0.0
+        self._pending: list[Clock] = []  # device clocks not folded into _seconds yet
         self._mutex = threading.Lock()
 
     def __enter__(self) -> "WireCounter":
@@ -259,29 +281,48 @@ class WireCounter:
             return True
         return (group if group is not None else dist.group.WORLD) is self.filter_group
 
-    def _add(self, name: str, nbytes: int, group: Any, seconds: float = 0.0) -> None:
+    @property
+    def seconds(self) -> float:
+        """Seconds inside the counted calls (waits for their device clocks: see the class doc)."""
+        with self._mutex:
+            while self._pending:
+                self._seconds += self._pending.pop(0).seconds()
+            return self._seconds
+
+    def _fold(self, seconds: "float | Clock") -> None:
+        # Under self._mutex. Finished clocks are read without waiting; the rest wait for a read.
+        if isinstance(seconds, Clock):
+            self._pending.append(seconds)
+        else:
+            self._seconds += seconds
+        while self._pending and (self._pending[0].done() or len(self._pending) > _MAX_PENDING):
+            self._seconds += self._pending.pop(0).seconds()
+
+    def _add(self, name: str, nbytes: int, group: Any, seconds: "float | Clock" = 0.0) -> None:
         if not self._matches(group):
             return
         if self.timing_only:
             nbytes = 0
         with self._mutex:
-            self.seconds += seconds
+            self._fold(seconds)
             self.bytes_sent += nbytes
             self.calls[name] += 1
             self.by_op[name] += nbytes
 
-    def _add_seconds(self, group: Any, seconds: float) -> None:
+    def _add_seconds(self, group: Any, seconds: "float | Clock") -> None:
         if self._matches(group):
             with self._mutex:
-                self.seconds += seconds
+                self._fold(seconds)
 
     def __repr__(self) -> str:
         return f"WireCounter(bytes_sent={self.bytes_sent}, calls={dict(self.calls)})"
 
 
-def add_wait_seconds(seconds: float, group: Any = None) -> None:
+def add_wait_seconds(seconds: "float | Clock", group: Any = None) -> None:
     """Count ``seconds`` spent waiting for an ``async_op`` collective on ``group`` in every open
-    counter's ``seconds`` (no call, no bytes: its launch was counted already).
+    counter's ``seconds`` (no call, no bytes: its launch was counted already). A stopped
+    :class:`~robust_plugins.timing.Clock` (``stop(wait=False)``, CUDA events around ``work.wait()``)
+    is read when the counter's ``seconds`` is, so reporting never stalls the host.
 
     A counter sees only the launch of an asynchronous call; code that launches collectives
     asynchronously and waits for them itself (the pipelined compressed all-reduce) reports its
