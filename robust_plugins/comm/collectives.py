@@ -15,7 +15,6 @@ Collectives are looked up as ``torch.distributed.<name>`` at call time so that
 
 from __future__ import annotations
 
-import time
 from typing import Any, Hashable
 
 import torch
@@ -26,6 +25,7 @@ from robust_plugins.comm.state import CompressionState
 from robust_plugins.config import CompressionConfig
 from robust_plugins.device import default_piece_numel
 from robust_plugins.errors import ConfigError, RobustPluginsError
+from robust_plugins.timing import Clock
 
 OPS = ("avg", "sum")
 
@@ -184,10 +184,13 @@ def _pipelined(flat: torch.Tensor, layout: _twophase.Layout, rank: int, group: A
 
     def wait(work) -> None:
         # A WireCounter times only the launch of an async call: the wait is reported to it, so the
-        # watchdog's straggler detector still sees this time as communication, not compute.
-        t0 = time.perf_counter()
+        # watchdog's straggler detector still sees this time as communication, not compute. On a
+        # GPU work.wait() only makes the current stream wait for NCCL's: CUDA events around it
+        # time that wait on the device, read when the counter is (no host stall here).
+        clock = Clock(flat.device).start()
         work.wait()
-        wire.add_wait_seconds(time.perf_counter() - t0, group)
+        seconds = clock.stop(wait=False)
+        wire.add_wait_seconds(clock if seconds is None else seconds, group)
 
     def reduce_next() -> None:
         work, received, _sent, start, length = to_reduce.pop(0)
