@@ -22,8 +22,11 @@ def test_wheel_top_level_names(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"robust_plugins", "triton_ops"}, tops
     assert "robust_plugins/patches/deepspeed.py" in names
-    assert any(n.startswith("robust_plugins/recipes/deepspeed_gpt/") and n.endswith(".json") for n in names) or \
-        "robust_plugins/recipes/__init__.py" in names
+    # every recipe's JSON (the DeepSpeed configs and plugin blocks `robust` and the tests load)
+    recipe_json = {f"robust_plugins/recipes/{p.relative_to(ROOT / 'recipes').as_posix()}"
+                   for p in (ROOT / "recipes").rglob("*.json")}
+    assert "robust_plugins/recipes/deepspeed_gpt/plugin.json" in recipe_json
+    assert recipe_json <= set(names), sorted(recipe_json - set(names))
     meta = next(n for n in names if n.endswith("METADATA"))
     requires = [l for l in zipfile.ZipFile(wheel).read(meta).decode().splitlines() if l.startswith("Requires-Dist: torch")]
     assert requires and "==" not in requires[0], requires  # never pin torch in the package
