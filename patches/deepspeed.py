@@ -296,8 +296,9 @@ class DeepSpeedPlugin:
         """ZeRO 0's planned gradient buckets, overlapped with backward (``compression.overlap``,
         ``patches/deepspeed_overlap.py``); None where DeepSpeed's own buckets stay."""
         self.resumed: tuple | None = None
-        """``(load_path, client_state)`` of the load ``checkpoint.resume`` made in
-        ``deepspeed.initialize`` (``patches/deepspeed_emergency.py``); None without it."""
+        """``(load_path, client_state)`` of the load ``checkpoint.resume`` (on by default under
+        ``robust run``) made in ``deepspeed.initialize`` (``patches/deepspeed_resume.py``); None
+        without it."""
 
     @property
     def has_state(self) -> bool:
@@ -398,7 +399,9 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
             config.describe(), _ds_version(), stage, engine.dp_world_size, engine.get_data_types()[0],
         )
     # Last: the load goes through every wrapper bound above (memory, verified disk, watchdog).
-    deepspeed_emergency.resume_at_init(engine, plugin)
+    from robust_plugins.patches import deepspeed_resume
+
+    deepspeed_resume.resume_at_init(engine, plugin)
     return plugin
 
 

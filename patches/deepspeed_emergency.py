@@ -23,11 +23,9 @@ The state saved is the one of ``step`` only if the failing collective came befor
 optimizer step: with ZeRO 0 the gradient all-reduce (in ``engine.backward``) and the save's own
 collectives do; a rank whose ``global_steps`` differs from the last reported step is skipped.
 
-**Resume** (``checkpoint.resume: true``): at the end of ``deepspeed.initialize`` the engine loads
-the newest checkpoint that verifies from ``checkpoint.dir`` (``engine.load_checkpoint(dir)``:
-memory snapshot, a peer's copy, disk, in that order; after a ``robust run`` rollback nothing newer
-than its last good step), so the script reads ``engine.global_steps`` and continues at the step
-after it, unchanged. The ``client_state`` of that load is ``engine.robust_plugins.resumed[1]``.
+**Resume** (``checkpoint.resume``, on by default under ``robust run``) is in
+``patches/deepspeed_resume.py``: the restarted job loads the emergency checkpoint inside
+``deepspeed.initialize``.
 """
 
 from __future__ import annotations
@@ -101,22 +99,3 @@ def attach_emergency(engine, plugin) -> bool:
         log.info("robust_plugins: emergency saves %s", "on (ZeRO 0: one live rank writes the whole state)"
                  if reason is None else f"skipped: {reason}")
     return True
-
-
-def resume_at_init(engine, plugin) -> None:
-    """``checkpoint.resume``: load the newest valid checkpoint now (end of ``deepspeed.initialize``)."""
-    cfg = plugin.config.checkpoint
-    if cfg is None or not cfg.resume:
-        return
-    path, client_state = engine.load_checkpoint(cfg.dir)
-    plugin.resumed = (path, client_state)
-    if current_rank() == 0:
-        # On stderr, like robust run's own lines: the step a restarted job resumes at is what its
-        # user looks for first, whatever DeepSpeed's log level.
-        if path is None:
-            print(f"robust_plugins: checkpoint.resume: nothing to resume in {cfg.dir}; training starts at "
-                  f"step 1 (engine.global_steps = 0)", file=sys.stderr, flush=True)
-        else:
-            print(f"robust_plugins: checkpoint.resume: resumed from {path}; engine.global_steps = "
-                  f"{engine.global_steps}, the script continues at step {engine.global_steps + 1}",
-                  file=sys.stderr, flush=True)

@@ -145,6 +145,10 @@ class SnapshotBinding:
         if not isinstance(name, str) or not name:
             raise CheckpointError(f"register(name={name!r}): the name must be a non-empty string.")
         self._user[name] = (get, set_)
+        pending = getattr(self, "pending_user", None)
+        if pending and name in pending:
+            # Restored inside deepspeed.initialize, before the script could register it.
+            set_(pending.pop(name))
 
     def close(self, remove: bool) -> None:
         """Finish pending hand-offs; with ``remove`` delete this rank's shared-memory files."""
@@ -263,6 +267,10 @@ class MemorySnapshots(SnapshotBinding):
             _guard.bind_instance(engine, "load_checkpoint", _settle_before(engine.load_checkpoint, self.settle))
         self.restored: dict | None = None
         """What the last restore used: ``{"step", "source"}``."""
+        self.pending_user: dict | None = None
+        """Registered state a restore inside ``deepspeed.initialize`` found before the script
+        could register it (``patches/deepspeed_resume.py`` sets ``{}`` for that restore): handed to
+        ``register`` when it comes; None outside that window, when an unknown name is an error."""
         self.client_state: dict | None = None
         """``{"step", "state"}``: the last ``save_checkpoint`` call's client_state (a copy), carried
         by every snapshot from then on; set back by a restore."""
@@ -325,10 +333,13 @@ class MemorySnapshots(SnapshotBinding):
         if state["compression"] is not None and self.plugin.has_state:
             self.plugin.load_state_dict(state["compression"])
         for name, value in state["user"].items():
-            if name not in self._user:
+            if name in self._user:
+                self._user[name][1](value)
+            elif self.pending_user is not None:
+                self.pending_user[name] = value
+            else:
                 raise CheckpointError(f"The snapshot holds registered state {name!r}, which this run did not "
                                       f"register (registered: {sorted(self._user)}). Register it before loading.")
-            self._user[name][1](value)
         self.client_state = state.get("client_state")
         step = state["counters"]["global_steps"]
         if self.client_state is not None and self.client_state["step"] != step:
@@ -336,6 +347,18 @@ class MemorySnapshots(SnapshotBinding):
                         "step %d; the state restored is step %d. Values that change every step (a data "
                         "position) belong in engine.robust_plugins.memory.register().", self.rank,
                         self.client_state["step"], step)
+
+    def check_pending_user(self, when: str) -> None:
+        """Raise if the resume in ``deepspeed.initialize`` restored registered state that the
+        script has not registered by ``when`` (it would be lost without a word)."""
+        if self.pending_user:
+            names = sorted(self.pending_user)
+            raise CheckpointError(
+                f"The snapshot restored in deepspeed.initialize holds registered state {names}, which this "
+                f"run did not register before {when} (registered: {sorted(self._user)}). Call "
+                f"engine.robust_plugins.memory.register(name, get, set) for each right after "
+                f"deepspeed.initialize.")
+        self.pending_user = None
 
     def restored_client_state(self) -> dict:
         """What ``load_checkpoint`` returns as client_state after a restore of a snapshot."""
@@ -368,6 +391,7 @@ class MemorySnapshots(SnapshotBinding):
         """Step observer (``add_step_observer``), after every optimizer step: snapshot at every
         ``memory_every``-th step (and every ``persist_every``-th, which the background save
         writes from)."""
+        self.check_pending_user("the first optimizer step after it")
         n = self.engine.global_steps
         due = n % self.every == 0 or (self.persister is not None and n % self.persist_every == 0)
         if due and n != self.taken_at:

@@ -548,11 +548,13 @@ class CheckpointConfig:
     agreeing on the tag to load). A rank that does not answer in time fails the save / load with
     CheckpointError instead of hanging."""
 
-    resume: bool = False
+    resume: bool | None = None
     """Load the newest checkpoint that verifies from ``dir`` inside ``deepspeed.initialize`` (own
     memory snapshot, a peer's copy, disk, in that order, as ``engine.load_checkpoint(dir)``), so an
     unchanged script restarted by ``robust run`` continues at ``engine.global_steps + 1``. A
-    fresh start (nothing in ``dir``) is logged and trains from step 1. Needs ``dir``."""
+    fresh start (nothing in ``dir``) is logged and trains from step 1. ``true`` needs ``dir``.
+    ``None`` (unset): on under ``robust run`` (from memory alone without ``dir``), off outside
+    it. ``false``: never (the script loads itself, or starts cold)."""
 
     emergency_save: bool = True
     """Under ``robust run``: when a peer rank dies, the live ranks' failing collective writes a
@@ -599,8 +601,9 @@ class CheckpointConfig:
                 f"{where}.persist_every = {self.persist_every} needs {where}.dir: automatic saves "
                 f"have no directory to go to. Set dir or remove persist_every."
             )
-        for name in ("resume", "emergency_save"):
-            _expect_type(f"{where}.{name}", getattr(self, name), (bool,), "true or false")
+        _expect_type(f"{where}.emergency_save", self.emergency_save, (bool,), "true or false")
+        if self.resume is not None:
+            _expect_type(f"{where}.resume", self.resume, (bool,), "true or false (or null: on under robust run)")
         if self.resume and self.dir is None:
             raise ConfigError(
                 f"{where}.resume = true needs {where}.dir: there is no directory to resume from. "

@@ -177,3 +177,19 @@ def restore_from_memory(store: SnapshotStore, peers: PeerBackup | None, timeout_
                     "%d from a peer's copy)", step, world - n_peer, n_peer)
     source = MEMORY if kind == MEMORY else f"{PEER}:{holder}"
     return step, state, source
+
+
+def resume_reason(resume: bool | None, under_robust_run: bool, has_dir: bool, has_memory: bool) -> str | None:
+    """Whether a host resumes inside its own initialization (``checkpoint.resume``): the reason,
+    as the resume line says it, or None (the script loads itself, or starts cold).
+
+    ``True``: always (the config requires ``dir``). ``False``: never. ``None`` (unset): under
+    ``robust run`` when there is something to resume from (``dir`` or memory snapshots), because
+    a restarted rank that ignores its snapshots retrains from step 1 (issue 15); outside it a
+    script's start is a fresh start unless it asks.
+    """
+    if resume is not None:
+        return "checkpoint.resume = true" if resume else None
+    if under_robust_run and (has_dir or has_memory):
+        return "on by default under robust run"
+    return None

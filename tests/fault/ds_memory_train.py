@@ -1,7 +1,8 @@
 """A DeepSpeed script with in-memory snapshots every step and peer backup, for ``robust run``.
 
 Follows the resume contract (FORMAT.md) with one difference: it calls ``engine.load_checkpoint``
-on every start, because the newest state is usually in shared memory, not on disk. Disk
+on every start, because the newest state is usually in shared memory, not on disk (``--load never``:
+no call, the resume inside ``deepspeed.initialize`` alone, ``docs/recovery.md``). Disk
 checkpoints are written every ``--persist-every`` steps by the plugin itself. Rank 0 writes the
 final loss and a hash of the parameters and optimizer state.
 """
@@ -35,6 +36,11 @@ def main() -> None:
     p.add_argument("--lose-node", default="",
                    help="comma-separated ranks whose shared memory (own snapshots and the copies they "
                         "keep) is wiped before a restarted incarnation restores: a lost node")
+    p.add_argument("--load", choices=("always", "never"), default="always",
+                   help="never: no engine.load_checkpoint call (the resume inside deepspeed.initialize, "
+                        "on by default under robust run, is all there is)")
+    p.add_argument("--resume", choices=("unset", "true", "false"), default="unset",
+                   help="checkpoint.resume in the block (unset: the default)")
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -62,9 +68,13 @@ def main() -> None:
         "robust_plugins": {"checkpoint": {"dir": args.ckpt_dir, "memory_every": 1, "peer_backup": True,
                                           "persist_every": args.persist_every, "timeout_s": 60}},
     }
+    if args.resume != "unset":
+        config["robust_plugins"]["checkpoint"]["resume"] = args.resume == "true"
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     rank, world = dist.get_rank(), dist.get_world_size()
-    engine.load_checkpoint(args.ckpt_dir)  # memory -> peer copy -> disk; nothing on a first start
+    loaded = None
+    if args.load == "always":
+        loaded, _ = engine.load_checkpoint(args.ckpt_dir)  # memory -> peer copy -> disk; nothing on a first start
     start = engine.global_steps + 1
     corpus = load_corpus(max_bytes=200_000)
     loss_value = None
@@ -87,7 +97,7 @@ def main() -> None:
         o.update(t.detach().contiguous().numpy().tobytes())
     dist.all_gather_object(opt_hashes, o.hexdigest())
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"started_at": start, "final_loss": loss_value,
+        Path(args.out).write_text(json.dumps({"started_at": start, "final_loss": loss_value, "loaded": loaded,
                                               "params_hash": h.hexdigest(), "fp32_hashes": opt_hashes}) + "\n")
     dist.barrier()
     dist.destroy_process_group()
