@@ -24,13 +24,20 @@ def _reduce_requantize_kernel(
     idx, mask, grp, grp_mask, rows, row_ok = _tile.tile_index(pid, n_blocks, BLOCK, PACK, G, ROWS)
     acc = tl.zeros([ROWS, G, PACK], dtype=tl.float32)
     # Rank order, one rank at a time: the reference's sum, so every rank computes the same bits.
+    # Each rank's row by advancing 64-bit pointers one stride at a time: ``r * codes_stride`` is
+    # int32 (a loop counter times a stride below 2**31) and wraps once a row starts past 2**31
+    # bytes, e.g. the third of three ranks' 1.1e9 int8 codes.
+    codes_row = codes_ptr
+    scales_row = scales_ptr
     for r in range(world):
-        codes = tl.load(codes_ptr + r * codes_stride + grp, mask=grp_mask, other=0)
+        codes = tl.load(codes_row + grp, mask=grp_mask, other=0)
         if CODEC == 0:
             scales = rows.to(tl.float32)  # bf16 has no scales
         else:
-            scales = tl.load(scales_ptr + r * scales_stride + rows, mask=row_ok, other=0.0)
+            scales = tl.load(scales_row + rows, mask=row_ok, other=0.0)
         acc += _tile.decode(codes, scales, CODEC, PACK)
+        codes_row += codes_stride
+        scales_row += scales_stride
     acc = acc * scale_factor
     # Lanes past a block's end decode code 0 to nonzero values (int4: -8, sign: -1); zero them with the
     # padding past valid_numel so that neither enters a scale.
