@@ -92,14 +92,23 @@ def fabric_domain(cluster_uuid: bytes | Sequence[int], clique_id: int, state: in
     return f"nvl-{raw.hex()}-{int(clique_id)}"
 
 
+def visible_gpu(local_index: int, visible: Sequence[str]) -> int:
+    """Index into ``visible`` (``CUDA_VISIBLE_DEVICES``) of the GPU of the rank with ``LOCAL_RANK``
+    ``local_index`` (pure). One visible GPU is the rank's own whatever its local rank (SLURM's
+    ``--gpus-per-task=1``, Kubernetes with one GPU a container): the launcher already picked it."""
+    if len(visible) == 1:
+        return 0
+    if local_index >= len(visible):
+        raise TopologyError(
+            f"NVML: local index {local_index} but CUDA_VISIBLE_DEVICES lists {len(visible)} devices ({list(visible)})."
+        )
+    return local_index
+
+
 def _device_handle(nvml: Any, local_index: int, env: Mapping[str, str]):
     visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if visible:
-        if local_index >= len(visible):
-            raise TopologyError(
-                f"NVML: local index {local_index} but CUDA_VISIBLE_DEVICES lists {len(visible)} devices ({visible})."
-            )
-        pick = visible[local_index]
+        pick = visible[visible_gpu(local_index, visible)]
         if pick.isdigit():
             return nvml.nvmlDeviceGetHandleByIndex(int(pick))
         return nvml.nvmlDeviceGetHandleByUUID(pick)

@@ -67,8 +67,10 @@ def test_nvml_info_reads_the_visible_device_and_shuts_nvml_down():
     assert nvml_info(1, {"CUDA_VISIBLE_DEVICES": "3,5"}, nvml) == {"nvlink_domain": f"nvl-{UUID_B.hex()}-2"}
     assert nvml_info(0, {"CUDA_VISIBLE_DEVICES": "GPU-x"}, nvml)["nvlink_domain"].endswith("-9")
     assert nvml.calls.count("init") == nvml.calls.count("shutdown") == 3
-    with pytest.raises(TopologyError, match="lists 1 devices"):
-        nvml_info(2, {"CUDA_VISIBLE_DEVICES": "0"}, nvml)
+    with pytest.raises(TopologyError, match="lists 2 devices"):
+        nvml_info(2, {"CUDA_VISIBLE_DEVICES": "0,5"}, nvml)
+    # One visible GPU per rank (SLURM --gpus-per-task=1): LOCAL_RANK 2 uses the one it sees.
+    assert nvml_info(2, {"CUDA_VISIBLE_DEVICES": "5"}, nvml) == {"nvlink_domain": f"nvl-{UUID_B.hex()}-2"}
 
 
 def test_nvml_says_nothing_without_driver_gpus_or_fabric():
