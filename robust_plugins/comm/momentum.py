@@ -121,15 +121,15 @@ class SignMomentumAdam:
             local.append((opt_state[p]["exp_avg"] * b1).add_(g, alpha=1 - b1).reshape(-1))
         flat = torch.cat(local)
         compressed_all_reduce(flat, group=self.group, op="avg", state=self.state, key=MOMENTUM_KEY)
+        for (_, p) in pairs:
+            opt_state[p]["step"] += 1
         offset = 0
-        for group, p in pairs:
+        for (group, p), t in zip(pairs, _as_floats([opt_state[p]["step"] for _, p in pairs])):
             st = opt_state[p]
             b1, b2 = group["betas"]
             m = st["exp_avg"]
             m.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-            st["step"] += 1
-            t = float(st["step"])
             if group["weight_decay"] and self._decoupled(group):
                 p.mul_(1 - group["lr"] * group["weight_decay"])
             # Same arithmetic as torch's single-tensor Adam, with v's bias correction frozen at the
@@ -157,3 +157,18 @@ class SignMomentumAdam:
                 f"{self.freeze_steps}; resume with the checkpoint's freeze_steps."
             )
         self.state.load_state_dict(sd["residuals"])
+
+
+def _as_floats(steps: list) -> list[float]:
+    """Adam's per-parameter step counts as Python floats, with at most one device-to-host copy.
+
+    torch keeps ``step`` on the host unless the optimizer is ``capturable`` or ``fused``; then it
+    lives on the GPU and a ``float()`` per parameter would be one synchronisation each. The values
+    (and so the update's arithmetic) are the same either way.
+    """
+    on_device = [s for s in steps if isinstance(s, torch.Tensor) and s.device.type != "cpu"]
+    if not on_device:
+        return [float(s) for s in steps]
+    device = on_device[0].device
+    stacked = torch.stack([torch.as_tensor(s, dtype=torch.float64).to(device) for s in steps]).cpu()
+    return stacked.tolist()

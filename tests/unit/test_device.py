@@ -253,3 +253,11 @@ def test_clone_groups_initialises_nccl_clones_on_the_main_thread_in_one_order(mo
     news = [("new", (0, 1)), ("new", (0, 2)), ("new", (1, 2))]  # the union, sorted, on every rank
     inits = [("init", (0, 1), "cpu"), ("init", (1, 2), "cpu")] if backend == "nccl" else []
     assert fake.calls == news + inits  # every new_group first, then this rank's clones in sorted order
+
+
+def test_one_bit_adam_reads_host_step_counts_without_a_device_copy(monkeypatch):
+    from robust_plugins.comm import momentum
+
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: pytest.fail("host steps were stacked for a copy"))
+    steps = [torch.tensor(3.0), torch.tensor(7.0, dtype=torch.float32), 2]
+    assert momentum._as_floats(steps) == [3.0, 7.0, 2.0]
