@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from robust_plugins._logging import get_logger, warn_once
+from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import inject as _inject
 from robust_plugins.watchdog.param_hash import param_hash
 from robust_plugins.watchdog.ring import RingError, RingWriter
@@ -94,6 +95,7 @@ class _Client:
         self.ring = self._open_ring()
         self._next_beat_check = 0.0
         self.fh_path = self._register_faulthandler()
+        self.fr_served = False
         _die_with_parent()
         # Waits (bounded) for room: the monitor learns the faulthandler file from it, and removes
         # the ring's file name once the rank has mapped it.
@@ -165,6 +167,9 @@ class _Client:
         self.last_step = step
         if self.time_comm and self.comm is None:
             self._open_comm_timer()
+        if not self.fr_served:  # at the first step, once the host built its process group
+            self.fr_served = True
+            _flight.serve_if_needed(os.environ.get(ENV_RUN_DIR), self.rank)
         if self.slow_s:
             time.sleep(self.slow_s)  # outside any collective: compute time, as a slow GPU's
         fault = self.injections.pop(step, None)
@@ -233,8 +238,8 @@ class _Client:
     def _open_comm_timer(self) -> None:
         # Opened at the first step, after the host built its communication backend (DeepSpeed
         # binds two collectives at start-up, which WireCounter finds only if they exist by then).
-        # Host-side wall time: exact for gloo (blocking calls); with NCCL a call returns at launch
-        # and the wait moves to the next synchronization, so the split is not measured there.
+        # Host time for CPU tensors (gloo's calls block); CUDA events for CUDA tensors (NCCL's
+        # calls return at launch): robust_plugins/timing.py.
         try:
             from robust_plugins.comm.wire import WireCounter
 

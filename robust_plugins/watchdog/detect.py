@@ -11,7 +11,7 @@ import re
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from robust_plugins.config import WatchdogConfig
 
@@ -214,12 +214,70 @@ _COLLECTIVE_FUNCS = frozenset({
 
 
 def in_collective(frames: Sequence[Frame]) -> bool:
-    """True when any frame is a torch.distributed / DeepSpeed comm call."""
+    """True when any frame is a torch.distributed / DeepSpeed comm call.
+
+    What it cannot tell on NCCL (and why the flight recorder is asked first, see
+    :func:`localize_by_sequence`): NCCL's host call returns at launch, so a healthy rank waiting
+    for a peer is usually not inside a collective call but blocked where the host next waits for
+    the device (``loss.item()``, ``torch.cuda.synchronize``, a handle's ``wait()``), a frame of
+    the training script that looks like "stuck itself"; and a rank that never launched the
+    collective may sit in the same frame. From stacks alone, on NCCL, "inside a collective" is
+    seen only for host-blocking calls (``barrier``, object collectives, a gloo side group).
+    """
     for func, path, _ in frames:
         p = path.replace("\\", "/")
         if any(part in p for part in _COLLECTIVE_FILES) or func in _COLLECTIVE_FUNCS:
             return True
     return False
+
+
+#: Flight-recorder counters per process group (``pg_status`` of torch's
+#: ``_dump_fr_trace_json``): collectives this rank issued (enqueued) and whose kernel began.
+ENQUEUED, STARTED = "last_enqueued_collective", "last_started_collective"
+COMPLETED = "last_completed_collective"
+
+
+def localize_by_sequence(
+        status: Mapping[int, Mapping[str, Mapping[str, Any]] | None]) -> Localization | None:
+    """Name the ranks that cause a hang from every rank's flight-recorder sequence numbers (pure).
+
+    ``status[rank]`` maps a process group id to its counters (``pg_status``); None: unreadable.
+    Process groups are created in the same order on every rank (``new_group`` is collective over
+    the world), so an id names the same group everywhere. On a group, the ranks that issued fewer
+    collectives than its others never issued the one the others wait in; of those, the ones with
+    no collective of their own unfinished on any group are stuck themselves and are the suspects
+    (a rank behind on one group because it waits in another group's collective is a victim; when
+    every lagging rank waits somewhere, all of them are named). Failing that, where every rank
+    issued as many, ranks whose device has not *started* the latest one (``last_started`` below
+    the others'; NCCL tracks it, -1 where not tracked) are stuck before it on their own device. None when the numbers agree (every rank entered every
+    collective: the hang is inside one, e.g. a link or a peer's device) or nothing was readable;
+    the caller then falls back to stacks (:func:`localize`).
+    """
+    known = {r: s for r, s in status.items() if s}
+    unknown = sorted(r for r in status if not status[r])
+    if not known:
+        return None
+    for key, what in ((ENQUEUED, "issued"), (STARTED, "started on the device")):
+        lagging: dict[int, str] = {}
+        for pg in sorted({pg for s in known.values() for pg in s}):
+            seqs = {r: int(s[pg].get(key, -1)) for r, s in known.items() if pg in s}
+            if key == STARTED and min(seqs.values()) < 0:
+                continue  # not tracked on this group (gloo; NCCL without timing)
+            top = max(seqs.values())
+            ahead = sorted(q for q, m in seqs.items() if m == top)
+            for r, n in seqs.items():
+                if n < top and r not in lagging:
+                    lagging[r] = f"{what} collective {n} of group {pg}, ranks {ahead} {top}"
+        if lagging:
+            waiting = {r for r, s in known.items()
+                       if any(int(c.get(ENQUEUED, -1)) > int(c.get(COMPLETED, -1)) for c in s.values())}
+            stuck = {r: why for r, why in lagging.items() if r not in waiting} or lagging
+            reason = "flight recorder: " + "; ".join(f"rank {r} {why}" for r, why in sorted(stuck.items()))
+            victims = sorted(set(lagging) - set(stuck))
+            if victims:
+                reason += f"; ranks {victims} lag too but wait in a collective they issued"
+            return Localization(sorted(set(stuck) | set(unknown)), [], reason)
+    return None
 
 
 def signature(frames: Sequence[Frame]) -> tuple[Frame, ...]:

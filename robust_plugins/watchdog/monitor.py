@@ -25,6 +25,7 @@ from typing import Any, Iterable
 
 from robust_plugins._logging import get_logger
 from robust_plugins.config import WatchdogConfig
+from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import inject as _inject
 from robust_plugins.watchdog import ring as _ring
 from robust_plugins.watchdog import stacks as _stacks
@@ -36,6 +37,7 @@ from robust_plugins.watchdog.detect import (
     is_bad_number,
     learned_timeout,
     localize,
+    localize_by_sequence,
     stalled_ranks,
     stragglers,
 )
@@ -822,9 +824,14 @@ class Monitor:
             oldest = min(self.ranks[r].progress.last_progress for r in stalled)
         t0 = time.monotonic()
         tag = f"hang-inc{self.incarnation}"
+        # Sequence numbers first: on NCCL a healthy rank's stack does not show that it waits for a
+        # peer (detect.in_collective); they tell who never issued the collective the others wait in.
+        served = _flight.served_paths(self.run_dir, {r: pid for r, (pid, _) in targets.items()})
+        sequences = _flight.collect({r: served.get(r) for r in targets}) if served else {}
         dumps = _stacks.collect(targets, self.run_dir / "stacks", tag, self.cfg.stack_dump_timeout_s)
         dump_s = time.monotonic() - t0
-        where = localize({r: dumps[r].frames if r in dumps else None for r in targets}, last_steps)
+        where = (localize_by_sequence(sequences) if sequences else None) or localize(
+            {r: dumps[r].frames if r in dumps else None for r in targets}, last_steps)
         suspects = where.suspects
         # The fault began when the first suspect stopped making progress.
         started = [self.ranks[r].progress.last_progress for r in suspects if r in self.ranks] or [oldest]
@@ -845,7 +852,9 @@ class Monitor:
                     # Per rank with a readable stack: waiting in a collective (for a peer, maybe on
                     # another node) or not (stuck itself). Node blame uses it (watchdog/nodes.py).
                     "in_collective": {str(r): in_collective(d.frames) for r, d in dumps.items()
-                                      if d.frames}},
+                                      if d.frames},
+                    # Per rank, per process group: collectives issued / started (None: unreadable).
+                    "flight_recorder": {str(r): s for r, s in sequences.items()}},
         )
         return self._record(fault)
 
