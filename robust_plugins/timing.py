@@ -45,7 +45,7 @@ def warmup_runs(device: torch.device | str | None) -> int:
     return 1 if clock_for(device) == CUDA_EVENTS else 0
 
 
-def _capturing(device: torch.device) -> bool:
+def _capturing() -> bool:
     # A stream being captured into a CUDA graph cannot record timing events; nothing runs then anyway.
     return torch.cuda.is_current_stream_capturing()
 
@@ -70,7 +70,7 @@ class Clock:
     def start(self) -> "Clock":
         """Mark the start (an event on the current stream, or the host time)."""
         if self.kind == CUDA_EVENTS:
-            if _capturing(self.device):
+            if _capturing():
                 self._events = None
                 return self
             begin = torch.cuda.Event(enable_timing=True)
