@@ -182,8 +182,8 @@ class StandbyPool:
         env.update({_worker.ENV_STATUS_FD: str(status_w), _worker.ENV_HANDOFF_FD: str(handoff_r),
                     _worker.ENV_PARENT: str(os.getpid()), _worker.ENV_PREIMPORT: ",".join(self.modules)})
         proc = subprocess.Popen([sys.executable, "-u", "-m", _worker.__name__], env=env, cwd=self.cwd,
-                                pass_fds=(status_w, handoff_r), stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                pass_fds=(status_w, handoff_r), start_new_session=True)
+        # stdin, stdout, stderr: the agent's, inherited as torch's own Popen of a rank does.
         os.close(status_w)
         os.close(handoff_r)
         os.set_blocking(status_r, False)
