@@ -94,6 +94,11 @@ def plain_run(steps: int, corpus, bf16_steps: tuple = ()) -> dict:
     return {"digests": all_digests(engine), "losses": losses}
 
 
+def bf16_steps(wires: list) -> tuple:
+    """The steps the hand-back sent in bf16 (``wires[i]``: the wire of step ``i + 1``)."""
+    return tuple(i + 1 for i, w in enumerate(wires) if w == "bf16")
+
+
 def run(block: dict, overlap: bool, steps: int, corpus, host_wire: str | None = None) -> dict:
     block = {**block, "compression": {**block["compression"], "overlap": overlap}}
     engine = make_engine(block)
@@ -156,6 +161,12 @@ def main() -> None:
                             # DeepSpeed's bf16 all-reduce where the hand-back sends bf16 (not at
                             # the deciding steps 0 and 3)
                             "plain_bf16": plain_run(auto_steps, corpus, bf16_steps=(1, 2, 4, 5))}
+    for mode in ("on", "off"):
+        # A timed choice that changed at the re-check has a reference of its own: DeepSpeed alone
+        # with bf16 at exactly the steps the hand-back sent bf16 (the choices are group-agreed).
+        bf16 = bf16_steps(results["auto_fast"][mode]["wires"])
+        if bf16 not in ((), (1, 2, 4, 5)):
+            results["auto_fast"][f"plain_{mode}"] = plain_run(auto_steps, corpus, bf16_steps=bf16)
     refusals = {}
     for what, stage, comp in (("zero1_overlap_true", 1, {"codec": "int8", "overlap": True}),):
         try:
