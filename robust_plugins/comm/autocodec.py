@@ -9,7 +9,8 @@ and 3.5x slower at 10 Gbit/s. So the choice is made from measurements, in two la
   size, it predicts each candidate's time and picks the fastest one whose error passes the quality
   guard, keeping ``none`` unless a codec is predicted at least ``min_gain`` faster. Unit tests call
   it with made-up numbers.
-* :class:`AutoCodec` measures those inputs (:meth:`AutoCodec.probe`): one tiny and one
+* :class:`AutoCodec` measures those inputs (:meth:`AutoCodec.probe`, with the timed measurements
+  of :mod:`robust_plugins.comm.auto_measure`): one tiny and one
   ``probe_bytes`` fp32 all-reduce on the group give latency and bus bandwidth (or the bandwidth is
   given, ``link_gbit``), and one local encode / reduce / decode of a sample of the real bucket gives
   each codec's cost and error. Every number is max-reduced over the group, so every rank computes
@@ -71,9 +72,16 @@ import torch
 
 from robust_plugins._logging import get_logger, log_rank0
 from robust_plugins.config import AUTO_CANDIDATES, BF16_ALLREDUCE
-from robust_plugins.device import collective_device
+from robust_plugins.comm.auto_measure import (  # noqa: F401  (measurements; re-exported)
+    CodecCost,
+    _max_over_group,
+    _ranks_of,
+    measure_bf16_allreduce,
+    measure_codec,
+    measure_link,
+    timed_runs,
+)
 from robust_plugins.errors import ConfigError
-from robust_plugins.timing import WARMUP, Clock
 
 _log = get_logger(__name__)
 
@@ -98,14 +106,6 @@ class LinkEstimate:
     bus_bytes_per_s: float
     latency_s: float
     group_size: int
-
-
-@dataclass(frozen=True)
-class CodecCost:
-    """Compute cost (encode + reduce + decode, seconds per element) and relative error of a codec."""
-
-    seconds_per_element: float
-    rel_error: float
 
 
 @dataclass(frozen=True)
@@ -378,138 +378,6 @@ def choose_host_wire(fp32_s: Sequence[float], bf16_s: Sequence[float], rel_error
     return "bf16", said
 
 
-def timed_runs(tensor: torch.Tensor, names: Sequence[str], run: Callable[[str, torch.Tensor], Any], group,
-               rounds: int = 1) -> dict[str, list[float]]:
-    """Time ``run(name, copy)`` on a fresh copy of ``tensor`` for every name, ``rounds`` times,
-    interleaved (a slow spell of the machine hits them all); each run starts at a barrier (a
-    rank's wait for late peers is not the run's cost). A collective on ``group``: the times are
-    agreed, the slowest rank's, so every rank decides alike. Returns each name's times, in order.
-
-    Timed by :class:`~robust_plugins.timing.Clock` on the tensor's device (CUDA events around the
-    run, whose collectives join the current stream, on a GPU), after one untimed run per group and
-    name on a GPU (:data:`~robust_plugins.timing.WARMUP`): the first pays for NCCL's communicator
-    and Triton's JIT."""
-    import torch.distributed as dist
-
-    distributed = dist.is_available() and dist.is_initialized()
-    ranks = _ranks_of(group)
-    for name in names:
-        WARMUP.ensure(("run", ranks, name), lambda: run(name, tensor.detach().clone()), tensor.device)
-    out = []
-    for _ in range(rounds):
-        for name in names:
-            copy = tensor.detach().clone()
-            if distributed:
-                dist.barrier(group=group)
-            clock = Clock(copy.device).start()
-            run(name, copy)
-            out.append(clock.stop())
-    agreed = _max_over_group(out, group)
-    k = len(names)
-    return {name: agreed[i::k] for i, name in enumerate(names)}
-
-
-def _ranks_of(group) -> tuple:
-    """The group's global ranks (a warm-up key): ``("world",)`` for the default group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return ("none",)
-    return tuple(dist.get_process_group_ranks(group)) if group is not None else ("world",)
-
-
-def _max_over_group(values: list[float], group) -> list[float]:
-    """``values`` max-reduced over ``group`` (on the device its backend needs: CUDA for NCCL)."""
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64, device=collective_device(group))
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
-
-
-def measure_codec(codec: str, sample: torch.Tensor, group_size: int, block_size: int,
-                  bf16_error_feedback: bool = False) -> CodecCost:
-    """Time one rank's compute of a two-phase all-reduce of ``sample`` with ``codec``; and its error.
-
-    Runs exactly what a rank computes in :func:`~robust_plugins.comm.compressed_all_reduce`
-    (encode the bucket, decode-sum-requantize its own chunk from ``group_size`` rows, decode every
-    chunk), with this rank's rows standing in for the others'. The error is that of one quantization
-    round trip of ``sample`` (no error feedback), ``||decoded - sample|| / ||sample||``.
-
-    ``bf16_allreduce`` (see :func:`measure_bf16_allreduce`) is timed and judged differently.
-    """
-    from robust_plugins.comm import _twophase
-
-    if codec == BF16_ALLREDUCE:
-        return measure_bf16_allreduce(sample, group_size, error_feedback=bf16_error_feedback)
-    flat = sample.detach().reshape(-1).float().contiguous()
-    n = flat.numel()
-    layout = _twophase.plan(n, group_size, codec, block_size)
-
-    def compute():
-        send = _twophase.encode(flat, layout, None)
-        row = _twophase.reduce_chunk(send, layout, 0, None, 1.0)
-        _twophase.decode(row.reshape(1, -1).expand(group_size, -1).contiguous(), layout)
-        return send
-
-    # On a GPU the first launch of each kernel compiles it (Triton's JIT): once per codec and device.
-    WARMUP.ensure(("codec", codec, block_size, str(flat.device)), compute, flat.device)
-    elapsed = math.inf
-    for _ in range(2):  # the faster of two: the first pays for allocations the steady state reuses
-        clock = Clock(flat.device).start()
-        send = compute()
-        elapsed = min(elapsed, clock.stop())
-    roundtrip = _twophase.decode(send, layout)
-    norm = float(flat.norm())
-    err = float((roundtrip - flat).norm()) / norm if norm > 0 else 0.0
-    return CodecCost(elapsed / max(n, 1), err)
-
-
-#: At most this many elements of the sample go through the simulated bf16 sum of ``group_size``
-#: ranks (its cost grows with the group; 4M element-additions take about 20 ms on one core).
-_BF16_SUM_ELEMENTS = 1 << 22
-
-
-def measure_bf16_allreduce(sample: torch.Tensor, group_size: int, error_feedback: bool = False) -> CodecCost:
-    """Cost and error of :func:`~robust_plugins.comm.collectives.bf16_all_reduce` on ``sample``.
-
-    The cost is this rank's compute outside the collective: the cast (with ``error_feedback``: add
-    the residual, cast, keep the new residual) and the cast back; the bf16 additions happen inside
-    the backend's all-reduce, whose time the link estimate holds. The error is the quality
-    guard's worst case: ``group_size`` ranks whose gradients are rotations of ``sample`` (as
-    unlike each other as the sample's own elements) summed in rank order with every partial sum
-    rounded to bf16, as gloo's ring does, against their fp32 sum (no error feedback, which cannot
-    reach the backend's roundings anyway).
-    """
-    flat = sample.detach().reshape(-1).float().contiguous()
-    n = flat.numel()
-    elapsed = math.inf
-    for _ in range(2):  # the faster of two: the first pays for allocations
-        residual = torch.zeros_like(flat) if error_feedback else None
-        clock = Clock(flat.device).start()
-        if residual is not None:
-            residual.add_(flat)
-            wire = residual.to(torch.bfloat16)
-            residual.sub_(wire)
-            residual.nan_to_num_(0.0, 0.0, 0.0)
-        else:
-            wire = flat.to(torch.bfloat16)
-        flat.new_empty(n).copy_(wire)
-        elapsed = min(elapsed, clock.stop())
-    m = min(n, max(1 << 12, _BF16_SUM_ELEMENTS // max(group_size, 1)))
-    x = flat[:m]
-    exact = x.double().clone()
-    acc = x.to(torch.bfloat16)
-    for r in range(1, max(group_size, 1)):
-        part = torch.roll(x, shifts=(r * 7919) % m)  # a prime stride: another rank's "gradient"
-        exact += part.double()
-        acc = (acc.float() + part.to(torch.bfloat16).float()).to(torch.bfloat16)
-    norm = float(exact.norm())
-    err = float((acc.double() - exact).norm()) / norm if norm > 0 else 0.0
-    return CodecCost(elapsed / max(n, 1), err)
-
-
 class AutoCodec:
     """Measures and decides the ``auto`` codec for one group (see the module docstring).
 
@@ -633,31 +501,7 @@ class AutoCodec:
     # -- routes: flat or hierarchical, and the codec ------------------------------------------
     def _link(self, group, given_gbit: float | None) -> tuple[float, float, int]:
         """(latency s, seconds per bus byte, size) of one all-reduce on ``group``; unagreed."""
-        import torch.distributed as dist
-
-        w = dist.get_world_size(group)
-        if w <= 1:
-            return 0.0, 0.0, w
-        # On the device the group's backend moves (CUDA on NCCL), timed by its clock (CUDA events
-        # after the collective joined the current stream), after a warm-up of each size per group
-        # on a GPU: NCCL builds its communicator at the first collective.
-        device, ranks = collective_device(group), _ranks_of(group)
-        tiny = torch.zeros(1, device=device)
-        WARMUP.ensure(("link tiny", ranks), lambda: dist.all_reduce(tiny, group=group), device)
-        lat = []
-        for _ in range(3):
-            clock = Clock(device).start()
-            dist.all_reduce(tiny, group=group)
-            lat.append(clock.stop())
-        latency = min(lat)
-        if given_gbit is not None:
-            return latency, 8 / (given_gbit * 1e9), w
-        buf = torch.zeros(max(self.probe_bytes // 4, 1), device=device)
-        WARMUP.ensure(("link buf", ranks, buf.numel()), lambda: dist.all_reduce(buf, group=group), device)
-        clock = Clock(device).start()
-        dist.all_reduce(buf, group=group)
-        elapsed = max(clock.stop() - latency, 1e-9)
-        return latency, elapsed / (2 * (w - 1) / w * buf.numel() * 4), w
+        return measure_link(group, given_gbit, self.probe_bytes)
 
     def probe_routes(self, sample: torch.Tensor, group, intra, rail) -> tuple[dict[str, LinkEstimate],
                                                                                dict[str, CodecCost]]:
