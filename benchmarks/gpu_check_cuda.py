@@ -319,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                 res = {"status": "skipped", "reason": str(why)}
             except Exception:
                 res = {"status": "FAILED", "error": traceback.format_exc()[-4000:]}
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next part starts from free memory (snapshots: GBs)
         res["seconds"] = round(time.perf_counter() - t0, 2)
         failed |= res["status"] == "FAILED"
         report["parts"][name] = res

@@ -10,6 +10,7 @@ run as ``__main__`` and this module raise and catch the same class).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -86,7 +87,11 @@ def part_snapshots(ctx: dict) -> dict:
     numel = int(ctx["snapshot_gb"] * 2**30 / 4 / n_tensors)
     state = {f"t{i}": torch.randn(numel, device=dev) for i in range(n_tensors)}
     bw = _copy_bandwidth(state["t0"])
-    root = tempfile.mkdtemp(prefix="gpucheck-snap-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    # Two slots of the state: a container's /dev/shm is often 64 MB, then the snapshot goes to disk
+    # (recorded: its bandwidth is then the disk's page cache, not shared memory's).
+    need_bytes = 2.2 * n_tensors * numel * 4
+    shm = os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > need_bytes
+    root = tempfile.mkdtemp(prefix="gpucheck-snap-", dir="/dev/shm" if shm else None)
     store = SnapshotStore(f"gpucheck{os.getpid()}", 0, 1, root=root)
     try:
         alone = _matmul_loop(dev, 3.0)
@@ -103,8 +108,9 @@ def part_snapshots(ctx: dict) -> dict:
         same = step == 1 and all(_equal(restored[k], v) for k, v in state.items())
     finally:
         store.close(remove=True)
+        shutil.rmtree(root, ignore_errors=True)
     gb = n_tensors * numel * 4 / 1e9
-    return {"gb": round(gb, 2), "copy": bw, "blocking_s": blocking, "settle_s": settle, "total_s": total,
+    return {"gb": round(gb, 2), "root": root, "copy": bw, "blocking_s": blocking, "settle_s": settle, "total_s": total,
             "snapshot_GBps": round(gb / total, 2), "matmul_per_s": {"alone": alone, "during": rate.get("r")},
             "checks": {"bitwise restore": same, "blocking below total": blocking <= total}}
 
