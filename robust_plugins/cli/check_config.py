@@ -1,14 +1,17 @@
 """``robust check-config ds.json``: validate the block and say what it would turn on.
 
 Runs without DeepSpeed imported (fast, and usable on a login node). Besides the block's own
-validation it points out host settings that interact with it.
+validation it points out host settings that interact with it. ``--schema`` prints the block's
+JSON Schema instead (editors complete and validate the block with it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 from robust_plugins.config import BLOCK_KEY, PluginConfig, load_json
+from robust_plugins.errors import ConfigError
 
 # ZeRO 1/2 on CPU with DeepSpeed's default 5e8-element buckets spent ~2 s a step allocating
 # buffers for a 5.5k-parameter model; 5e6 made it 70x faster (../shared/HOSTS.md).
@@ -16,8 +19,10 @@ _CPU_BUCKET_LIMIT = 5e7
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``CONFIG`` path(s)."""
-    parser.add_argument("configs", nargs="+", metavar="CONFIG", help="DeepSpeed JSON config file(s)")
+    """``CONFIG`` path(s), or ``--schema``."""
+    parser.add_argument("configs", nargs="*", metavar="CONFIG", help="DeepSpeed JSON config file(s)")
+    parser.add_argument("--schema", action="store_true",
+                        help="print the JSON Schema of the robust_plugins block (for editors) and exit")
 
 
 def check(path: str) -> list[str]:
@@ -70,7 +75,14 @@ def check(path: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report for each config; exit 2 on the first invalid one."""
+    """Print the report for each config (or the schema); exit 2 on the first invalid one."""
+    if args.schema:
+        from robust_plugins.schema.docs import json_schema
+
+        print(json.dumps(json_schema(), indent=2))
+        return 0
+    if not args.configs:
+        raise ConfigError("check-config needs a DeepSpeed JSON config file (CONFIG ...) or --schema.")
     for path in args.configs:
         print("\n".join(check(path)))
     return 0
