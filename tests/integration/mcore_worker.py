@@ -16,8 +16,16 @@ def _preset():
     return PRESETS["cpu-tiny"]
 
 
+def main_grads(ddp) -> torch.Tensor:
+    """Every parameter's reduced gradient (``main_grad``, megatron's buffer after
+    ``finish_grad_sync``), in parameter order: independent of the bucket layout."""
+    return torch.cat([p.main_grad.detach().flatten().clone() for p in ddp.parameters()])
+
+
 def train_variants(rank, world, variants, steps, tp=1, bucket_size=None):
-    """Train the cpu-tiny GPT for ``steps`` per variant; return losses, digest and plugin stats.
+    """Train the cpu-tiny GPT for ``steps`` per variant; return losses, digest, plugin stats and
+    the reduced gradient of step 1 (``grad1``; every variant starts from the same weights, so it
+    differs from vanilla's by the codec's error alone).
 
     ``variants``: list of dicts with ``codec`` (None: vanilla megatron-core), ``overlap``.
     """
@@ -30,7 +38,9 @@ def train_variants(rank, world, variants, steps, tp=1, bucket_size=None):
     for v in variants:
         parts = build(preset, tp=tp, seed=0, codec=v["codec"], overlap=v["overlap"], distopt=False,
                       bucket_size=bucket_size)
-        losses = [train_step(parts, preset, corpus, 0, s) for s in range(1, steps + 1)]
+        losses = [train_step(parts, preset, corpus, 0, 1)]
+        grad1 = main_grads(parts["ddp"])
+        losses += [train_step(parts, preset, corpus, 0, s) for s in range(2, steps + 1)]
         plugin = parts["plugin"]
         stats = None
         if plugin is not None:
@@ -38,7 +48,7 @@ def train_variants(rank, world, variants, steps, tp=1, bucket_size=None):
             stats = {"compressed": st.compressed_elements, "passthrough": st.passthrough_elements,
                      "keys": plugin.sync.state.keys(), "groups": len(plugin.groups), "steps": plugin.steps}
         out.append({"losses": losses, "digest": param_digest(parts["ddp"]), "stats": stats,
-                    "groups": len(parts["ddp"].bucket_groups)})
+                    "groups": len(parts["ddp"].bucket_groups), "grad1": grad1})
     return out
 
 
@@ -177,7 +187,8 @@ def block_variants(rank, world, variants, steps):
     """Train the cpu-tiny GPT once per ``robust_plugins`` block (None: vanilla megatron-core).
 
     ``variants``: list of dicts with ``block`` and ``overlap``. Returns losses, digest and what the
-    plugin's sync and telemetry recorded (telemetry records only on rank 0).
+    plugin's sync and telemetry recorded (telemetry records only on rank 0), the reduced gradient of
+    step 1 (``grad1``) and the number of gradient elements (``n_params``).
     """
     from robust_plugins.recipes.megatron_gpt.train import build, param_digest, train_step
     from robust_plugins.workloads import load_corpus
@@ -188,16 +199,19 @@ def block_variants(rank, world, variants, steps):
     for v in variants:
         parts = build(preset, tp=1, seed=0, codec=None, overlap=v["overlap"], distopt=False, block=v["block"])
         plugin = parts["plugin"]
-        losses = []
+        losses, grad1 = [], None
         for s in range(1, steps + 1):
             losses.append(train_step(parts, preset, corpus, 0, s))
+            if s == 1:
+                grad1 = main_grads(parts["ddp"])
             if plugin is not None:
                 plugin.step_end(s, loss=losses[-1])
-        info = {}
+        info = {"grad1": grad1, "n_params": sum(p.numel() for p in parts["ddp"].parameters())}
         if plugin is not None and plugin.sync is not None:
             st = plugin.sync.stats
-            info = {"hierarchical": st.hierarchical_elements, "by_codec": dict(st.by_codec),
-                    "auto": len(st.auto_decisions), "threaded": plugin.thread is not None}
+            info.update({"hierarchical": st.hierarchical_elements, "by_codec": dict(st.by_codec),
+                         "auto": len(st.auto_decisions), "decisions": list(st.auto_decisions),
+                         "by_route": dict(st.by_route), "threaded": plugin.thread is not None})
         if plugin is not None and plugin.telemetry is not None:
             info["records"] = list(plugin.telemetry.records)
         if plugin is not None:
