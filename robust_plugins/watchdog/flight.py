@@ -3,9 +3,9 @@
 On NCCL a stack does not say who hangs (:func:`~robust_plugins.watchdog.detect.in_collective`):
 the host returns from a collective at launch. torch counts, per process group, the collectives a
 rank issued and those its device started (the flight recorder's ``pg_status``), and its C++
-worker server answers ``POST /handler/fr_trace_json`` on a Unix socket from its own thread, so the
-numbers come back while the rank's Python thread is blocked in a collective, a ``.item()`` or a
-``synchronize`` (checked on torch 2.13 over gloo: 2 ms with the main thread inside an
+worker server answers ``POST /handler/<name>`` (:data:`HANDLERS`) on a Unix socket from its own
+thread, so the numbers come back while the rank's Python thread is blocked in a collective, a
+``.item()`` or a ``synchronize`` (checked on torch 2.13 over gloo: 2 ms with the main thread inside an
 ``all_reduce``). At its first step the rank's watchdog client starts the server where the
 default group is NCCL (:func:`serve_if_needed`; on gloo stacks suffice, and torch logs three
 lines per server), at a path the monitor derives from the rank and its pid
@@ -103,11 +103,15 @@ class _UnixHTTP(http.client.HTTPConnection):
         self.sock = sock
 
 
-def fetch(path: str, timeout: float = FETCH_TIMEOUT_S) -> dict[str, dict[str, Any]] | None:
-    """One rank's ``pg_status`` (process group id -> its counters), or None if unreadable."""
+#: The worker server's flight-recorder handlers: NCCL's own recorder (CUDA builds), then the one
+#: every other backend (gloo) writes; a build without one answers 404 for it.
+HANDLERS = ("dump_nccl_trace_json?onlyactive=true", "fr_trace_json?onlyactive=true")
+
+
+def _post(path: str, handler: str, timeout: float) -> dict[str, Any] | None:
     conn = _UnixHTTP(path, timeout)
     try:
-        conn.request("POST", "/handler/fr_trace_json")
+        conn.request("POST", f"/handler/{handler}")
         resp = conn.getresponse()
         body = resp.read()
         if resp.status != 200:
@@ -118,6 +122,19 @@ def fetch(path: str, timeout: float = FETCH_TIMEOUT_S) -> dict[str, dict[str, An
         return None
     finally:
         conn.close()
+
+
+def fetch(path: str, timeout: float = FETCH_TIMEOUT_S) -> dict[str, dict[str, Any]] | None:
+    """One rank's ``pg_status`` (process group -> its counters) from every recorder it has (NCCL's
+    and gloo's groups together), or None if nothing answered."""
+    merged: dict[str, dict[str, Any]] = {}
+    answered = False
+    for handler in HANDLERS:
+        status = _post(path, handler, timeout)
+        if status is not None:
+            answered = True
+            merged.update(status)
+    return merged if answered else None
 
 
 def collect(paths: Mapping[int, str | None], timeout: float = FETCH_TIMEOUT_S) -> dict[int, Any]:
