@@ -13,7 +13,9 @@ with its wall time and incarnation. From those logs and ``faults.jsonl``:
 
 Rows (``--rows``, each one job; a job is bounded by ``--timeout``):
 ``crash hang nan spike straggler sdc`` under ``robust run`` with an injected fault at
-``--fault-step``; ``crash_emergency``: the crash with ZeRO 0 and the plugin's checkpoint block, whose
+``--fault-step``; ``crash_cold`` and ``crash_warm``: the crash with ``--no-standby`` and with the
+default warm standby workers (each row also gives its job's own cold start, launch to the first
+step, and the table ends with warm recovery / cold start); ``crash_emergency``: the crash with ZeRO 0 and the plugin's checkpoint block, whose
 emergency save (``patches/deepspeed_emergency.py``) writes the last step before the restart; ``torchrun`` and ``ft_launcher``: the same script with ``--kill-at`` (the rank
 kills itself; these launchers have no injection). ``ettr``: one job of ``--ettr-seconds`` with a
 random fault (kill, hang, NaN, spike; at a random rank) every ``--ettr-every`` seconds,
@@ -25,6 +27,7 @@ Run under the shared lock, the recovery rows in commands under 6 minutes (BENCHM
     python benchmarks/recovery_bench.py --rows crash hang nan --repeats 3
     python benchmarks/recovery_bench.py --rows spike sdc crash_emergency --repeats 3
     python benchmarks/recovery_bench.py --rows straggler torchrun ft_launcher --repeats 3 --nvrx-path DIR
+    python benchmarks/recovery_bench.py --rows crash_cold crash_warm --repeats 3 --steps 40 --fault-step 25
     python benchmarks/recovery_bench.py --rows ettr --ettr-seconds 600 --ettr-every 60 --ettr-step-s 0.05 \
         --save-every 50 --seed 3     # the 10-minute ETTR run (about 11 minutes)
 
@@ -104,10 +107,10 @@ def recovery(steps: list[dict], onset: float, inc_before: int) -> tuple[float | 
 
 
 def run_robust(work: Path, nproc: int, steps: int, save_every: int, inject: list[str], watchdog: list[str],
-               timeout_s: float, script_extra: tuple[str, ...] = ()) -> dict:
+               timeout_s: float, script_extra: tuple[str, ...] = (), launcher_extra: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(work / "run"),
            "--standalone", "--nproc-per-node", str(nproc), "--monitor-interval", "0.1",
-           "--max-restarts", "20"]
+           "--max-restarts", "20", *launcher_extra]
     for w in watchdog:
         cmd += ["--watchdog", w]
     for i in inject:
@@ -119,9 +122,11 @@ def run_robust(work: Path, nproc: int, steps: int, save_every: int, inject: list
     return {"rc": rc, "out": out, "t0": t0, "t_end": time.time(), "faults": faults}
 
 
-def robust_row(name: str, spec: str, work: Path, args, watchdog: list[str], script_extra: tuple[str, ...] = ()) -> dict:
-    kind = name.split("_")[0]  # crash_emergency: a crash
-    job = run_robust(work, args.nproc, args.steps, args.save_every, [spec], watchdog, args.timeout, script_extra)
+def robust_row(name: str, spec: str, work: Path, args, watchdog: list[str], script_extra: tuple[str, ...] = (),
+               launcher_extra: tuple[str, ...] = ()) -> dict:
+    kind = name.split("_")[0]  # crash_emergency, crash_cold, crash_warm: a crash
+    job = run_robust(work, args.nproc, args.steps, args.save_every, [spec], watchdog, args.timeout, script_extra,
+                     launcher_extra)
     steps, _ = _step_log(work)
     fault = next((f for f in job["faults"] if f["kind"] == kind), None)
     row = {"launcher": "robust run", "fault": name, "inject": spec, "rc": job["rc"],
@@ -134,6 +139,11 @@ def robust_row(name: str, spec: str, work: Path, args, watchdog: list[str], scri
     saves = (fault.get("detail") or {}).get("emergency_save")
     if saves:
         row["emergency_save"] = saves
+    first = [s["t"] for s in steps if s["inc"] == 0]
+    detail = fault.get("detail") or {}
+    # The cold start of this very job: launch to the first step of its first incarnation.
+    row.update(cold_start_s=round(min(first) - job["t0"], 2) if first else None,
+               restart_s=detail.get("restart_s"), standby=detail.get("standby"))
     row.update(detected_after_s=fault["detected_after_s"], action=fault["action"],
                suspects=fault["suspect_ranks"], step=fault["step"],
                lost_steps_faults_jsonl=fault.get("lost_steps"), resumed_faults_jsonl=fault.get("resumed_at_step"))
@@ -226,8 +236,8 @@ def _spread(rows: list[dict], key: str, unit: str = "") -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", nargs="+", required=True,
-                   choices=["crash", "crash_emergency", "hang", "nan", "spike", "straggler", "sdc", "torchrun",
-                            "ft_launcher", "ettr"])
+                   choices=["crash", "crash_emergency", "crash_cold", "crash_warm", "hang", "nan", "spike",
+                            "straggler", "sdc", "torchrun", "ft_launcher", "ettr"])
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--save-every", type=int, default=10)
@@ -249,6 +259,8 @@ def main() -> None:
         "crash": (f"kill:rank={args.kill_rank},step={S}", []),
         # ZeRO 0 with the checkpoint block: a live rank saves step S before the restart.
         "crash_emergency": (f"kill:rank={args.kill_rank},step={S}", []),
+        "crash_cold": (f"kill:rank={args.kill_rank},step={S}", []),  # --no-standby
+        "crash_warm": (f"kill:rank={args.kill_rank},step={S}", []),  # standbys (the default)
         "hang": (f"hang:rank=2,step={S}", hang),
         "nan": (f"nan:rank=1,step={S}", []),
         "spike": (f"spike:rank=3,step={S}", []),
@@ -271,7 +283,8 @@ def main() -> None:
                 if name != "straggler":
                     wd = ["straggler_factor=0", *wd]
                 row = robust_row(name, spec, work, args, wd,
-                                 ("--emergency",) if name == "crash_emergency" else ())
+                                 ("--emergency",) if name == "crash_emergency" else (),
+                                 ("--no-standby",) if name == "crash_cold" else ())
             elif name in ("torchrun", "ft_launcher"):
                 row = baseline_row(name, work, args)
             else:
@@ -295,8 +308,26 @@ def main() -> None:
               f"{r.get('action', 'restart')} | {_spread(group, 'recovered_after_s', ' s')}"
               f"{f' ({failed} of {len(group)} never recovered)' if failed else ''} | "
               f"{_spread(group, 'lost_steps')} | {_spread(group, 'resumed_at')} | {len(group)} |")
+    _warm_vs_cold(rows)
     if not args.keep:
         subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+def _warm_vs_cold(rows: list[dict]) -> None:
+    """The issue-15 target: warm recovery (fault -> first step) <= 0.3 x the cold start of the same launch."""
+    warm = [r for r in rows if r.get("fault") == "crash_warm" and r.get("recovered_after_s") is not None]
+    cold = [r for r in rows if r.get("fault") == "crash_cold" and r.get("recovered_after_s") is not None]
+    starts = [r["cold_start_s"] for r in warm + cold if r.get("cold_start_s") is not None]
+    if not warm or not starts:
+        return
+    w, c0 = statistics.median(r["recovered_after_s"] for r in warm), statistics.median(starts)
+    line = (f"\nwarm recovery {w:.2f} s (standby served {sum(bool(r.get('standby')) for r in warm)} of {len(warm)}), "
+            f"cold start (launch -> first step) {c0:.2f} s: warm = {w / c0:.2f}x the cold start (target <= 0.3x)")
+    if cold:
+        c = statistics.median(r["recovered_after_s"] for r in cold)
+        line += f"; cold recovery {c:.2f} s = {c / c0:.2f}x; warm / cold recovery = {w / c:.2f}"
+    restart = {n: _spread([r for r in rows if r.get("fault") == n], "restart_s", " s") for n in ("crash_cold", "crash_warm")}
+    print(line + f"; restart_s (detection -> ranks running) cold {restart['crash_cold']}, warm {restart['crash_warm']}")
 
 
 if __name__ == "__main__":
