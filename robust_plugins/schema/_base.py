@@ -65,6 +65,7 @@ class Section(BaseModel):
                 info.description = docs[name]
 
     def __init__(self, /, **data: Any) -> None:
+        _check_string_keys(data, self.where)
         try:
             super().__init__(**data)
         except ValidationError as exc:
@@ -73,6 +74,7 @@ class Section(BaseModel):
     @classmethod
     def parse(cls, data: Any) -> "Section":
         """Validate a JSON value (a dict for a valid block); raises ConfigError only."""
+        _check_string_keys(data, cls.where)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -94,6 +96,16 @@ class Section(BaseModel):
     def as_dict(self) -> dict[str, Any]:
         """Plain values, nested sections as dicts (what ``dataclasses.asdict`` gave)."""
         return self.model_dump()
+
+
+def _check_string_keys(data: Any, where: str) -> None:
+    # JSON keys are strings; pydantic-core raises a bare TypeError on others (a Python-built block).
+    if not isinstance(data, Mapping):
+        return
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"Unknown key {where}.{key!r}: keys must be strings.")
+        _check_string_keys(value, f"{where}.{key}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from robust_plugins.errors import ConfigError
-from robust_plugins.schema._base import Hint, Section
+from robust_plugins.schema._base import Hint, Section, num
 from robust_plugins.schema.common import (
     AUTO_CANDIDATES,
     AUTO_CODEC,
@@ -175,7 +175,8 @@ class CompressionConfig(Section):
 
     def describe(self) -> str:
         """One-line summary for logs and ``robust check-config``."""
-        auto = (f"auto_candidates={','.join(self.auto_candidates)}, auto_link_gbit={self.auto_link_gbit}, "
+        link = None if self.auto_link_gbit is None else num(self.auto_link_gbit)  # 1, not 1.0, as given
+        auto = (f"auto_candidates={','.join(self.auto_candidates)}, auto_link_gbit={link}, "
                 f"auto_recheck_steps={self.auto_recheck_steps}, auto_min_gain={self.auto_min_gain:g}, "
                 f"auto_max_error={self.auto_max_error:g}, "
                 + ("auto_bf16_error_feedback=True, " if self.auto_bf16_error_feedback else "")

@@ -71,6 +71,8 @@ def test_errors_are_one_config_error_naming_every_bad_key():
     ]
     with pytest.raises(ConfigError, match=r"^robust_plugins.compression.min_numel = -1 must be >= 0\.$"):
         CompressionConfig(min_numel=-1)  # built on its own: the same key path
+    with pytest.raises(ConfigError, match=r"Unknown key robust_plugins.telemetry.wandb.2: keys must be strings"):
+        PluginConfig.from_dict({"telemetry": {"wandb": {2: "x"}}})  # pydantic-core: a bare TypeError
 
 
 def test_frozen_replace_and_as_dict():
