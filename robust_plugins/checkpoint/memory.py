@@ -22,7 +22,9 @@ crc32, writes it, and writes ``committed = 1`` last. :meth:`SnapshotStore.settle
 (the bindings call it before the next optimizer step, or anything else that changes those
 tensors, and count the wait as blocking). A process killed before the commit leaves that slot
 uncommitted and the other slot, the previous step, intact: a snapshot is visible to restore, to
-the peer backup and to the background disk save only once committed.
+the peer backup and to the background disk save only once committed. CUDA tensors are copied
+asynchronously on a side stream into the pinned mapping, the commit after an event
+(:mod:`~robust_plugins.checkpoint.devcopy`).
 Shared memory is the kernel's page cache: whatever the process stored before it died is there
 for the next process to read; no flush is needed (a *node* reboot loses it, which is what the
 peer copy of :mod:`~robust_plugins.checkpoint.peer` is for).
@@ -50,7 +52,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from robust_plugins._logging import get_logger
-from robust_plugins.checkpoint import flat
+from robust_plugins.checkpoint import devcopy, flat
 from robust_plugins.errors import CheckpointError
 
 log = get_logger(__name__)
@@ -186,6 +188,8 @@ class Slot:
         self._bytes: torch.Tensor | None = None
         self.busy = threading.Event()
         """Set while the background thread owns this slot (checksum, commit, peer send)."""
+        self.unpin: Callable[[], Any] | None = None
+        """Unregisters the mapping from CUDA (set by :mod:`~robust_plugins.checkpoint.devcopy`)."""
 
     def open_existing(self) -> bool:
         """Map the file if it exists (a previous incarnation's snapshot); False if absent."""
@@ -298,6 +302,9 @@ class Slot:
 
     def unmap(self) -> None:
         """Drop the mapping (the file stays)."""
+        if self.unpin is not None:
+            self.unpin()
+            self.unpin = None
         self._bytes = None
         if self._map is not None:
             self._map.close()
@@ -408,6 +415,7 @@ class SnapshotStore:
         if slot.header() is not None:
             slot.set_committed(False)
         buf = slot.bytes()
+        copier = devcopy.for_tensors(tensors, slot)  # CUDA state: async copies (None: host only)
         later = []  # (tensor, start, bytes, version at the save, path): the snapshot thread copies these
         for i, (t, off) in enumerate(zip(tensors, offsets)):
             n = t.numel() * t.element_size()
@@ -416,7 +424,9 @@ class SnapshotStore:
             if defer and t.data_ptr() in defer:
                 later.append((t, data_off + off, n, t._version, paths[i]))
             else:
-                buf[data_off + off:data_off + off + n].view(t.dtype).view(t.shape).copy_(t)
+                devcopy.copy_into(buf[data_off + off:data_off + off + n].view(t.dtype).view(t.shape), t, copier)
+        if copier is not None:
+            copier.fence_inline()
         buf[HEADER_SIZE:HEADER_SIZE + len(schema_bytes)] = torch.frombuffer(bytearray(schema_bytes), dtype=torch.uint8)
         slot.write_header(Header(False, step, self.rank, self.world_size, len(schema_bytes), data_off,
                                  data_len, 0, self.job))
@@ -424,7 +434,7 @@ class SnapshotStore:
         slot.busy.set()
         self._settled = settled = threading.Event()
         self._ensure_thread()
-        self._queue.put((index, slot, step, later, settled))
+        self._queue.put((index, slot, step, later, settled, copier))
         self.last_blocking_s = time.perf_counter() - t0
         return self.last_blocking_s
 
@@ -477,13 +487,13 @@ class SnapshotStore:
                 if self.after_commit is not None:
                     self._after_queue.put(None)
                 return
-            index, slot, step, later, settled = item
+            index, slot, step, later, settled, copier = item
             handed = False
             try:
                 if self._error is None:
                     if later and self.before_deferred_copy is not None:
                         self.before_deferred_copy(step)
-                    self._copy_deferred(slot, step, later)
+                    self._copy_deferred(slot, step, later, copier)
                     h = slot.header()
                     crc = _crc(slot.buf, HEADER_SIZE, h.total)
                     struct.pack_into("<I", slot.buf, 56, crc)
@@ -500,10 +510,14 @@ class SnapshotStore:
                     slot.busy.clear()
 
     @staticmethod
-    def _copy_deferred(slot: Slot, step: int, later: list) -> None:
+    def _copy_deferred(slot: Slot, step: int, later: list, copier: devcopy.DeviceCopier | None) -> None:
         buf = slot.bytes()
+        if copier is not None:
+            copier.on_thread()
         for t, start, n, _, _ in later:
-            buf[start:start + n].view(t.dtype).view(t.shape).copy_(t)
+            devcopy.copy_into(buf[start:start + n].view(t.dtype).view(t.shape), t, copier)
+        if copier is not None:
+            copier.finish()  # every byte landed before the version check, the crc and the commit
         moved = [path for t, _, _, version, path in later if t._version != version]
         if moved:
             raise CheckpointError(
