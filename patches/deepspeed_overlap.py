@@ -79,6 +79,29 @@ def bucket_mb_for(configured_mb: float, device_type: str) -> float:
     return configured_mb if configured_mb != DEFAULT_BUCKET_MB else default_bucket_mb(device_type)
 
 
+#: The hand-back's wire trial times at most this many gradient elements (256 MB of fp32). The
+#: trial holds its tensor and one run's copy: with the whole gradient that was 2x the gradient's
+#: memory on top of it (a 7B model's fp32 gradient: 56 GB more). All-reduces this large are
+#: bandwidth-bound on every link targeted, so fp32's and bf16's times keep the ratio the choice
+#: compares. CPU jobs' gradients (tests, demos) are smaller: their trial is unchanged.
+HOST_TRIAL_NUMEL = 1 << 26
+
+
+def trial_tensor(grads: list, flatten) -> torch.Tensor:
+    """The tensor the hand-back's wire trial times: ``flatten(grads)`` (the whole gradient, flat),
+    or its first :data:`HOST_TRIAL_NUMEL` elements when it is larger."""
+    if sum(g.numel() for g in grads) <= HOST_TRIAL_NUMEL:
+        return flatten(grads)
+    parts, n = [], 0
+    for g in grads:
+        take = min(g.numel(), HOST_TRIAL_NUMEL - n)
+        parts.append(g.reshape(-1)[:take])
+        n += take
+        if n >= HOST_TRIAL_NUMEL:
+            break
+    return torch.cat(parts)
+
+
 def attach_buckets(engine, plugin) -> "BucketedReduction | None":
     """Reduce ``engine``'s gradients in planned buckets, overlapped where supported (see the
     module docstring); None where DeepSpeed's own buckets stay. A collective with overlap."""
@@ -363,7 +386,7 @@ class BucketedReduction:
                 bf16_all_reduce(copy, group=self.group, op="sum")
 
         # This step's (reduced) gradients: realistic values; each run works on a copy.
-        times = timed_runs(e.flatten(grads), ("fp32", "bf16"), run, self.group, rounds=HOST_TRIALS)
+        times = timed_runs(trial_tensor(grads, e.flatten), ("fp32", "bf16"), run, self.group, rounds=HOST_TRIALS)
         wire, reason = choose_host_wire(times["fp32"], times["bf16"], rel, min_gain=auto.min_gain,
                                         max_error=auto.max_error)
         self.host_trial_s = {w: statistics.median(t) for w, t in times.items()}

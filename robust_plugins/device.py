@@ -159,3 +159,11 @@ def set_device_rng_state(state: Any) -> None:
                              f"device is cuda:{index}")
         state = state[index]
     torch.cuda.set_rng_state(state, index)
+
+
+def thread_device() -> torch.device | None:
+    """The calling thread's current CUDA device (None without CUDA in use): what a thread it
+    starts must :func:`set_thread_device` first."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return torch.device("cuda", torch.cuda.current_device())

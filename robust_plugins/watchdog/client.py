@@ -606,9 +606,13 @@ def _emergency_save(client: _Client) -> None:
     client.send({"k": "emerg", "phase": "start", "s": step}, wait=True)
     t0 = time.monotonic()
     outcome: dict[str, Any] = {}
+    from robust_plugins.device import set_thread_device, thread_device
+
+    device = thread_device()  # a new thread starts on GPU 0: the save runs on this rank's GPU
 
     def run() -> None:
         try:
+            set_thread_device(device)
             save(step)
             outcome["ok"] = True
         except BaseException as exc:  # reported, then the rank exits as it was going to

@@ -261,3 +261,22 @@ def test_one_bit_adam_reads_host_step_counts_without_a_device_copy(monkeypatch):
     monkeypatch.setattr(torch, "stack", lambda *a, **k: pytest.fail("host steps were stacked for a copy"))
     steps = [torch.tensor(3.0), torch.tensor(7.0, dtype=torch.float32), 2]
     assert momentum._as_floats(steps) == [3.0, 7.0, 2.0]
+
+
+def test_the_hand_back_trial_times_a_bounded_piece_of_the_gradient(monkeypatch):
+    from robust_plugins.patches import deepspeed_overlap as dso
+
+    grads = [torch.arange(5.0), torch.arange(7.0) + 10]
+    whole = dso.trial_tensor(grads, lambda gs: torch.cat([g.reshape(-1) for g in gs]))
+    assert whole.tolist() == grads[0].tolist() + grads[1].tolist()  # small: the whole gradient, as before
+    monkeypatch.setattr(dso, "HOST_TRIAL_NUMEL", 8)
+    part = dso.trial_tensor(grads, lambda gs: pytest.fail("flattened the whole gradient"))
+    assert part.tolist() == grads[0].tolist() + [10.0, 11.0, 12.0]
+
+
+def test_threads_started_by_the_package_take_the_callers_device(monkeypatch):
+    assert dev.thread_device() is None  # no CUDA here: nothing to hand over
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    assert dev.thread_device() == torch.device("cuda", 5)
