@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import logging
 import os
@@ -171,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         lg.addHandler(handler)
     logging.getLogger("robust_plugins").setLevel(logging.INFO)
     (run_dir / "run.json").write_text(json.dumps({
-        "argv": sys.argv, "watchdog": dataclasses.asdict(cfg),
+        "argv": sys.argv, "watchdog": cfg.as_dict(),
         "inject": [i.spec() for i in injections], "max_restarts": config.max_restarts,
         "standby": args.standby,
     }, indent=1) + "\n")
