@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from ds_worker import SEED, all_digests, ds_config, make_engine, train, val_loss
 from robust_plugins.comm import WireCounter
-from robust_plugins.comm._twophase import plan
 from robust_plugins.workloads.text import get_batch, load_corpus
 from robust_plugins.workloads.gpt import build_gpt
 
@@ -72,11 +71,15 @@ def main() -> None:
     losses, sent = counted_train(van, STEPS, corpus)
     results["vanilla"] = {"losses": losses, "sent": sent, "digests": all_digests(van), "val": val_loss(van, corpus)}
     n_params = sum(p.numel() for p in van.module.parameters())
-    layout = plan(n_params, dist.get_world_size(), "sign", 256)
     results["n_params"] = n_params
-    # Rank r sends W-1 packed chunks in the all-to-all and (W-1)/W of the gathered rows.
-    w = dist.get_world_size()
-    results["expected_onebit_bytes"] = (w - 1) * layout.row_bytes + (w - 1) * layout.row_bytes
+    # By hand, not from the code under test (_twophase.plan): the momentum is padded to whole
+    # 256-element blocks on every rank and cut into W chunks; a chunk's row is 1 bit an element
+    # plus one fp32 scale a block. Rank r sends W-1 rows in the all-to-all and its reduced row to
+    # the W-1 others in the all-gather.
+    w, block = dist.get_world_size(), 256
+    chunk = -(-n_params // (w * block)) * block
+    row_bytes = chunk // 8 + 4 * (chunk // block)
+    results["expected_onebit_bytes"] = 2 * (w - 1) * row_bytes
     del van
 
     eng = make_engine(0, ONEBIT)

@@ -1,6 +1,6 @@
 """Telemetry on a real 2-rank DeepSpeed run (no script change: only the config's block), read back
-from metrics.jsonl and from the W&B offline run files, checked against the recipe's own
-independent byte counts; then the HTML report built from those runs, loaded in headless Chromium."""
+from metrics.jsonl and from the W&B offline run files, checked against the recipe's own byte counts
+and against the bytes computed by hand from the parameter count, block size and world size; then the HTML report built from those runs, loaded in headless Chromium."""
 
 from __future__ import annotations
 
@@ -55,6 +55,18 @@ def _steps(run_dir: Path) -> list[dict]:
     return [r for r in read_records(run_dir) if r["kind"] == "step"]
 
 
+def _grad_bytes_by_hand(name: str, n_params: int, world: int = 2, block: int = 256) -> int:
+    """Bytes one rank sends a step for the gradients, from the parameter count alone (not from a
+    WireCounter): ZeRO-1's fp32 ring all-reduce (2 (W-1)/W x 4 bytes an element), or the plugin's
+    two-phase int8 (the bucket padded to W x 256-element blocks and cut into W chunks; a chunk's
+    row is 1 byte an element plus one fp32 scale a block; W-1 rows out in the all-to-all, the
+    reduced row to the W-1 others in the all-gather)."""
+    if name == "baseline":
+        return 2 * (world - 1) * n_params * 4 // world
+    chunk = -(-n_params // (world * block)) * block
+    return 2 * (world - 1) * (chunk + 4 * (chunk // block))
+
+
 @pytest.mark.parametrize("name", ["baseline", "plugin"])
 def test_metrics_agree_with_the_recipes_own_counts(runs, name):
     result = json.loads((runs / f"{name}.json").read_text())
@@ -63,10 +75,12 @@ def test_metrics_agree_with_the_recipes_own_counts(runs, name):
     steps = _steps(runs / name)
     assert [r["step"] for r in steps] == list(range(EVERY, STEPS + 1, EVERY))
     counted = result["wire"]["rank0_grad_bytes_per_step"]  # the recipe's WireCounter, per step
+    by_hand = _grad_bytes_by_hand(name, result["n_params"])
     losses = result["losses"]  # mean over ranks, per step
     for r in steps:
         window = slice(r["step"] - EVERY, r["step"])
         assert r["grad_bytes_per_step_rank0"] == pytest.approx(statistics.fmean(counted[window]), rel=1e-12)
+        assert r["grad_bytes_per_step_rank0"] == by_hand, (r["grad_bytes_per_step_rank0"], by_hand)
         assert r["loss"] == pytest.approx(statistics.fmean(losses[window]), rel=1e-5)
         # ratio = all ranks' bytes over an fp32 ring all-reduce of every trainable gradient
         ref = 2 * (2 - 1) / 2 * result["n_params"] * 4
