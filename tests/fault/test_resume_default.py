@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import robust_run
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(1200)]
 
 SCRIPT = str(Path(__file__).with_name("ds_memory_train.py"))
 STEPS = 12
@@ -34,7 +34,8 @@ def _args(*extra: str) -> list[str]:
 def _kill(tmp_path: Path, *extra: str):
     rank, step = random.randrange(NPROC), random.randrange(3, STEPS)
     # No --max-restarts: restarts are on by default too (3).
-    job = robust_run(tmp_path, NPROC, "--inject", f"kill:rank={rank},step={step}", timeout_s=240,
+    # A job takes 60-220 s on the 2 shared cores at load 15-30 (its agent alone 217 s once).
+    job = robust_run(tmp_path, NPROC, "--inject", f"kill:rank={rank},step={step}", timeout_s=480,
                      script=_args(*extra))
     where = f"(kill:rank={rank},step={step} {' '.join(extra)})"
     assert job.returncode == 0, f"{where}\n{job.output[-3000:]}"
