@@ -1,11 +1,12 @@
 """``robust run`` + DeepSpeed with ``memory_every: 1`` and ``peer_backup``: a rank SIGKILLed at a
 random step resumes from shared memory, loses at most one step, and ends bitwise equal to a
-run that never failed; the job's shared-memory files are gone when it completes."""
+run that never failed (the script's loss depends on torch, numpy and Python RNG, so the restore
+must bring back every rank's states); the job's shared-memory files are gone when it completes.
+The random rank and step come from the printed ``ROBUST_TEST_SEED`` (set it to replay one)."""
 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -29,11 +30,10 @@ def _shm_files(job) -> list[str]:
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_random_sigkill_resumes_from_memory_bitwise(tmp_path, nproc):
+def test_random_sigkill_resumes_from_memory_bitwise(tmp_path, nproc, draw):
     pytest.importorskip("deepspeed")
-    rng = random.Random()
-    rank, step = rng.randrange(nproc), rng.randrange(3, STEPS)
-    where = f"(kill:rank={rank},step={step}, {nproc} ranks)"
+    rank, step = draw.randrange(nproc), draw.randrange(3, STEPS)
+    where = f"(kill:rank={rank},step={step}, {nproc} ranks, ROBUST_TEST_SEED={draw.seed_value})"
     args = [SCRIPT, "--steps", str(STEPS), "--persist-every", "8"]
     clean = robust_run(tmp_path / "clean", nproc, "--max-restarts", "0", timeout_s=150, script=args)
     assert clean.returncode == 0 and clean.faults == [], clean.output[-3000:]
@@ -60,13 +60,12 @@ def test_random_sigkill_resumes_from_memory_bitwise(tmp_path, nproc):
     assert "removed" in job.output and "in-memory snapshot file(s)" in job.output
 
 
-def test_a_lost_node_restores_from_the_peers_on_the_other_node(tmp_path):
+def test_a_lost_node_restores_from_the_peers_on_the_other_node(tmp_path, draw):
     """4 ranks on 2 simulated nodes (2x2): a rank of node 0 is SIGKILLed and, on restart, both
     node-0 ranks find their shared memory empty; their state comes from node 1's copies."""
     pytest.importorskip("deepspeed")
-    rng = random.Random()
-    rank, step = rng.randrange(2), rng.randrange(3, STEPS)
-    where = f"(kill:rank={rank},step={step})"
+    rank, step = draw.randrange(2), draw.randrange(3, STEPS)
+    where = f"(kill:rank={rank},step={step}, ROBUST_TEST_SEED={draw.seed_value})"
     env = {"ROBUST_TOPOLOGY_SIM": "2x2"}
     args = [SCRIPT, "--steps", str(STEPS), "--persist-every", "100", "--lose-node", "0,1"]
     clean = robust_run(tmp_path / "clean", 4, "--max-restarts", "0", timeout_s=150, script=args, env=env)
@@ -85,14 +84,13 @@ def test_a_lost_node_restores_from_the_peers_on_the_other_node(tmp_path):
 
 
 @pytest.mark.parametrize("fixed_step", [STEPS - 1, STEPS, None], ids=["second_to_last", "last", "random"])
-def test_a_rollback_never_restores_a_snapshot_taken_after_the_bad_step(tmp_path, fixed_step):
+def test_a_rollback_never_restores_a_snapshot_taken_after_the_bad_step(tmp_path, fixed_step, draw):
     """A NaN reported at step S makes robust run roll back; memory holds S (and maybe S+1), taken
     after the bad update: the restart must restore S-1 or older (from memory, else disk). The
     last two steps always: their ranks may finish and exit 0 before the NaN is seen."""
     pytest.importorskip("deepspeed")
-    seed = random.randrange(2**32)
-    step = fixed_step if fixed_step is not None else random.Random(seed).randrange(4, STEPS)
-    where = f"(nan:rank=1,step={step}, seed={seed})"
+    step = fixed_step if fixed_step is not None else draw.randrange(4, STEPS)
+    where = f"(nan:rank=1,step={step}, ROBUST_TEST_SEED={draw.seed_value})"
     args = [SCRIPT, "--steps", str(STEPS), "--persist-every", "2"]
     job = robust_run(tmp_path / "nan", 2, "--max-restarts", "1", "--inject", f"nan:rank=1,step={step}",
                      timeout_s=150, script=args)
