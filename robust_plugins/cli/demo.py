@@ -336,9 +336,20 @@ def render_faults(result: dict, recs: list[dict], fault_free: dict) -> str:
     for f in faults:
         lines.append(f"  {f.get('fault_kind'):<6} at step {f.get('step')}, rank(s) {f.get('suspect_ranks')}: detected "
                      f"after {f.get('detected_after_s') or 0:.1f} s, {f.get('action')}, resumed at step "
-                     f"{f.get('resumed_at_step')} ({f.get('lost_steps')} steps redone)")
+                     f"{f.get('resumed_at_step')} ({f.get('lost_steps')} steps redone){_recovery(f)}")
     lines.append(f"  final validation loss {result['val_loss']:.4f} (fault-free plugin run: {fault_free['val_loss']:.4f})")
     return "\n".join(lines)
+
+
+def _recovery(fault: dict) -> str:
+    # detail.recovered_after_s: detection to the first step after the restart; detail.standby:
+    # warm standbys served every rank of the node (watchdog/FORMAT.md).
+    detail = fault.get("detail") or {}
+    after = detail.get("recovered_after_s")
+    if after is None:
+        return ""
+    how = "warm standbys" if detail.get("standby") else "cold start"
+    return f", first step {after:.1f} s after detection ({how})"
 
 
 def _fmt(v: Any, spec: str) -> str:

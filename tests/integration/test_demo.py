@@ -36,6 +36,8 @@ def test_demo_recovers_three_faults_and_reports(tmp_path):
     for kind in ("crash", "hang", "nan"):
         assert re.search(rf"! {kind} at step \d+ on rank", text), kind
     assert "3 fault(s) detected and recovered, 4 incarnation(s)" in text, text
+    # Each fault's recovery time and how the ranks came back (faults.jsonl detail).
+    assert len(re.findall(r"first step \d+\.\d s after detection \((warm standbys|cold start)\)", text)) == 3, text
     ratio = float(re.search(r"gradient bytes sent per step \(rank 0\).*?([0-9.]+)x", text).group(1))
     assert 0.2 < ratio < 0.3
     faults = [json.loads(line) for line in (out / "plugin-faults" / "faults.jsonl").read_text().splitlines()]
