@@ -48,12 +48,13 @@ import contextlib
 import inspect
 import json
 import os
+import sys
 import time
 from typing import Any
 
 import torch
 
-from robust_plugins._logging import current_rank, get_logger, warn_once
+from robust_plugins._logging import announce, current_rank, get_logger, warn_once
 from robust_plugins.config import DEFAULT_BUCKET_MB, PluginConfig, load_json
 from robust_plugins.checkpoint import DiskCheckpointer, rollback_bound
 from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
@@ -390,14 +391,15 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
             "robust_plugins: communication_data_type=%s is superseded by codec %s for compressed "
             "buckets (uncompressed ones still use it).", comm_dtype, config.compression.codec,
         )
-    if current_rank() == 0:
-        from deepspeed.utils import logger as ds_logger
+    # Printed on rank 0 the way DeepSpeed prints the lines it means to be seen (its logger is at
+    # WARNING, so an INFO record would not show under the HF Trainer or a plain script).
+    announce(log, "robust_plugins active: %s | DeepSpeed %s, ZeRO stage %d, dp_world_size %d, grads %s",
+             config.describe(), _ds_version(), stage, engine.dp_world_size, engine.get_data_types()[0])
+    if "transformers.trainer" in sys.modules:
+        from robust_plugins.patches import transformers_trainer
 
-        # DeepSpeed users read DeepSpeed's log; the line goes where its own config print-out goes.
-        ds_logger.info(
-            "robust_plugins active: %s | DeepSpeed %s, ZeRO stage %d, dp_world_size %d, grads %s",
-            config.describe(), _ds_version(), stage, engine.dp_world_size, engine.get_data_types()[0],
-        )
+        # Before the resume: a restore hands the Trainer building this engine its loop's state.
+        transformers_trainer.bind_engine(engine, plugin)
     # Last: the load goes through every wrapper bound above (memory, verified disk, watchdog).
     from robust_plugins.patches import deepspeed_resume
 

@@ -49,7 +49,7 @@ from typing import Any, Mapping
 
 import torch
 
-from robust_plugins._logging import current_rank, get_logger
+from robust_plugins._logging import announce, current_rank, get_logger
 from robust_plugins.comm.overlap import Completed, SyncThread, clone_groups
 from robust_plugins.config import DEFAULT_BUCKET_MB, PluginConfig
 from robust_plugins.errors import CheckpointError, ConfigError, RobustPluginsError, UnsupportedError
@@ -270,8 +270,7 @@ def enable(ddp, config: Any = None) -> MegatronPlugin:
     if plugin.sync is not None:
         for name, group in plugin.groups:
             _guard.bind_instance(group, "start_grad_sync", _start_grad_sync(group, name, plugin))
-    if current_rank() == 0:
-        log.info("robust_plugins active: %s", plugin.describe())
+    announce(log, "robust_plugins active: %s", plugin.describe())  # rank 0, visible without logging set up
     return plugin
 
 

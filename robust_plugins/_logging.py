@@ -1,13 +1,16 @@
 """Library logging: loggers under ``robust_plugins``, no handlers added, rank-0 helpers.
 
 The library never configures the root logger (an application's job). ``log_rank0`` exists
-because a message every rank would repeat (4 096 copies on a big job) is noise.
+because a message every rank would repeat (4 096 copies on a big job) is noise. ``announce`` is for
+the few lines the README tells users to look for (features active, resume, faults): they must show
+under the HF Trainer, Accelerate and plain scripts alike, where nobody configured logging.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 
 ROOT = "robust_plugins"
 
@@ -35,6 +38,23 @@ def log_rank0(logger: logging.Logger, level: int, msg: str, *args) -> None:
     """Log on global rank 0 only, prefixed with the rank."""
     if current_rank() == 0:
         logger.log(level, "[rank 0] " + msg, *args)
+
+
+def announce(logger: logging.Logger, msg: str, *args, all_ranks: bool = False) -> None:
+    """Print a line users look for on rank 0 (every rank with ``all_ranks``), the way DeepSpeed
+    prints the lines it means to be seen: ``deepspeed.utils.logging.print_dist``, i.e.
+    ``print("[Rank R] ...")`` on stdout, whatever the log levels.
+
+    Why not a log record: DeepSpeed 0.19's logger is at WARNING (its INFO lines never show), our
+    ``robust_plugins`` logger has no handler, and the Trainer configures neither, so an INFO record
+    is invisible there. The record still goes to ``logger`` at DEBUG, for applications that route
+    the library's logs themselves; no handler is added and the root logger is never touched.
+    """
+    text = msg % args if args else msg
+    rank = current_rank()
+    logger.debug(text)
+    if all_ranks or rank == 0:
+        print(f"[Rank {rank}] {text}", flush=True)
 
 
 def warn_once(logger: logging.Logger, key: str, msg: str, *args) -> None:

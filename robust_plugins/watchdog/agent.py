@@ -25,10 +25,12 @@ import datetime
 import json
 import os
 import signal
+import sys
 import time
 from typing import Any
 
 from robust_plugins._logging import get_logger
+from robust_plugins.watchdog import completion
 from robust_plugins.watchdog.detect import restart_delay
 from robust_plugins.watchdog.client import ENV_LAUNCH_WORLD
 from robust_plugins.watchdog.monitor import Monitor
@@ -36,6 +38,9 @@ from robust_plugins.watchdog.nodes import NodeExcluded, NodeRegistry, node_blame
 from robust_plugins.watchdog.standby import StandbyPool, target_of
 
 log = get_logger(__name__)
+
+#: When this launcher started: completion records older than it are an earlier launch's.
+_LAUNCHED = time.time()
 
 #: Rendezvous-store key under which group rank 0 announces the incarnation's worker store.
 _STORE_KEY = "robust_run/worker_store/{round}"
@@ -251,6 +256,15 @@ def _agent_class():
                 log.exception("robust run: the standby pool failed; restarts start cold.")
                 self.pool, pool = None, self.pool
                 pool.close()
+            if result.state == WorkerState.FAILED:
+                done = completion.job_completed(str(self.monitor.run_dir), [w.global_rank for w in worker_group.workers],
+                                                worker_group.workers[0].world_size, _LAUNCHED)
+                if done is not None:  # e.g. exit -6 at interpreter exit: never train again
+                    codes = {r: getattr(f, "exitcode", None) for r, f in (result.failures or {}).items()}
+                    print(completion.verdict(done, codes), file=sys.stderr, flush=True)
+                    log.warning("%s", completion.verdict(done, codes))
+                    return RunResult(state=WorkerState.SUCCEEDED,
+                                     return_values={w.global_rank: None for w in worker_group.workers})
             if not self._monitor_ok:
                 return result
             will_restart = self._remaining_restarts > 0
