@@ -6,7 +6,7 @@ import argparse
 import datetime
 
 #: Recipes ``robust recipe compare`` can run. DeepSpeed's comparison is ``robust demo``.
-COMPARABLE = ("megatron_gpt",)
+COMPARABLE = ("megatron_gpt", "hf_trainer")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,8 +29,9 @@ def run(args: argparse.Namespace) -> int:
     if args.recipe not in COMPARABLE:
         raise ConfigError(f"robust recipe compare: unknown recipe {args.recipe!r}; allowed: {', '.join(COMPARABLE)} "
                           f"(for deepspeed_gpt, `robust demo` runs the comparison).")
-    from robust_plugins.recipes.megatron_gpt.compare import compare
+    import importlib
 
+    compare = importlib.import_module(f"robust_plugins.recipes.{args.recipe}.compare").compare
     out = args.out_dir or f"runs/compare-{args.recipe}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     compare(out_dir=out, preset=args.preset, nproc=args.nproc, steps=args.steps, codec=args.codec,
             log_every=args.log_every, timeout_s=args.timeout)

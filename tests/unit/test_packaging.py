@@ -22,6 +22,7 @@ def test_wheel_top_level_names(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"robust_plugins", "triton_ops"}, tops
     assert "robust_plugins/patches/deepspeed.py" in names
+    assert {"robust_plugins/recipes/hf_trainer/baseline.json", "robust_plugins/recipes/hf_trainer/plugin.json"} <= set(names)
     # every recipe's JSON (the DeepSpeed configs and plugin blocks `robust` and the tests load)
     recipe_json = {f"robust_plugins/recipes/{p.relative_to(ROOT / 'recipes').as_posix()}"
                    for p in (ROOT / "recipes").rglob("*.json")}
