@@ -28,6 +28,13 @@ from robust_plugins.workloads import build_gpt, get_batch, load_corpus
 MICRO_BATCH = 4
 
 
+def same(xs: list, ys: list) -> bool:
+    """Two equally long, non-empty lists of bitwise equal tensors (an empty or short snapshot
+    must not compare equal)."""
+    return len(xs) == len(ys) > 0 and all(a is not None and b is not None and torch.equal(a, b)
+                                          for a, b in zip(xs, ys))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -80,21 +87,20 @@ def main() -> None:
     before = state_now()
     in_flight = [s.step for s in mem.store.own_snapshots()]  # step 2 not committed yet
     fwd_bwd()
-    unchanged_after_backward = all(torch.equal(a, b) for a, b in zip(before["params"], state_now()["params"]))
+    unchanged_after_backward = same(before["params"], state_now()["params"])
     threading.Timer(1.0, release.set).start()
     engine.step()  # waits in its first line until step 2's copy is committed
     after = state_now()
     mem.settle()
     slots = {s.step: s.slot for s in mem.store.own_snapshots()}
     snap = mem.store.load(slots[2])[1]
-    snap_params = list(snap["module"].values())
+    snap_params = [snap["module"].get(n) for n, _ in engine.module.named_parameters()]
     snap_fp32 = snap["optimizer"]["single_partition_of_fp32_groups"]
     result = {
         "in_flight_committed": in_flight,
         "unchanged_after_backward": unchanged_after_backward,
-        "snapshot_is_step2": (all(torch.equal(a, b) for a, b in zip(snap_params, before["params"]))
-                              and all(torch.equal(a, b) for a, b in zip(snap_fp32, before["fp32"]))),
-        "step3_changed_params": not all(torch.equal(a, b) for a, b in zip(after["params"], before["params"])),
+        "snapshot_is_step2": same(snap_params, before["params"]) and same(snap_fp32, before["fp32"]),
+        "step3_changed_params": not same(after["params"], before["params"]),
         "committed_after": sorted(slots),
         "wait_s": list(mem.wait_s), "blocking_s": list(mem.blocking_s),
     }
