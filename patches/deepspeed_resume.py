@@ -7,7 +7,8 @@ When (:func:`robust_plugins.checkpoint.restore.resume_reason`): ``resume: true``
 plugin bound (``engine.load_checkpoint(dir)``: its own memory snapshot, a peer's copy, the newest
 verified disk checkpoint, older ones; after a rollback nothing newer than its last good step),
 so an unchanged script reads ``engine.global_steps`` and continues at the step after it. Rank 0
-prints one line saying where it resumed from (or that nothing was there).
+prints one line saying where it resumed from (or that nothing was there), as DeepSpeed prints
+its own (``_logging.announce``).
 
 Once: a script that also calls ``engine.load_checkpoint`` itself (the resume contract of
 ``FORMAT.md``, which scripts written before this default follow) gets that load's result,
@@ -24,9 +25,8 @@ name still unregistered at the script's load or first step is an error naming it
 from __future__ import annotations
 
 import os
-import sys
 
-from robust_plugins._logging import current_rank, get_logger
+from robust_plugins._logging import announce, get_logger
 from robust_plugins.checkpoint.restore import resume_reason
 from robust_plugins.errors import CheckpointError
 from robust_plugins.patches import _guard
@@ -69,17 +69,15 @@ def resume_at_init(engine, plugin) -> None:
         memory.pending_user = None
     plugin.resumed = (path, client_state)
     _bind_once(engine, plugin, engine.global_steps)
-    if current_rank() == 0:
-        # On stderr, like robust run's own lines: the step a restarted job resumes at is what its
-        # user looks for first, whatever DeepSpeed's log level.
-        where = cfg.dir if cfg.dir is not None else "the memory snapshots"
-        if path is None:
-            line = (f"robust_plugins: checkpoint.resume: nothing to resume in {where}; training starts "
-                    f"at step 1 (engine.global_steps = 0) [{reason}]")
-        else:
-            line = (f"robust_plugins: checkpoint.resume: resumed from {path}; engine.global_steps = "
-                    f"{engine.global_steps}, the script continues at step {engine.global_steps + 1} [{reason}]")
-        print(line, file=sys.stderr, flush=True)
+    # The step a restarted job resumes at is what its user looks for first: printed on rank 0
+    # the way DeepSpeed prints the lines it means to be seen, whatever the log levels.
+    where = cfg.dir if cfg.dir is not None else "the memory snapshots"
+    if path is None:
+        announce(log, "robust_plugins: checkpoint.resume: nothing to resume in %s; training starts at step 1 "
+                 "(engine.global_steps = 0) [%s]", where, reason)
+    else:
+        announce(log, "robust_plugins: checkpoint.resume: resumed from %s; engine.global_steps = %d, the script "
+                 "continues at step %d [%s]", path, engine.global_steps, engine.global_steps + 1, reason)
 
 
 def _full_load(args: tuple, kwargs: dict) -> bool:
@@ -109,9 +107,8 @@ def _bind_once(engine, plugin, at_step: int) -> None:
             if same:
                 if plugin.memory is not None:
                     plugin.memory.check_pending_user("engine.load_checkpoint")
-                if current_rank() == 0:
-                    log.info("robust_plugins: engine.load_checkpoint(%s): the state was restored in "
-                             "deepspeed.initialize (%s); not loaded again", load_dir, plugin.resumed[0])
+                announce(log, "robust_plugins: engine.load_checkpoint(%s): the state was restored in "
+                         "deepspeed.initialize (%s); not loaded again", load_dir, plugin.resumed[0])
                 return plugin.resumed
         return inner(load_dir, tag, *args, **kwargs)
 

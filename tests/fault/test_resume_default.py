@@ -73,6 +73,7 @@ def test_the_defaults_resume_a_sigkill_from_memory_bitwise(tmp_path, cold, load)
     assert job.result["started_at"] == resumed + 1 and fault["resumed_at_step"] == resumed + 1, where
     if load == "always":
         assert job.result["loaded"].startswith(f"memory://step{resumed}/"), (where, job.result)
+        assert "the state was restored in deepspeed.initialize" in job.output, where
     # The first incarnation found nothing, the second resumed; rank 0 said so both times.
     assert "checkpoint.resume: nothing to resume" in job.output, where
     assert "checkpoint.resume: resumed from memory://" in job.output, where
