@@ -70,16 +70,21 @@ def make_engine(stage, block, bf16=False, vanilla=False, seed=SEED, sgd=False, z
         raise RuntimeError(f"the tiny model no longer fits one ZeRO bucket of {BUCKET:g} elements: "
                            "raise BUCKET so the stages keep reducing one bucket a step")
     opt = torch.optim.SGD(model.parameters(), lr=1.0) if sgd else torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cfg = ds_config(stage, block, bf16, zero_extra)
+    if sgd:
+        # DeepSpeed 0.19 clips to norm 1.0 by default: the SGD(lr=1) update would then have norm 1
+        # whatever the gradient's scale (a sum instead of an average would pass). Off for the reads.
+        cfg["gradient_clipping"] = 0.0
     if vanilla:
         # Plain DeepSpeed: the patch removed for this engine only, re-installed right after.
         ds_patch.undo()
         try:
-            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, block, bf16, zero_extra))
+            engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
         finally:
             ds_patch.install()
         assert not hasattr(engine, "robust_plugins")
     else:
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config(stage, block, bf16, zero_extra))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     return engine
 
 
@@ -125,6 +130,29 @@ def reduced_gradient(stage, block, corpus, zero_extra=None, stats=None) -> torch
     if stats is not None:
         stats.update(plugin_stats(engine))
     return before - after
+
+
+def bf16_reduced_gradient(stage, block, corpus, stats=None) -> torch.Tensor:
+    """The reduced gradient of one bf16 step as the optimizer receives it: the fp32 gradients its
+    (client SGD) optimizer holds at ``step()`` (ZeRO 1: each rank's partition), all ranks'
+    concatenated. A bf16 module's weights cannot show a one-step update (bf16 rounding)."""
+    engine = make_engine(stage, block, bf16=True, vanilla=block is None, sgd=True)
+    opt, seen = engine.basic_optimizer, []
+    original = opt.step
+
+    def step(*args, **kwargs):
+        seen.append(torch.cat([p.grad.detach().float().flatten().clone()
+                               for g in opt.param_groups for p in g["params"] if p.grad is not None]))
+        return original(*args, **kwargs)
+
+    opt.step = step
+    train(engine, 1, corpus)
+    if stats is not None:
+        stats.update(plugin_stats(engine))
+    (mine,) = seen
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return torch.cat(everyone)
 
 
 def plugin_stats(engine) -> dict:
@@ -205,6 +233,16 @@ def main() -> None:
     engine = make_engine(stage, INT8_BLOCK, bf16=True)
     losses, secs = train(engine, 5, corpus)
     record("bf16_int8", engine, losses, secs, grad_dtype=str(engine.get_data_types()[0]))
+    engine = make_engine(stage, None, bf16=True, vanilla=True)
+    losses, secs = train(engine, 5, corpus)
+    record("bf16_vanilla", engine, losses, secs)
+    # bf16 gradients against plain DeepSpeed's bf16 reduction of the same step
+    exact = bf16_reduced_gradient(stage, None, corpus)
+    got_stats: dict = {}
+    got = bf16_reduced_gradient(stage, INT8_BLOCK, corpus, got_stats)
+    results["grad_bf16_int8"] = {"norm_ratio": (got.norm() / exact.norm()).item(),
+                                 "rel_error": ((got - exact).norm() / exact.norm()).item(),
+                                 "numel": got.numel(), "stats": got_stats}
 
     if dist.get_rank() == 0:
         with open(os.path.join(args.out, "results.json"), "w") as f:

@@ -8,7 +8,8 @@ engine, and a short bf16 run. The assertions:
 * int8's final (validation) loss is within 1 % of vanilla's, and one step's averaged gradient
   has vanilla's scale with int8 / int4 error of about 1 % / 15 %;
 * every gradient element of every step went through the compressed path (nothing silently
-  bypassed it), in fp32 and in bf16;
+  bypassed it), in fp32 and in bf16; bf16's reduced gradient has plain DeepSpeed bf16's scale
+  with int8's error, and its loss falls as plain DeepSpeed bf16's does;
 * the resumed run ends bitwise identical to the uninterrupted one (residuals are checkpointed).
 """
 
@@ -74,7 +75,10 @@ def test_reduced_gradient_has_the_right_scale(stage_results):
     _, _, r = stage_results
     for codec, max_err in (("int8", 0.03), ("int4", 0.3)):
         g = r[f"grad_{codec}"]
-        assert abs(g["norm_ratio"] - 1) < 0.02, (codec, g)
+        # Unclipped (ds_worker turns DeepSpeed's default clipping off for this read): the codec's
+        # noise adds its energy, |got| / |exact| ~ sqrt(1 + err^2) (int4: 1.012 for 15.6 %, measured
+        # 1.017); a wrong averaging factor gives 2 or 1/2.
+        assert abs(g["norm_ratio"] - (1 + g["rel_error"] ** 2) ** 0.5) < 0.02, (codec, g)
         assert 0 < g["rel_error"] < max_err, (codec, g)
 
 
@@ -95,6 +99,16 @@ def test_bf16_gradients_go_through_the_plugin(stage_results):
     assert b["grad_dtype"] == "torch.bfloat16"
     assert b["stats"]["compressed_elements"] == 5 * b["n_params"]
     assert all(l == l and l < 10 for l in b["losses"])  # finite
+    # The loss falls, step by step as plain DeepSpeed's bf16 run does (int8's error only) ...
+    van = r["bf16_vanilla"]
+    assert b["losses"][-1] < b["losses"][0] and van["losses"][-1] < van["losses"][0]
+    for a, v in zip(b["losses"], van["losses"]):
+        assert abs(a - v) / v < 0.01, (b["losses"], van["losses"])
+    # ... and one step's reduced gradient (what the optimizer receives) has plain DeepSpeed bf16's
+    # scale with int8's error: zeroed or mis-scaled bf16 gradients fail here.
+    g = r["grad_bf16_int8"]
+    assert g["stats"]["compressed_elements"] == b["n_params"], g
+    assert abs(g["norm_ratio"] - 1) < 0.02 and 0 < g["rel_error"] < 0.05, g
 
 
 def test_zero_alternative_reduction_paths(stage_results):
