@@ -1,0 +1,50 @@
+"""Warm recovery (a restart served by standby workers, the default) ends bitwise equal to a run
+without faults: DeepSpeed ZeRO 0/1/2 and megatron-core with in-memory snapshots. The plain loop:
+``test_robust_run_defaults.py``. The workers and oracles are those of ``test_memory_restore.py``
+and ``test_megatron_memory.py``; here the restart must have been served by standbys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import robust_run
+
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(600)]
+
+DS_SCRIPT = str(Path(__file__).with_name("ds_memory_train.py"))
+STEPS = 10
+MCORE = ["-m", "robust_plugins.recipes.megatron_gpt.train", "--preset", "cpu-tiny", "--steps", str(STEPS),
+         "--log-every", "0", "--memory-every", "1", "--peer-backup"]
+
+
+def _warm(fault: dict, kind: str, rank: int) -> None:
+    assert (fault["kind"], fault["suspect_ranks"]) == (kind, [rank])
+    assert fault["detail"]["standby"] is True and fault["detail"]["standby_ranks"] == [0, 1]
+    assert fault["lost_steps"] <= 1
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_deepspeed_zero_warm_recovery_is_bitwise(tmp_path, stage):
+    pytest.importorskip("deepspeed")
+    args = [DS_SCRIPT, "--steps", str(STEPS), "--persist-every", "100", "--stage", str(stage)]
+    clean = robust_run(tmp_path / "clean", 2, "--max-restarts", "0", timeout_s=280, script=args)
+    assert clean.returncode == 0 and clean.faults == [], clean.output[-3000:]
+    job = robust_run(tmp_path / "kill", 2, "--inject", "kill:rank=1,step=6", timeout_s=280, script=args)
+    assert job.returncode == 0, job.output[-3000:]
+    (fault,) = job.faults
+    _warm(fault, "crash", 1)
+    for key in ("final_loss", "params_hash", "fp32_hashes"):
+        assert job.result[key] == clean.result[key], key
+
+
+def test_megatron_core_warm_recovery_is_bitwise(tmp_path):
+    pytest.importorskip("megatron.core")
+    clean = robust_run(tmp_path / "clean", 2, "--max-restarts", "0", timeout_s=280, script=MCORE)
+    assert clean.returncode == 0 and clean.faults == [], clean.output[-3000:]
+    job = robust_run(tmp_path / "kill", 2, "--inject", "kill:rank=0,step=6", timeout_s=280, script=MCORE)
+    assert job.returncode == 0, job.output[-3000:]
+    (fault,) = job.faults
+    _warm(fault, "crash", 0)
+    assert job.result["digest"] == clean.result["digest"]
+    assert job.result["losses"] == clean.result["losses"][job.result["start"]:]
