@@ -16,9 +16,9 @@ from robust_plugins.launch import run_torchrun
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(300)]
 
-MODULE = "robust_plugins.recipes.megatron_gpt.train"
+MODULE = str(Path(__file__).with_name("mcore_rng_train.py"))  # the recipe, loss scaled by RNG draws
 STEPS = 60
-ARGS = ["--preset", "cpu-tiny", "--codec", "int8", "--distributed-optimizer", "--log-every", "5"]
+ARGS = ["--noise", "torch", "--preset", "cpu-tiny", "--codec", "int8", "--distributed-optimizer", "--log-every", "5"]
 
 
 def _run(out: Path, *extra: str) -> dict:
