@@ -26,6 +26,9 @@ engine's resume). With ``checkpoint.memory_every``, the binding then
   skipped, and ``_load_rng_state`` (which the Trainer calls after fetching the first batches)
   sets the snapshot's RNG states.
 
+With ``report_to=["wandb"]`` and ``telemetry.wandb``, the Trainer's W&B run and the plugin's sit
+side by side in one project and group (:func:`_align_wandb`).
+
 So the run ends with the fault-free run's steps, log history and weights (tests/integration/
 test_hf_trainer.py). Limits, said in docs/hf_trainer.md: callbacks that are not ``ExportableState``
 keep no state across a restart; a data collator that draws from the global RNG is exact only with
@@ -44,7 +47,7 @@ import numpy as np
 import torch
 
 from robust_plugins._logging import announce, current_rank, get_logger
-from robust_plugins.errors import UnsupportedError
+from robust_plugins.errors import ConfigError, UnsupportedError
 from robust_plugins.patches import _guard
 
 log = get_logger(__name__)
@@ -96,6 +99,7 @@ def install() -> None:
 
     def _inner_training_loop(self, batch_size=None, args=None, resume_from_checkpoint=None, trial=None,
                              ignore_keys_for_eval=None):
+        shared_wandb = _align_wandb(self)
         _ACTIVE.append(self)
         try:
             result = original(self, batch_size, args, resume_from_checkpoint, trial, ignore_keys_for_eval)
@@ -104,6 +108,12 @@ def install() -> None:
             binding = self.__dict__.pop("_robust_trainer", None)
             if binding is not None:
                 binding.unbind()
+        if shared_wandb:
+            # Finish the plugin's W&B run now: at interpreter exit wandb's own hook stops its
+            # service first (after the Trainer's run), and our run's finish then failed.
+            telemetry = getattr(getattr(self.model_wrapped, "robust_plugins", None), "telemetry", None)
+            if telemetry is not None:
+                telemetry.close()
         _record_completion(self)
         return result
 
@@ -117,6 +127,45 @@ def undo() -> None:
 
     if _guard.is_patched(Trainer._inner_training_loop):
         Trainer._inner_training_loop = Trainer._inner_training_loop.__wrapped__
+
+
+def _align_wandb(trainer) -> bool:
+    """``report_to=["wandb"]`` and the block's ``telemetry.wandb``: two W&B runs side by side, the
+    Trainer's (its logs) and the plugin's (telemetry, faults), in one project, mode and group: the
+    block's ``project`` and ``mode``, its ``group`` or else ``WANDB_RUN_GROUP``, the Trainer's
+    ``run_name`` or ``output_dir``. A different ``WANDB_PROJECT`` / ``WANDB_MODE`` / ``WANDB_RUN_GROUP``
+    is an error naming both values."""
+    from robust_plugins.config import PluginConfig
+
+    if "wandb" not in (trainer.args.report_to or []):
+        return False
+    hf_cfg = getattr(trainer.args, "hf_deepspeed_config", None)
+    ds = hf_cfg.config if hf_cfg is not None else None
+    telemetry = PluginConfig.from_ds_config(ds).telemetry if isinstance(ds, dict) else None
+    wb = telemetry.wandb if telemetry is not None else None
+    if wb is None:
+        return False
+    group = wb.group or os.environ.get("WANDB_RUN_GROUP") or trainer.args.run_name or trainer.args.output_dir
+    for env, ours, key in (("WANDB_PROJECT", wb.project, "project"), ("WANDB_MODE", wb.mode, "mode"),
+                           ("WANDB_RUN_GROUP", group, "group")):
+        theirs = os.environ.get(env)
+        if theirs is not None and theirs != ours:
+            raise ConfigError(
+                f"report_to=['wandb'] with robust_plugins.telemetry.wandb: {env}={theirs!r} but "
+                f"telemetry.wandb.{key} = {ours!r}, so the Trainer's W&B run and the plugin's would land "
+                f"apart. Set telemetry.wandb.{key} to {theirs!r} (or unset {env}).")
+        os.environ[env] = ours
+    from transformers.integrations import WandbCallback
+
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, WandbCallback) and not cb._initialized:
+            # Now, before the engine exists: the Trainer's run becomes wandb's global run, as in
+            # on_train_begin (which then skips it). Created after the plugin's run, its
+            # wandb.init() would return that run without wandb.config and fail.
+            cb.setup(trainer.args, trainer.state, trainer.model)
+    announce(log, "robust_plugins: W&B: the Trainer's run and the plugin's telemetry run share project %r, "
+             "group %r, mode %s", wb.project, group, wb.mode)
+    return True
 
 
 def active_trainer():

@@ -1,7 +1,8 @@
 """Several HF Trainer runs in one 2-rank launch (DeepSpeed's and transformers' imports dominate).
 
 ``--stage S``: vanilla (the DeepSpeed patch undone), the plugin imported with no block, codec
-``none``, codec ``int8`` with telemetry (the wire's bytes), then ZeRO-3 with the block (must be
+``none``, codec ``int8`` with telemetry (the wire's bytes), ``int8_wandb`` (5 steps with
+``report_to="wandb"`` and ``telemetry.wandb``, offline), then ZeRO-3 with the block (must be
 refused). Each run is ``recipes/hf_trainer/train.py``'s ``train``; rank 0 writes
 ``<out>/results.json``.
 """
@@ -11,6 +12,7 @@ import robust_plugins  # noqa: F401,I001  (first: the import hooks)
 import argparse
 import copy
 import json
+import os
 from pathlib import Path
 
 import torch.distributed as dist
@@ -24,6 +26,7 @@ RECIPE = Path(robust_plugins.__file__).parent / "recipes" / "hf_trainer"
 #: steps cross 4 epoch ends (the sampler reshuffles) and every step ends an accumulation window.
 WINDOWS = 192
 GRAD_ACCUM = 2
+WANDB_STEPS = 5
 
 
 def _config(stage: int, block: dict | None) -> dict:
@@ -45,7 +48,10 @@ def main() -> None:
     out = Path(a.out)
     int8 = json.loads((RECIPE / "plugin.json").read_text())["robust_plugins"]
     int8 = {**int8, "telemetry": {"dir": str(out / "telemetry"), "log_every": 1}}
-    runs = {"vanilla": None, "no_block": None, "codec_none": {"compression": {"codec": "none"}}, "int8": int8}
+    wandb_block = {**int8, "telemetry": {"dir": str(out / "int8_wandb" / "telemetry"), "log_every": 1,
+                                         "wandb": {"mode": "offline", "project": "robust_plugins"}}}
+    runs = {"vanilla": None, "no_block": None, "codec_none": {"compression": {"codec": "none"}}, "int8": int8,
+            "int8_wandb": wandb_block}
     results = {}
     for name in a.runs.split(","):
         block = runs[name]
@@ -53,8 +59,13 @@ def main() -> None:
             ds_patch.undo()
         else:
             ds_patch.install()
-        r = train(out / name, copy.deepcopy(_config(a.stage, block)), steps=a.steps, grad_accum=GRAD_ACCUM,
-                  windows=WINDOWS)
+        report_to, steps = "none", a.steps
+        if name == "int8_wandb":  # the Trainer's own W&B run beside the plugin's (offline)
+            os.environ["WANDB_DIR"] = str(out / "int8_wandb" / "trainer")
+            os.makedirs(os.environ["WANDB_DIR"], exist_ok=True)
+            report_to, steps = "wandb", WANDB_STEPS
+        r = train(out / name, copy.deepcopy(_config(a.stage, block)), steps=steps, grad_accum=GRAD_ACCUM,
+                  windows=WINDOWS, report_to=report_to, run_name="hf-wandb" if name == "int8_wandb" else None)
         dist.barrier()  # every rank's digest file is written
         results[name] = {"log_history": r["log_history"], "losses": [h["loss"] for h in r["log_history"] if "loss" in h],
                          "digest": r["digest"], "plugin": r["plugin"], "global_step": r["global_step"],

@@ -50,7 +50,7 @@ def zero2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def zero1(tmp_path_factory):
-    return _launch(tmp_path_factory, 1, "vanilla,codec_none,int8")
+    return _launch(tmp_path_factory, 1, "vanilla,codec_none,int8,int8_wandb")
 
 
 @pytest.fixture(params=[1, 2], ids=["zero1", "zero2"])
@@ -99,10 +99,28 @@ def test_int8_loss_within_2pct_and_bytes_on_the_wire(stage):
 def test_active_line_on_rank_0_only(stage):
     _, r, log = stage
     lines = [ln for ln in log.splitlines() if "robust_plugins active:" in ln]
-    # codec none and int8 (and nothing for vanilla / no block), each once, from rank 0's print.
-    assert len(lines) == 2, lines
+    # codec none, int8 (and int8_wandb: ZeRO 1), nothing for vanilla / no block, from rank 0's print.
+    assert len(lines) == (3 if "int8_wandb" in r else 2), lines
     assert all("[Rank 0] robust_plugins active: compression(codec=" in ln for ln in lines), lines
+    assert not any(ln.startswith("[default1]") for ln in lines), lines
     assert "codec=none" in lines[0] and "codec=int8" in lines[1], lines
+
+
+def test_wandb_trainer_run_and_plugin_run_share_one_group(zero1):
+    """report_to=["wandb"] and telemetry.wandb: two offline runs (rank 0), one project and group."""
+    sys.path.insert(0, str(HERE.parent))
+    from _wandb_offline import read_run
+
+    out, _, log = zero1
+    trainer_runs = list((out / "int8_wandb" / "trainer" / "wandb").glob("offline-run-*"))
+    plugin_runs = list((out / "int8_wandb" / "telemetry" / "wandb").glob("offline-run-*"))
+    assert len(trainer_runs) == 1 and len(plugin_runs) == 1, (trainer_runs, plugin_runs)
+    hf, ours = read_run(trainer_runs[0]), read_run(plugin_runs[0])
+    assert hf["project"] == ours["project"] == "robust_plugins"
+    assert hf["group"] == ours["group"] == "hf-wandb", (hf["group"], ours["group"])  # the Trainer's run_name
+    assert any("train/loss" in h for h in hf["history"]), hf["history"][:3]
+    assert any("compression_ratio" in h for h in ours["history"]), ours["history"][:3]
+    assert "share project 'robust_plugins', group 'hf-wandb', mode offline" in log
 
 
 def test_zero3_with_the_block_is_refused(zero2):
