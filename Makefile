@@ -30,7 +30,10 @@ browser:
 	  timeout 900 sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium'; } || \
 	  echo "make: chromium is not installed and could not be installed here (needs root + apt-get)."
 
+# lint-imports first: the layer contracts in pyproject.toml ([tool.importlinter]) fail the run on a
+# new crossing of the boundary before any test starts.
 test: $(STAMP) browser
+	$(VENV)/bin/lint-imports
 	@set +e; $(PY) -m pytest -ra --durations=30 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests: failing on purpose"; exit 1; fi; \
 	exit $$rc
