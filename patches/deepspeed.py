@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from robust_plugins._logging import announce, current_rank, get_logger, warn_once
-from robust_plugins.config import DEFAULT_BUCKET_MB, PluginConfig, load_json
+from robust_plugins.config import PluginConfig, load_json
 from robust_plugins.checkpoint import DiskCheckpointer, rollback_bound
 from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
 from robust_plugins.patches import _guard
@@ -357,7 +357,7 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
 
             raise UnsupportedError(f"robust_plugins.compression.overlap = true: {unsupported_reason(engine)}. "
                                    f"Set overlap to false (or leave it unset).")
-        if config.compression.bucket_mb != DEFAULT_BUCKET_MB:
+        if config.compression.bucket_mb is not None:
             raise UnsupportedError(f"robust_plugins.compression.bucket_mb sizes ZeRO stage 0's buckets; at stage "
                                    f"{stage} DeepSpeed's zero_optimization.reduce_bucket_size does. Remove bucket_mb.")
         opt = engine.optimizer

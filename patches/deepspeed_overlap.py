@@ -40,7 +40,6 @@ import torch
 
 from robust_plugins._logging import get_logger, log_rank0, warn_once
 from robust_plugins.comm.overlap import Completed, SyncThread, clone_groups, plan_buckets
-from robust_plugins.config import DEFAULT_BUCKET_MB
 from robust_plugins.device import default_bucket_mb
 from robust_plugins.errors import UnsupportedError
 from robust_plugins.patches import _guard
@@ -72,11 +71,11 @@ def unsupported_reason(engine) -> str | None:
     return None
 
 
-def bucket_mb_for(configured_mb: float, device_type: str) -> float:
+def bucket_mb_for(configured_mb: float | None, device_type: str) -> float:
     """The planned buckets' size in MB (pure): ``compression.bucket_mb`` when set, else the
     default of the gradients' device type (:data:`robust_plugins.device.BUCKET_MB`: 4 on CPU,
-    25 on CUDA, why there). Unset is the config's default value, as elsewhere in the patches."""
-    return configured_mb if configured_mb != DEFAULT_BUCKET_MB else default_bucket_mb(device_type)
+    25 on CUDA, why there); an explicit value is kept on every device."""
+    return configured_mb if configured_mb is not None else default_bucket_mb(device_type)
 
 
 #: The hand-back's wire trial times at most this many gradient elements (256 MB of fp32). The

@@ -51,7 +51,7 @@ import torch
 
 from robust_plugins._logging import announce, current_rank, get_logger
 from robust_plugins.comm.overlap import Completed, SyncThread, clone_groups
-from robust_plugins.config import DEFAULT_BUCKET_MB, PluginConfig
+from robust_plugins.config import PluginConfig
 from robust_plugins.errors import CheckpointError, ConfigError, RobustPluginsError, UnsupportedError
 from robust_plugins.patches import _guard
 
@@ -307,7 +307,7 @@ def _refuse_config(cfg: PluginConfig, ddp) -> None:
             f"compressed sync overlaps backward exactly when megatron's overlap_grad_reduce is set. Set that, and "
             f"leave compression.overlap unset (or equal to it)."
         )
-    if comp is not None and comp.bucket_mb != DEFAULT_BUCKET_MB:
+    if comp is not None and comp.bucket_mb is not None:
         raise UnsupportedError(
             f"robust_plugins.megatron: compression.bucket_mb = {comp.bucket_mb:g} sizes DeepSpeed ZeRO 0's "
             f"buckets; megatron-core's buckets are DistributedDataParallelConfig.bucket_size. Remove bucket_mb."

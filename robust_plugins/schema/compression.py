@@ -14,7 +14,6 @@ from robust_plugins.schema.common import (
     BLOCK_SIZE_MIN,
     CODECS,
     CODECS_REQUIRING_EF,
-    DEFAULT_BUCKET_MB,
     SIGN_MODES,
 )
 
@@ -107,9 +106,10 @@ class CompressionConfig(Section):
     megatron-core overlaps when its own ``overlap_grad_reduce`` is set: an explicit value here
     must agree with it."""
 
-    bucket_mb: Annotated[float, Field(gt=0, allow_inf_nan=False),
-                         Hint(expect="a number (MB)", why="(MB, e.g. 4)")] = DEFAULT_BUCKET_MB
-    """DeepSpeed ZeRO 0, with a compressing codec or ``topology.hierarchical``: gradients are
+    bucket_mb: Annotated[float | None, Field(gt=0, allow_inf_nan=False),
+                         Hint(expect="a number (MB)", why="(MB, e.g. 4)")] = None
+    """Unset: 4 MB for CPU gradients, 25 MB for CUDA ones (``robust_plugins.device.BUCKET_MB``).
+    DeepSpeed ZeRO 0, with a compressing codec or ``topology.hierarchical``: gradients are
     reduced in buckets of at least this many MB (fp32: 4 bytes an element), parameters taken in
     reverse order of registration (the order backward finishes them) and cut at parameter
     boundaries and dtype changes. Smaller buckets start earlier in backward and leave less to
@@ -187,6 +187,6 @@ class CompressionConfig(Section):
             f"min_numel={self.min_numel}"
             + (f", sign_mode=momentum, freeze_steps={self.freeze_steps}" if self.sign_mode == "momentum" else "")
             + (f", overlap={self.overlap}" if self.overlap is not None else "")
-            + (f", bucket_mb={self.bucket_mb:g}" if self.bucket_mb != DEFAULT_BUCKET_MB else "")
+            + (f", bucket_mb={self.bucket_mb:g}" if self.bucket_mb is not None else "")
             + ")"
         )

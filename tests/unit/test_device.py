@@ -52,8 +52,10 @@ def test_default_sizes_per_device_type(monkeypatch):
 def test_planned_bucket_size_follows_the_device_unless_set():
     from robust_plugins.patches.deepspeed_overlap import bucket_mb_for
 
-    assert bucket_mb_for(DEFAULT_BUCKET_MB, "cpu") == 4.0
-    assert bucket_mb_for(DEFAULT_BUCKET_MB, "cuda") == 25.0
+    assert bucket_mb_for(None, "cpu") == DEFAULT_BUCKET_MB == 4.0
+    assert bucket_mb_for(None, "cuda") == 25.0
+    # An explicit 4 MB is the user's choice on a GPU too (not mistaken for "unset").
+    assert bucket_mb_for(4.0, "cuda") == 4.0
     assert bucket_mb_for(8.0, "cuda") == 8.0 and bucket_mb_for(1.5, "cpu") == 1.5
 
 

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from robust_plugins.comm.overlap import SyncThread, plan_buckets
-from robust_plugins.config import DEFAULT_BUCKET_MB, PluginConfig
+from robust_plugins.config import PluginConfig
 from robust_plugins.errors import ConfigError, RobustPluginsError
 
 
@@ -95,7 +95,7 @@ def test_a_handle_that_never_completes_times_out_naming_the_bucket():
 
 def test_overlap_and_bucket_mb_keys():
     cfg = PluginConfig.from_dict({"compression": {"codec": "int8"}}).compression
-    assert cfg.overlap is None and cfg.bucket_mb == DEFAULT_BUCKET_MB
+    assert cfg.overlap is None and cfg.bucket_mb is None  # unset: the device's default
     cfg = PluginConfig.from_dict({"compression": {"codec": "int8", "overlap": False, "bucket_mb": 0.5}}).compression
     assert cfg.overlap is False and "overlap=False, bucket_mb=0.5" in cfg.describe()
     for bad, match in (({"overlap": "yes"}, "overlap must be true, false or null"),
@@ -123,3 +123,6 @@ def test_megatron_refuses_an_overlap_or_bucket_size_it_would_not_follow():
     patch._refuse_config(want_overlap, ddp)  # agrees with megatron's own switch
     with pytest.raises(UnsupportedError, match="bucket_mb = 8 sizes DeepSpeed ZeRO 0's buckets"):
         patch._refuse_config(patch._as_plugin_config({"compression": {"codec": "int8", "bucket_mb": 8}}), ddp)
+    # An explicit value equal to the CPU default is still the user's setting, refused alike.
+    with pytest.raises(UnsupportedError, match="bucket_mb = 4 sizes DeepSpeed ZeRO 0's buckets"):
+        patch._refuse_config(patch._as_plugin_config({"compression": {"codec": "int8", "bucket_mb": 4}}), ddp)
