@@ -29,7 +29,10 @@ pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 SCRIPT = str(Path(__file__).with_name("elastic_train.py"))
 STEPS = 14
 #: Short keep-alive so a lost node leaves the rendezvous in ~2 s (default 15 s), short last call.
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+# keep_alive_max_attempt 6 (a node counts as dead after 6 s without a heartbeat): with 2, the
+# standbys' imports (~7 s of CPU a node on 2 cores) starved the agents' heartbeat threads, each
+# node declared the other dead and both trained alone in 1-node rounds (seen at 2: 1 of 1 runs).
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=6,join_timeout=60"
 
 
 class Node:
