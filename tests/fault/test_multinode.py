@@ -29,10 +29,12 @@ pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 SCRIPT = str(Path(__file__).with_name("elastic_train.py"))
 STEPS = 14
 #: Short keep-alive so a lost node leaves the rendezvous in ~2 s (default 15 s), short last call.
-# keep_alive_max_attempt 6 (a node counts as dead after 6 s without a heartbeat): with 2, the
-# standbys' imports (~7 s of CPU a node on 2 cores) starved the agents' heartbeat threads, each
-# node declared the other dead and both trained alone in 1-node rounds (seen at 2: 1 of 1 runs).
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=6,join_timeout=60"
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
+# Cold restarts (--no-standby): on these 2 cores the standbys' imports (~7 s of CPU a node, on
+# by default) starve the agents' heartbeat threads during the restart's rendezvous; with the
+# 2 s keep-alive above each node then removed the other as dead and both trained alone (1 of 1
+# runs; with a 6 s keep-alive 1 of 3). Multi-node restarts with standbys are untested.
+NODE_FLAGS = ("--no-standby",)
 
 
 class Node:
@@ -46,7 +48,7 @@ class Node:
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mn-test",
                "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if host else 'false'}",
                "--local-addr", addr, "--max-restarts", "4", "--monitor-interval", "0.1",
-               "--watchdog", "straggler_factor=0", *extra,
+               "--watchdog", "straggler_factor=0", *NODE_FLAGS, *extra,
                *script, "--ckpt-dir", str(tmp / "ckpt"), "--out", str(tmp / "result.json")]
         self.log = open(self.run_dir / "launcher.log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
