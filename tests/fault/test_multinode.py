@@ -28,12 +28,14 @@ pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
 SCRIPT = str(Path(__file__).with_name("elastic_train.py"))
 STEPS = 14
-#: Short keep-alive so a lost node leaves the rendezvous in ~2 s (default 15 s), short last call.
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,join_timeout=60"
-# Cold restarts (--no-standby): on these 2 cores the standbys' imports (~7 s of CPU a node, on
-# by default) starve the agents' heartbeat threads during the restart's rendezvous; with the
-# 2 s keep-alive above each node then removed the other as dead and both trained alone (1 of 1
-# runs; with a 6 s keep-alive 1 of 3). Multi-node restarts with standbys are untested.
+#: Short keep-alive so a lost node leaves the rendezvous in ~6 s (default 15 s); a 3 s last call
+#: lets a node that starts or restarts late under load still join the round (1 s did not, once).
+# A node counts as dead after 6 s without a heartbeat: with 2 s, CPU starvation on these 2 cores
+# (a loaded machine, or the standbys' imports, ~7 s of CPU a node) let each node remove the other
+# as dead during a restart's rendezvous, and both trained alone (seen with and without standbys).
+RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=6,join_timeout=60"
+# Cold restarts: the standbys' imports made that starvation likely (1 of 1 runs at 2 s, 1 of 3 at
+# 6 s). Multi-node restarts with standbys are untested.
 NODE_FLAGS = ("--no-standby",)
 
 
