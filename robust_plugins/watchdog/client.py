@@ -52,6 +52,9 @@ ENV_SKIP = "ROBUST_SKIP_STEPS"
 
 #: Upper bound of an injected Python hang; the monitor kills the rank long before.
 HANG_INJECT_MAX_S = 3600.0
+#: A check sends every rank's hash (the evidence) up to this many ranks (16 bytes each; a unix
+#: datagram holds ~200 KB, but a short one is read without a second copy).
+MAX_HASHES_SENT = 256
 
 _PR_SET_PDEATHSIG = 1
 
@@ -272,8 +275,15 @@ class _Client:
         hashes = {dist.get_global_rank(group, i) if group is not None else i: int(t.item())
                   for i, t in enumerate(gathered)}
         minority, reason = minority_ranks(hashes)
-        self.send({"k": "hash", "s": step, "h": f"{mine & (2**64 - 1):016x}", "bad": minority,
-                   "why": reason, "n": world})
+        msg = {"k": "hash", "s": step, "h": f"{mine & (2**64 - 1):016x}", "bad": minority,
+               "why": reason, "n": world}
+        if world <= MAX_HASHES_SENT:
+            # Every rank holds every hash after the all-gather: one datagram that arrives is
+            # then the whole evidence, also when a peer is stopped before its own is read.
+            msg["all"] = {str(r): f"{h & (2**64 - 1):016x}" for r, h in sorted(hashes.items())}
+        # Waited for, unlike a step signal: a dropped hash is missing evidence (a replay's
+        # verdict counts them), and it comes only every sdc_every_steps steps.
+        self.send(msg, wait=True)
         return not reason
 
 
