@@ -16,6 +16,7 @@ import os
 import select
 import signal
 import socket
+import statistics
 import tempfile
 import threading
 import time
@@ -391,7 +392,10 @@ class Monitor:
                     self._queries.append((int(msg["s"]), addr))
             elif kind == "hash":
                 key = (self.incarnation, int(msg["s"]))
-                self._hash_log.setdefault(key, {})[int(msg["r"])] = str(msg.get("h"))
+                seen = self._hash_log.setdefault(key, {})
+                for r, h in (msg.get("all") or {}).items():
+                    seen.setdefault(int(r), str(h))  # a peer's copy; its own report replaces it
+                seen[int(msg["r"])] = str(msg.get("h"))
                 for old in sorted(self._hash_log)[:-16]:
                     del self._hash_log[old]
                 rp = self._sdc_replay
@@ -795,20 +799,26 @@ class Monitor:
         for s in new:
             # Onset: the first step of the latest run of steps above factor x the peers' median.
             onset, step = recent[s.rank][-1][2], recent[s.rank][-1][0]
+            slow_run: list[float] = []
             for st_step, c, t in reversed(recent[s.rank]):
                 if c <= self.cfg.straggler_factor * s.peers_s:
                     break
                 onset, step = t, st_step
+                slow_run.append(c)
+            # The window's median crosses the bar when about half the window is slow, so it sits
+            # between the fast and the slow time; the user is told the slow steps' own median.
+            slow_s = statistics.median(slow_run) if slow_run else s.compute_s
             fault = Fault(
                 kind="straggler", step=step, suspect_ranks=[s.rank], suspect_hosts=[self.host],
                 detected_after_s=round(max(0.0, now_wall - onset), 3), action="report",
                 incarnation=self.incarnation,
-                detail={"compute_s": round(s.compute_s, 4), "peers_compute_s": round(s.peers_s, 4),
-                        "ratio": round(s.ratio, 2), "factor": self.cfg.straggler_factor,
-                        "window": window, "reported_at_step": last_step,
-                        "reason": f"rank {s.rank} computes {s.compute_s * 1e3:.0f} ms a step, "
-                                  f"{s.ratio:.1f} x its peers' median {s.peers_s * 1e3:.0f} ms "
-                                  f"(median of {window} steps, time in collectives excluded)"},
+                detail={"compute_s": round(slow_s, 4), "peers_compute_s": round(s.peers_s, 4),
+                        "ratio": round(slow_s / s.peers_s, 2), "factor": self.cfg.straggler_factor,
+                        "window": window, "window_median_s": round(s.compute_s, 4),
+                        "slow_steps": len(slow_run), "reported_at_step": last_step,
+                        "reason": f"rank {s.rank} computes {slow_s * 1e3:.0f} ms a step over its "
+                                  f"last {len(slow_run)} steps, {slow_s / s.peers_s:.1f} x its peers' "
+                                  f"median {s.peers_s * 1e3:.0f} ms (time in collectives excluded)"},
             )
             with self._lock:
                 self.reports.append(fault)
