@@ -95,6 +95,9 @@ WANDB_SCALARS = (
     "compression_ratio", "residual_norm", "ettr", "faults_total",
 )
 
+#: Seconds between wandb-core's writes of the run file (its default is 15): what a SIGKILL loses.
+WANDB_FLUSH_S = 1.0
+
 FAULT_COLUMNS = ("kind", "step", "suspect_ranks", "suspect_hosts", "detected_after_s", "action",
                  "resumed_at_step", "lost_steps", "incarnation", "time")
 
@@ -116,8 +119,19 @@ class WandbSink:
         Path(directory).mkdir(parents=True, exist_ok=True)
         # reinit="create_new": a launch may train several engines one after another (the demo's
         # baseline and plugin runs), each with its own W&B run.
+        # wandb-core writes the run's .wandb file every 15 s by default, and neither it nor the
+        # rank flushes when a restart SIGKILLs the rank's process group: an incarnation stopped
+        # within 15 s of its last flush lost those steps (we saw header-only files). Every
+        # WANDB_FLUSH_S bounds the loss; the field exists from wandb 0.2x (checked, not assumed).
+        settings = {}
+        if "x_transaction_log_flush_interval" in getattr(wandb.Settings, "model_fields", {}):
+            settings["settings"] = wandb.Settings(x_transaction_log_flush_interval=WANDB_FLUSH_S)
+        else:
+            log.info("robust_plugins telemetry: this wandb has no x_transaction_log_flush_interval; "
+                     "a rank killed by a restart may lose up to its last 15 s of W&B data "
+                     "(the JSONL file has every step)")
         self.run = wandb.init(project=project, group=group, mode=mode, name=name, dir=str(directory),
-                              config=dict(config), reinit="create_new")
+                              config=dict(config), reinit="create_new", **settings)
         self._faults: list[list[Any]] = []
         self._decisions: Any = None
 

@@ -2,6 +2,7 @@
 copied from a robust run directory's faults.jsonl, W&B offline run read back, close()."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from robust_plugins.config import PluginConfig
-from robust_plugins.telemetry import read_records
+from robust_plugins.telemetry import read_records, sinks
 from robust_plugins.telemetry.recorder import Telemetry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -104,6 +105,41 @@ def test_sigterm_finishes_the_wandb_run_then_terminates(tmp_path):
     assert recs[-1]["kind"] == "end"
     wb = read_run(next((tmp_path / "tel" / "wandb").glob("offline-run-*")))
     assert [h["_step"] for h in wb["history"] if "loss" in h] == [2, 4]
+
+
+def test_sigkill_of_the_process_group_keeps_the_wandb_steps_flushed_before_it(tmp_path):
+    # How robust run stops the ranks of a job it restarts from warm standbys: SIGKILL to each
+    # rank's process group, wandb-core included, with no chance to finish the run. wandb-core's
+    # default (a write every 15 s) left header-only .wandb files; the sink asks for one a second.
+    import signal
+    import subprocess
+    import textwrap
+    import time
+
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time, torch
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        from test_telemetry_recorder import _tel, _steps
+        from pathlib import Path
+        tel = _tel(Path({str(tmp_path)!r}), wandb={{"project": "p"}})
+        _steps(tel, 4)
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(3 * sinks.WANDB_FLUSH_S + 1.0)  # at least one write after the last step
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    recs = read_records(tmp_path / "tel")
+    assert recs[-1]["kind"] != "end"  # nothing ran after the kill
+    wb = read_run(next((tmp_path / "tel" / "wandb").glob("offline-run-*")))
+    assert wb["project"] == "p"
+    # Step 4's row stays open in W&B until a later step (or finish) commits it: what a kill loses.
+    assert [h["_step"] for h in wb["history"] if "loss" in h] == [2]
 
 
 def test_codec_shares_and_auto_decisions_reach_jsonl_and_wandb(tmp_path):
