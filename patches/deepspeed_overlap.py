@@ -319,13 +319,13 @@ class BucketedReduction:
         """After a step of planned buckets: when ``auto`` sent every bucket as ``flat none`` (the
         plain fp32 all-reduce), or its routes save less than ``auto_min_gain`` of the time of the
         best single wire (fp32 or DeepSpeed's bf16 scheme) for every bucket, summed over the step
-        (:func:`~robust_plugins.comm.autocodec.step_gain`), hand the reduction back to DeepSpeed's
+        (:func:`~robust_plugins.comm.auto_model.step_gain`), hand the reduction back to DeepSpeed's
         one bucket (its wire chosen by :meth:`_choose_host_wire`) until ``auto`` is due to measure again
         (``auto_recheck_steps``; never with 0). Planned buckets cost more collectives (and, with
         overlap, a thread competing with backward) for the same sums: on the simulator's 10 Gbit/s
         link that was 7-14 % of a training step (BENCHMARKS.md), more than a lossy route saved
         there. Every rank agrees: ``auto``'s decisions are agreed over the group."""
-        from robust_plugins.comm.autocodec import step_gain
+        from robust_plugins.comm.auto_model import step_gain
 
         auto = self.sync.auto
         if auto is None or not keys or any(k is None for k in keys):
@@ -361,7 +361,8 @@ class BucketedReduction:
 
         import torch.distributed as dist
 
-        from robust_plugins.comm.autocodec import HOST_TRIALS, choose_host_wire, timed_runs
+        from robust_plugins.comm.auto_measure import timed_runs
+        from robust_plugins.comm.auto_model import HOST_TRIALS, choose_host_wire
         from robust_plugins.comm.collectives import bf16_all_reduce
         from robust_plugins.config import BF16_ALLREDUCE
 
