@@ -6,6 +6,7 @@ Everything a command runs goes through one torchrun launch (DeepSpeed's import a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -15,12 +16,20 @@ from robust_plugins.errors import RobustPluginsError
 from robust_plugins.launch import run_torchrun
 
 RECIPE_MODULE = "robust_plugins.recipes.deepspeed_gpt.train"
-RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes" / "deepspeed_gpt"
+
+
+def recipe_dir() -> Path:
+    """The recipe's folder, where the import system finds it: inside an installed wheel, or the
+    top-level ``recipes/`` of a source checkout (setup.py maps it; it is not under this file)."""
+    spec = importlib.util.find_spec(RECIPE_MODULE.rpartition(".")[0])
+    if spec is None or not spec.submodule_search_locations:
+        raise RobustPluginsError(f"{RECIPE_MODULE} is not importable; reinstall robust_plugins.")
+    return Path(list(spec.submodule_search_locations)[0])
 
 
 def recipe_config(name: str) -> Path:
     """Path of a config shipped with the recipe (``baseline.json``, ``plugin.json``, ...)."""
-    path = RECIPE_DIR / name
+    path = recipe_dir() / name
     if not path.is_file():
         raise RobustPluginsError(f"Recipe config {path} is missing; reinstall robust_plugins.")
     return path

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from robust_plugins.patches import deepspeed as ds_patch
 from robust_plugins.recipes.hf_trainer.train import train
 
-RECIPE = Path(robust_plugins.__file__).parent / "recipes" / "hf_trainer"
+RECIPE = Path(robust_plugins.recipes.hf_trainer.__file__).parent
 
 #: 192 windows of 4 a micro-batch on 2 ranks, 2 micro-batches a step: 12 steps an epoch, so 60
 #: steps cross 4 epoch ends (the sampler reshuffles) and every step ends an accumulation window.

@@ -31,3 +31,22 @@ def test_wheel_top_level_names(tmp_path):
     meta = next(n for n in names if n.endswith("METADATA"))
     requires = [l for l in zipfile.ZipFile(wheel).read(meta).decode().splitlines() if l.startswith("Requires-Dist: torch")]
     assert requires and "==" not in requires[0], requires  # never pin torch in the package
+
+
+def test_no_tracked_symlinks():
+    # patches/ and recipes/ reach the wheel through setup.py's package_dir, not links inside
+    # robust_plugins/ (a link hides the boundary from the import graph and from Windows checkouts).
+    out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-s"], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        pytest.skip(f"not a git checkout: {out.stderr.strip()}")
+    links = [line.split("\t", 1)[1] for line in out.stdout.splitlines() if line.startswith("120000 ")]
+    assert links == [], links
+
+
+def test_the_source_tree_imports_patches_and_recipes_as_subpackages():
+    code = ("import robust_plugins.patches.deepspeed as d, robust_plugins.recipes.deepspeed_gpt as r; "
+            "print(d.__file__); print(r.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(ROOT / "patches" / "deepspeed.py"),
+                                  str(ROOT / "recipes" / "deepspeed_gpt" / "__init__.py")]
