@@ -7,7 +7,7 @@ finished it. With a compressing codec (or ``topology.hierarchical``) the plugin 
 ``buffered_allreduce_fallback`` on the engine instance and reduces the dense gradients in the
 buckets of :func:`robust_plugins.comm.overlap.plan_buckets` (``compression.bucket_mb``;
 parameters in reverse registration order), each bucket with DeepSpeed's scaling around the
-plugin's sum, exactly as the ``allreduce_bucket`` replacement in ``patches/deepspeed.py`` does.
+plugin's sum, exactly as the ``allreduce_bucket`` replacement in ``patches/deepspeed_reduce.py`` does.
 
 With ``compression.overlap`` (default: on where supported) a post-accumulate-grad hook on every
 parameter counts, on the gradient-accumulation boundary micro-step only, the gradients backward
@@ -285,7 +285,7 @@ class BucketedReduction:
     def _reduce(self, grads: list, key, group) -> None:
         """One bucket: DeepSpeed's ``allreduce_bucket`` (uncompressed: warm-up, ``min_numel``) or its
         scaling around the plugin's sum, then the copy back (``allreduce_and_copy``)."""
-        from robust_plugins.patches.deepspeed import _scaled_sum, _scaling
+        from robust_plugins.patches.deepspeed_reduce import _scaled_sum, _scaling
 
         e = self.engine
         if key is None:
@@ -397,7 +397,7 @@ class BucketedReduction:
         ``deepspeed``), or its bf16 scheme (``bf16``: cast, one bf16 all-reduce, DeepSpeed's
         scaling, cast back; what ``communication_data_type: bf16`` does, without touching its config)."""
         from robust_plugins.comm.collectives import bf16_all_reduce
-        from robust_plugins.patches.deepspeed import _scaled, _scaling
+        from robust_plugins.patches.deepspeed_reduce import _scaled, _scaling
 
         numel = sum(t.numel() for t in bucket)
         self.sync.count_passthrough(SITE, numel, f"auto: DeepSpeed's one bucket, {self.host_wire}")

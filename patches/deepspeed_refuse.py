@@ -1,0 +1,124 @@
+"""DeepSpeed: find the config ``deepspeed.initialize`` will use, and refuse what the plugin cannot serve.
+
+:func:`_refuse_before_init` needs no engine and runs before DeepSpeed builds one;
+:func:`_refuse_engine` (``compression``) and :func:`_refuse_checkpoint_engine` (``checkpoint``)
+inspect the built engine (``patches/deepspeed.py`` calls them from ``initialize`` and ``attach``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from robust_plugins.config import PluginConfig, load_json
+from robust_plugins.errors import ConfigError, UnsupportedError
+
+
+def _find_ds_config(arguments: dict[str, Any]) -> Any:
+    """The config DeepSpeed will use: ``config``, ``config_params`` or ``args.deepspeed_config``."""
+    for name in ("config", "config_params"):
+        if arguments.get(name) is not None:
+            cfg = arguments[name]
+            return _read_config_file(cfg) if isinstance(cfg, (str, os.PathLike)) else cfg
+    args = arguments.get("args")
+    path = getattr(args, "deepspeed_config", None) if args is not None else None
+    return _read_config_file(path) if path else None
+
+
+def _read_config_file(path: str | os.PathLike) -> dict[str, Any] | None:
+    try:
+        return load_json(path)
+    except ConfigError:
+        # DeepSpeed also accepts HJSON; parse it the way DeepSpeed does before giving up.
+        try:
+            import hjson
+
+            with open(path) as f:
+                return json.loads(json.dumps(hjson.load(f)))
+        except Exception:
+            raise ConfigError(f"Cannot parse the DeepSpeed config {path} as JSON or HJSON.") from None
+
+
+def _features(plugin_cfg: PluginConfig) -> str:
+    """``compression``, ``checkpoint`` or ``compression and checkpoint``: for refusal messages."""
+    names = [n for n in ("compression", "checkpoint") if getattr(plugin_cfg, n) is not None]
+    return " and ".join(names)
+
+
+def _refuse_before_init(arguments: dict[str, Any], plugin_cfg: PluginConfig) -> None:
+    """Cheap refusals that need no engine: fail before DeepSpeed spends time building one."""
+    cfg = _find_ds_config(arguments) or {}
+    what = _features(plugin_cfg)
+    if not what:  # telemetry alone observes the engine and changes nothing it could refuse
+        return
+    stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
+    if stage not in (0, 1, 2):
+        raise UnsupportedError(
+            f"robust_plugins.{what} supports ZeRO stages 0, 1 and 2; this config sets "
+            f"zero_optimization.stage = {stage!r}. Use stage 0-2 or remove the "
+            f"'{what}' sub-block."
+        )
+    model = arguments.get("model")
+    if model is not None and type(model).__name__ == "PipelineModule":
+        raise UnsupportedError(
+            f"robust_plugins.{what} does not support DeepSpeed pipeline engines "
+            f"(PipelineModule); remove the '{what}' sub-block or train without pipeline parallelism."
+        )
+
+
+def _refuse_engine(engine) -> None:
+    """Refusals that need the built engine (the config alone does not say)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if isinstance(engine, PipelineEngine):
+        raise UnsupportedError(
+            "robust_plugins.compression does not support DeepSpeed's PipelineEngine; remove the "
+            "'compression' sub-block or train without pipeline parallelism."
+        )
+    stage = engine.zero_optimization_stage()
+    if stage not in (0, 1, 2):
+        raise UnsupportedError(f"robust_plugins.compression supports ZeRO stages 0-2, not stage {stage}.")
+    if not engine.enable_backward_allreduce:
+        raise UnsupportedError(
+            f"The optimizer {type(engine.optimizer).__name__} communicates gradients itself "
+            f"(DeepSpeed turned the engine's all-reduce off, as 1-bit Adam / 0/1 Adam do), so "
+            f"robust_plugins.compression would never run. Remove one of the two."
+        )
+    if getattr(engine, "zenflow", False) or engine.is_deepcompile_active():
+        raise UnsupportedError(
+            "robust_plugins.compression does not support ZenFlow or DeepCompile engines, which "
+            "reduce gradients on their own paths."
+        )
+    if stage in (1, 2):
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        if not isinstance(engine.optimizer, DeepSpeedZeroOptimizer):
+            raise UnsupportedError(
+                f"ZeRO stage {stage} built a {type(engine.optimizer).__name__}, not the "
+                f"DeepSpeedZeroOptimizer robust_plugins hooks into; remove the 'compression' sub-block."
+            )
+
+
+def _refuse_checkpoint_engine(engine) -> None:
+    """Engines whose checkpoint files take paths the verified save/load does not cover."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    remove = "Remove the 'checkpoint' sub-block to use DeepSpeed's own checkpoints."
+    if isinstance(engine, PipelineEngine):
+        raise UnsupportedError(f"robust_plugins.checkpoint does not support DeepSpeed's PipelineEngine. {remove}")
+    stage = engine.zero_optimization_stage()
+    if stage not in (0, 1, 2):
+        raise UnsupportedError(f"robust_plugins.checkpoint supports ZeRO stages 0-2, not stage {stage}. {remove}")
+    refusals = (
+        (engine.has_moe_layers, "MoE engines (expert files are loaded outside the checkpoint engine)"),
+        (engine.load_universal_checkpoint(), "universal checkpoints (checkpoint.load_universal)"),
+        (engine.use_node_local_storage(), "node-local storage (rank 0 must see every rank's files)"),
+        (engine.zero_nvme_offload_optimizer(), "NVMe optimizer offload (its files are copied with copytree)"),
+        (type(engine.checkpoint_engine) is not TorchCheckpointEngine,
+         f"the {type(engine.checkpoint_engine).__name__} checkpoint engine (only TorchCheckpointEngine)"),
+    )
+    for refused, what in refusals:
+        if refused:
+            raise UnsupportedError(f"robust_plugins.checkpoint does not support {what}. {remove}")
