@@ -1,0 +1,286 @@
+"""The node monitor's detectors: NaN/Inf, loss and gradient spikes, SDC, stragglers and hangs."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+from robust_plugins._logging import get_logger
+from robust_plugins.watchdog import flight as _flight
+from robust_plugins.watchdog import stacks as _stacks
+from robust_plugins.watchdog.detect import (
+    RunningMedian,
+    in_collective,
+    is_bad_number,
+    learned_timeout,
+    localize,
+    localize_by_sequence,
+    stalled_ranks,
+    stragglers,
+)
+from robust_plugins.watchdog.faults import Fault
+from robust_plugins.watchdog.monitor_state import _RankState
+
+# The monitor's logger, so that these lines keep the name they had in monitor.log before the split.
+log = get_logger("robust_plugins.watchdog.monitor")
+
+
+#: and moves slowly; a value up to 1 s old delays a hang's detection by at most that second.
+_LEARN_EVERY_S = 1.0
+
+
+
+class _MonitorDetectors:
+    """Part of :class:`~robust_plugins.watchdog.monitor.Monitor`: the detectors (NaN/Inf, spike, SDC,
+    straggler, hang) judged on every check from the agent thread, and what each step record adds
+    to their evidence. The decisions are the pure functions of :mod:`.detect`; the state they use
+    is set up in ``Monitor.__init__``."""
+
+    def _on_step(self, st: _RankState, rank: int, step: int, loss: float | None,
+                 grad_norm: float | None, wall_s: float | None, comm_s: float | None,
+                 t_wall: float, now: float) -> None:
+        """A rank finished ``step`` at monotonic time ``now`` (wall time ``t_wall``); under ``_lock``."""
+        st.registered = self._uses_api = True  # also if its hello came too early
+        st.last_msg_wall = t_wall
+        self._note_resume(step, now)
+        limit = self._rollback_limit
+        if limit is not None and self.incarnation > limit[1]:
+            # The ranks that were stopped may have snapshotted one step past the last
+            # they reported. Beyond that, every snapshot the bad steps left was replaced.
+            if step > limit[2] + 1:
+                self._rollback_limit = None
+        elif limit is not None:
+            limit[2] = max(limit[2], step)  # the faulty ranks run on until they are stopped
+        st.progress.on_step(step, now)
+        if wall_s is not None and comm_s is not None:
+            st.compute.append((step, max(0.0, float(wall_s) - float(comm_s)), t_wall))
+        self._note_bad_number(st, step, loss, grad_norm, t_wall)
+        for what, value in (("loss", loss), ("grad_norm", grad_norm)):
+            # Medians live across incarnations: a restarted job needs no new warm-up.
+            med = self._medians.setdefault((rank, what), RunningMedian(self.cfg.spike_window))
+            median = med.spike(value, self.cfg.spike_factor, self.cfg.spike_warmup_steps)
+            if median is not None and st.spike is None:
+                st.spike = (step, what, float(value), median, t_wall)
+
+    def _note_bad_number(self, st: _RankState, step: int, loss: float | None,
+                         grad_norm: float | None, t_wall: float) -> None:
+        if not self.cfg.nan_check or st.bad_number is not None:
+            return
+        for what, value in (("loss", loss), ("grad_norm", grad_norm)):
+            if is_bad_number(value):
+                st.bad_number = (step, what, value, t_wall)
+                return
+
+    def _check(self, will_restart: bool) -> Fault | None:
+        if not self._thread.is_alive():
+            if not self._warned_receiver:
+                self._warned_receiver = True
+                log.warning("robust watchdog: the signal receiver stopped; hang, NaN, spike and "
+                            "SDC detection are off for the rest of the job (crashes are still detected).")
+            return None
+        self._drain()
+        now, now_wall = time.monotonic(), time.time()
+        with self._recv_lock:
+            for ring in self._rings.values():
+                ring.heartbeat(now)  # detection is live: the ranks warn when this goes stale
+        with self._lock:
+            bad = {r: st.bad_number for r, st in self.ranks.items() if st.bad_number}
+            progress = {r: st.progress for r, st in self.ranks.items() if st.registered}
+            finished = [r for r, st in self.ranks.items() if st.finished]
+            silent = sorted(r for r, st in self.ranks.items() if not st.registered)
+            history = list(self._history)
+        if (silent and not self._warned_unregistered
+                and now - self._incarnation_started > self.cfg.hang_initial_timeout_s):
+            self._warned_unregistered = True
+            log.warning("robust watchdog: ranks %s sent no step signal within %.0f s, so they are "
+                        "not watched for hangs. Call robust_plugins.watchdog.step_end(step, ...) "
+                        "after each optimizer step.", silent, self.cfg.hang_initial_timeout_s)
+        if bad:
+            step = min(b[0] for b in bad.values())
+            suspects = sorted(r for r, b in bad.items() if b[0] == step)
+            first = bad[suspects[0]]
+            return self._record(Fault(
+                kind="nan", step=step, suspect_ranks=suspects, suspect_hosts=[self.host],
+                detected_after_s=round(max(0.0, now_wall - first[3]), 3),
+                action="rollback" if will_restart else "report",
+                detail={"what": first[1], "value": str(first[2]),
+                        "reason": f"{first[1]} = {first[2]} at step {step}"},
+            ))
+        with self._lock:
+            sdc = sorted((st.sdc for st in self.ranks.values() if st.sdc), key=lambda x: x[0])
+        if sdc:
+            # Every rank computed the same verdict from the same all-gathered hashes.
+            step, minority, reason, t = sdc[0]
+            with self._lock:
+                rp = self._sdc_replay
+                replay = rp is not None and self.incarnation > rp["incarnation"] and step == rp["step"]
+            if replay:
+                # Every rank sends its hash right after the same all-gather: wait (bounded) for
+                # all of them, so the evidence holds every replica's.
+                deadline = time.monotonic() + 1.0
+                while (len(self._hash_log.get((self.incarnation, step), {})) < len(self.ranks)
+                       and time.monotonic() < deadline):
+                    time.sleep(0.02)
+                    self._drain()
+            with self._lock:
+                persistent = replay and minority == rp["ranks"]
+                if replay:
+                    first = self._replay_verdict("persistent" if persistent else "different", minority)
+            if persistent:
+                # The same ranks corrupted the same step twice, from a verified checkpoint: their
+                # hardware, not a cosmic ray. Restarting on it would loop; the job stops (a
+                # multi-node job excludes the node instead: each detection counted as a blame).
+                return self._record(Fault(
+                    kind="sdc", step=step, suspect_ranks=minority, suspect_hosts=[self.host],
+                    detected_after_s=round(max(0.0, now_wall - t), 3), action="evict",
+                    evidence=list(first.evidence),
+                    detail={"reason": f"{reason}; the replay of step {step} from the checkpoint "
+                                      f"corrupted the same ranks again: persistent",
+                            "check_every": self.cfg.sdc_every_steps, "replay": first.detail["replay"]},
+                ))
+            action = "rollback" if will_restart else "report"
+            fault = Fault(
+                kind="sdc", step=step, suspect_ranks=minority, suspect_hosts=[self.host],
+                detected_after_s=round(max(0.0, now_wall - t), 3), action=action,
+                detail={"reason": reason, "check_every": self.cfg.sdc_every_steps},
+            )
+            if action == "rollback" and self.cfg.sdc_replay:
+                fault.detail["replay"] = {"verdict": "pending"}
+            fault = self._record(fault)
+            if action == "rollback" and self.cfg.sdc_replay:
+                with self._lock:
+                    # The rollback replays the steps up to `step` on every rank (a data-parallel
+                    # step needs its peers' gradients); the replayed check there is the verdict.
+                    self._sdc_replay = {"fault": fault, "step": step, "ranks": minority,
+                                        "incarnation": self.incarnation, "agreed": False}
+            return fault
+        with self._lock:
+            spikes = {r: st.spike for r, st in self.ranks.items() if st.spike}
+        if spikes:
+            step = min(sp[0] for sp in spikes.values())
+            suspects = sorted(r for r, sp in spikes.items() if sp[0] == step)
+            _, what, value, median, t = spikes[suspects[0]]
+            skip = self._note_spike(step)
+            return self._record(Fault(
+                kind="spike", step=step, suspect_ranks=suspects, suspect_hosts=[self.host],
+                detected_after_s=round(max(0.0, now_wall - t), 3),
+                action="rollback" if will_restart else "report",
+                detail={"what": what, "value": value, "median": median,
+                        "factor": self.cfg.spike_factor, "skip_batch": skip,
+                        "reason": f"{what} = {value:.4g} is {value / median:.1f} x its running "
+                                  f"median {median:.4g} at step {step}"
+                                  + ("; it spiked before the rollback too: the restarted ranks skip "
+                                     "its batch" if skip else "")},
+            ))
+        self._check_stragglers(now_wall)
+        if self._learned is None or now - self._learned[0] >= _LEARN_EVERY_S:
+            self._learned = (now, learned_timeout(self.cfg, progress, history))
+        stalled, timeout = stalled_ranks(self.cfg, progress, now, finished, history,
+                                         learned=self._learned[1])
+        if not stalled:
+            return None
+        return self._hang(stalled, timeout, will_restart, now)
+
+    def _note_spike(self, step: int) -> bool:
+        """Count a spike at ``step``; True when its batch is to be skipped from now on."""
+        self._spiked[step] = self._spiked.get(step, 0) + 1
+        if not self.cfg.spike_skip_batch or self._spiked[step] < 2 or step in self.skip_steps:
+            return False
+        self.skip_steps.add(step)
+        tmp = self.skip_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"steps": sorted(self.skip_steps),
+                                   "why": "each step spiked again after a rollback"}) + "\n")
+        os.replace(tmp, self.skip_path)
+        return True
+
+    def _check_stragglers(self, now_wall: float) -> None:
+        """Report (never restart for) ranks whose compute time stays above its peers'."""
+        window = self.cfg.straggler_window
+        with self._lock:
+            # The detector judges the last `window` steps: copy only those (the deque keeps 512,
+            # and copying all of them every check was most of a check's CPU).
+            compute = {r: [st.compute[i][1] for i in range(-min(window, len(st.compute)), 0)]
+                       for r, st in self.ranks.items() if st.registered and not st.finished}
+            found = stragglers(compute, self.cfg.straggler_factor, window)
+            slow = {s.rank for s in found}
+            for r, st in self.ranks.items():
+                if r not in slow:
+                    st.straggling = False  # recovered (or never slow): may be reported again
+            new = [s for s in found if not self.ranks[s.rank].straggling]
+            for s in new:
+                self.ranks[s.rank].straggling = True
+            recent = {s.rank: list(self.ranks[s.rank].compute) for s in new}
+            last_step = self._max_step()
+        for s in new:
+            # Onset: the first step of the latest run of steps above factor x the peers' median.
+            onset, step = recent[s.rank][-1][2], recent[s.rank][-1][0]
+            slow_run: list[float] = []
+            for st_step, c, t in reversed(recent[s.rank]):
+                if c <= self.cfg.straggler_factor * s.peers_s:
+                    break
+                onset, step = t, st_step
+                slow_run.append(c)
+            # The window's median crosses the bar when about half the window is slow, so it sits
+            # between the fast and the slow time; the user is told the slow steps' own median.
+            slow_s = statistics.median(slow_run) if slow_run else s.compute_s
+            fault = Fault(
+                kind="straggler", step=step, suspect_ranks=[s.rank], suspect_hosts=[self.host],
+                detected_after_s=round(max(0.0, now_wall - onset), 3), action="report",
+                incarnation=self.incarnation,
+                detail={"compute_s": round(slow_s, 4), "peers_compute_s": round(s.peers_s, 4),
+                        "ratio": round(slow_s / s.peers_s, 2), "factor": self.cfg.straggler_factor,
+                        "window": window, "window_median_s": round(s.compute_s, 4),
+                        "slow_steps": len(slow_run), "reported_at_step": last_step,
+                        "reason": f"rank {s.rank} computes {slow_s * 1e3:.0f} ms a step over its "
+                                  f"last {len(slow_run)} steps, {slow_s / s.peers_s:.1f} x its peers' "
+                                  f"median {s.peers_s * 1e3:.0f} ms (time in collectives excluded)"},
+            )
+            with self._lock:
+                self.reports.append(fault)
+            self.faults.write(fault)
+            log.warning("robust watchdog: straggler rank %d on %s: %s", s.rank, self.host,
+                        fault.detail["reason"])
+
+    def _hang(self, stalled: list[int], timeout: float, will_restart: bool, now: float) -> Fault:
+        with self._lock:
+            targets = {r: (st.pid, st.fh_path) for r, st in self.ranks.items() if st.pid}
+            last_steps = {r: st.progress.last_step for r, st in self.ranks.items()}
+            injected = {r: st.injected for r, st in self.ranks.items() if st.injected}
+            oldest = min(self.ranks[r].progress.last_progress for r in stalled)
+        t0 = time.monotonic()
+        tag = f"hang-inc{self.incarnation}"
+        # Sequence numbers first: on NCCL a healthy rank's stack does not show that it waits for a
+        # peer (detect.in_collective); they tell who never issued the collective the others wait in.
+        served = _flight.served_paths(self.run_dir, {r: pid for r, (pid, _) in targets.items()})
+        sequences = _flight.collect({r: served.get(r) for r in targets}) if served else {}
+        dumps = _stacks.collect(targets, self.run_dir / "stacks", tag, self.cfg.stack_dump_timeout_s)
+        dump_s = time.monotonic() - t0
+        where = (localize_by_sequence(sequences) if sequences else None) or localize(
+            {r: dumps[r].frames if r in dumps else None for r in targets}, last_steps)
+        suspects = where.suspects
+        # The fault began when the first suspect stopped making progress.
+        started = [self.ranks[r].progress.last_progress for r in suspects if r in self.ranks] or [oldest]
+        detected_after = (now - min(started)) + dump_s
+        sus_steps = [last_steps[r] for r in suspects if last_steps.get(r) is not None]
+        step = min(sus_steps) + 1 if sus_steps else None
+        if len(injected) == 1:
+            (inj,) = injected.values()
+            detected_after = time.time() - inj["t"]
+        fault = Fault(
+            kind="hang", step=step, suspect_ranks=suspects, suspect_hosts=[self.host],
+            detected_after_s=round(detected_after, 3),
+            action="restart" if will_restart else "report",
+            evidence=sorted(d.path for d in dumps.values() if d.path),
+            detail={"timeout_s": round(timeout, 3), "stalled_ranks": stalled, "reason": where.reason,
+                    "groups": where.groups, "stack_tools": {str(r): d.tool for r, d in dumps.items()},
+                    "stack_dump_s": round(dump_s, 3),
+                    # Per rank with a readable stack: waiting in a collective (for a peer, maybe on
+                    # another node) or not (stuck itself). Node blame uses it (watchdog/nodes.py).
+                    "in_collective": {str(r): in_collective(d.frames) for r, d in dumps.items()
+                                      if d.frames},
+                    # Per rank, per process group: collectives issued / started (None: unreadable).
+                    "flight_recorder": {str(r): s for r, s in sequences.items()}},
+        )
+        return self._record(fault)

@@ -1,0 +1,37 @@
+"""The node monitor's per-rank state (one :class:`_RankState` a rank of the current incarnation)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from robust_plugins.watchdog.detect import STEP_WINDOW, RankProgress
+
+
+@dataclass
+class _RankState:
+    pid: int | None = None
+    fh_path: str | None = None
+    progress: RankProgress = field(default_factory=RankProgress)
+    last_msg_wall: float | None = None
+    injected: dict[str, Any] | None = None
+    registered: bool = False
+    """The rank reported through ``step_end`` at least once (only such ranks are watched for hangs)."""
+    finished: bool = False
+    """The rank's interpreter is exiting (it sent ``exit``): no more steps are expected."""
+    sdc: tuple[int, list[int], str, float] | None = None
+    """(step, minority ranks, reason, wall time) of the first parameter-hash mismatch seen."""
+    spike: tuple[int, str, float, float, float] | None = None
+    """(step, what, value, median, wall time) of the first spike reported in this incarnation."""
+    bad_number: tuple[int, str, float | None, float] | None = None
+    """(step, what, value, wall time) of the first NaN/Inf reported in this incarnation."""
+    compute: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    """(step, compute seconds, wall time) of the latest steps: step time minus collective time."""
+    straggling: bool = False
+    """Reported as a straggler in this incarnation (once, until it recovers)."""
+    emergency: dict[str, Any] | None = None
+    """Its emergency saver (``watchdog.on_emergency``): ``{"phase": registered|start|done, ...}``."""
+
+
+#: How often the learned hang timeout is recomputed. It is a p99 over up to 512 steps a rank (a
