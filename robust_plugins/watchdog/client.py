@@ -1,5 +1,7 @@
 """The rank side of the watchdog: step signals to the node monitor, fault injection, stack dumps.
 
+Injected faults fire in :mod:`.inject_rank`; a step with none armed costs one check here.
+
 Every step goes into this rank's shared-memory ring (:mod:`.ring`; its path prefix in
 ``ROBUST_WATCHDOG_RING``), which the monitor reads when it polls: a step costs a record written
 to memory, no system call and no wake-up of the monitor. Rare events go as single datagrams on a
@@ -25,7 +27,6 @@ import faulthandler
 import json
 import math
 import os
-import select
 import signal
 import socket
 import sys
@@ -35,7 +36,13 @@ from typing import Any
 
 from robust_plugins._logging import get_logger, warn_once
 from robust_plugins.watchdog import flight as _flight
-from robust_plugins.watchdog import inject as _inject
+from robust_plugins.watchdog import inject_rank as _inject_rank
+from robust_plugins.watchdog.inject_rank import (  # noqa: F401  (re-exported: tests and stack dumps name them)
+    HANG_INJECT_MAX_S,
+    _flip_bit,
+    _hang_in_python,
+    _hang_in_syscall,
+)
 from robust_plugins.watchdog.param_hash import param_hash
 from robust_plugins.watchdog.ring import RingError, RingWriter
 
@@ -50,8 +57,6 @@ ENV_SDC_EVERY = "ROBUST_SDC_EVERY"
 ENV_STRAGGLER = "ROBUST_STRAGGLER"
 ENV_SKIP = "ROBUST_SKIP_STEPS"
 
-#: Upper bound of an injected Python hang; the monitor kills the rank long before.
-HANG_INJECT_MAX_S = 3600.0
 #: A check sends every rank's hash (the evidence) up to this many ranks (16 bytes each; a unix
 #: datagram holds ~200 KB, but a short one is read without a second copy).
 MAX_HASHES_SENT = 256
@@ -72,10 +77,8 @@ class _Client:
         self.address = address
         self.rank = int(os.environ.get("RANK", "0"))
         self.incarnation = int(os.environ.get(ENV_INCARNATION, "0"))
-        mine = [i for i in _inject.parse(os.environ.get(ENV_INJECT) or None) if i.rank == self.rank]
-        self.injections = {i.step: i for i in mine if i.kind not in _inject.PARAM_KINDS}
-        self.param_injections = sorted((i for i in mine if i.kind in _inject.PARAM_KINDS),
-                                       key=lambda i: i.step)
+        self.injections, self.param_injections = _inject_rank.armed(
+            self.rank, os.environ.get(ENV_INJECT) or None)
         self.sdc_every = int(os.environ.get(ENV_SDC_EVERY, "0") or 0)
         self.time_comm = os.environ.get(ENV_STRAGGLER, "0") == "1"
         self.comm = None
@@ -173,30 +176,8 @@ class _Client:
         if not self.fr_served:  # at the first step, once the host built its process group
             self.fr_served = True
             _flight.serve_if_needed(os.environ.get(ENV_RUN_DIR), self.rank)
-        if self.slow_s:
-            time.sleep(self.slow_s)  # outside any collective: compute time, as a slow GPU's
-        fault = self.injections.pop(step, None)
-        if fault is not None and fault.kind in _inject.RECURRING_KINDS and step in self.skip_steps:
-            fault = None  # the bad batch was skipped: nothing to reproduce the spike
-        if fault is not None:
-            if fault.kind in ("nan", "spike", "badbatch"):
-                def corrupt(v: float | None) -> float:
-                    return math.nan if fault.kind == "nan" else (v or 1.0) * _inject.SPIKE_MULTIPLIER
-                if fault.option == "loss":
-                    loss = corrupt(loss)
-                else:
-                    grad_norm = corrupt(grad_norm)
-            self.send({"k": "inject", "s": step, "spec": fault.spec()}, wait=True)
-            if fault.kind == "kill":
-                sys.stdout.flush()
-                os.kill(os.getpid(), fault.signum)
-                time.sleep(5.0)  # a caught or ignored signal: say so instead of training on
-                raise RuntimeError(f"injected {fault.spec()} did not end rank {self.rank}")
-            if fault.kind == "hang":
-                (_hang_in_syscall if fault.option == "syscall" else _hang_in_python)(HANG_INJECT_MAX_S)
-            if fault.kind == "slow":
-                self.slow_s = float(fault.option)
-                time.sleep(self.slow_s)
+        if self.injections or self.slow_s:  # one check a step when nothing is armed
+            loss, grad_norm = _inject_rank.fire_at_step(self, step, loss, grad_norm)
         # CLOCK_MONOTONIC: one clock for every process of the host, so the monitor can use the
         # step-end time written here as the time of progress.
         now = time.monotonic()
@@ -261,10 +242,8 @@ class _Client:
         import torch
         import torch.distributed as dist
 
-        if self.param_injections and self.param_injections[0].step <= step:
-            fault = self.param_injections.pop(0)
-            self.send({"k": "inject", "s": step, "spec": fault.spec()}, wait=True)
-            _flip_bit(params[0], int(fault.option))
+        if self.param_injections:
+            _inject_rank.fire_param_fault(self, step, params)
         from robust_plugins.device import collective_device
 
         mine = param_hash(params)
@@ -368,34 +347,6 @@ def minority_ranks(hashes: dict[int, int]) -> tuple[list[int], str]:
         bad = sorted(r for g in ordered[1:] for r in g)
         return bad, f"ranks {bad} hold parameters that differ from the majority {ordered[0]}"
     return sorted(hashes), f"no majority among {len(hashes)} replicas ({len(groups)} different hashes)"
-
-
-def _flip_bit(param: Any, bit: int) -> None:
-    import torch
-
-    with torch.no_grad():
-        flat = param.data.reshape(-1)
-        raw = flat[:1].view(torch.int32) if flat.element_size() == 4 else None
-        if raw is None:
-            raise RuntimeError(f"bitflip injection needs a 4-byte parameter, got {param.dtype}")
-        raw ^= (1 << bit) if bit < 31 else -(1 << 31)
-
-
-def _hang_in_python(max_s: float) -> None:
-    deadline = time.monotonic() + max_s
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def _hang_in_syscall(max_s: float) -> None:
-    # One blocking system call: select() on a pipe nobody writes to. Signals interrupt it
-    # (faulthandler still dumps) and Python resumes it with the remaining timeout (PEP 475).
-    r, w = os.pipe()
-    try:
-        select.select([r], [], [], max_s)
-    finally:
-        os.close(r)
-        os.close(w)
 
 
 def _die_with_parent() -> None:
