@@ -83,6 +83,51 @@ class StandbyHandler:
             pass
 
 
+#: The variable torch's dynamic rendezvous reads in ``next_rendezvous`` (and ``use_agent_store``)
+#: at call time: "1" builds each round's bootstrap address anew on that round's rank 0.
+NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+@contextlib.contextmanager
+def per_round_bootstrap() -> Iterator[None]:
+    """Within the block (the agent's rendezvous), torch's dynamic rendezvous publishes the round's
+    bootstrap address (``MASTER_ADDR``/``MASTER_PORT`` keys under the round's prefix) from that
+    round's rank 0, every round.
+
+    Why: with the shared store on (torch's default), a handler builds that address only at its
+    own first rendezvous. A node that joins a later round (a hot spare, a node back after a loss)
+    then waits for keys the long-running rank 0 never writes again, and the round times out
+    (seen: ``wait timeout ... /torch.rendezvous.<id>.1/MASTER_ADDR``). robust run never uses that
+    address (its agent hosts a fresh worker store per incarnation), so only the keys matter.
+    Scoped to the rendezvous: outside it ``use_agent_store`` must stay True, since the ranks
+    connect as clients to the agent's store (``TORCHELASTIC_USE_AGENT_STORE``)."""
+    before = os.environ.get(NO_SHARED_STORE)
+    os.environ[NO_SHARED_STORE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NO_SHARED_STORE, None)
+        else:
+            os.environ[NO_SHARED_STORE] = before
+
+
+def _check_bootstrap_switch() -> None:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    try:
+        source = inspect.getsource(DynamicRendezvousHandler.next_rendezvous)
+    except (OSError, TypeError):
+        return  # no source (a frozen build): the version range above still holds
+    if NO_SHARED_STORE not in source:
+        import torch
+
+        raise HostVersionError(
+            f"torch {torch.__version__}: DynamicRendezvousHandler.next_rendezvous no longer reads "
+            f"{NO_SHARED_STORE}, which robust run sets during its rendezvous so that nodes joining "
+            f"a later round (spares) get the round's address. Supported: {SUPPORTED}.")
+
+
 @contextlib.contextmanager
 def subprocess_handlers(factory: Callable[..., Any]) -> Iterator[None]:
     """Within the block, each rank torch's elastic agent starts gets ``factory(**kwargs)`` (torch's
@@ -141,6 +186,7 @@ def check(torch_version: str | None = None) -> None:
     # WorkerSpec (that needs a rendezvous handler).
     _check_fields("WorkerGroup", WorkerGroup.__init__, WORKER_GROUP_FIELDS)
     _check_fields("SimpleElasticAgent", SimpleElasticAgent.__init__, AGENT_FIELDS)
+    _check_bootstrap_switch()
     from torch.distributed.elastic.multiprocessing import api
 
     factory = getattr(api, HANDLER_FACTORY[0], None)

@@ -15,6 +15,8 @@ plus:
 ``--watchdog-config F``  a JSON file: a DeepSpeed config (its ``robust_plugins.watchdog`` block is
                          read) or a bare ``{"watchdog": {...}}`` block
 ``--no-standby``         no warm standby workers (restarts start fresh interpreters)
+``--spare``              a hot spare node: waits until the job runs, then replaces the first
+                         node the job loses or excludes (same world size and global batch)
 
 Restarts are on by default: ``--max-restarts`` defaults to 3 (``DEFAULT_MAX_RESTARTS``; torchrun's
 is 0), with the watchdog's ``restart_backoff_s`` between them; ``--max-restarts 0`` means none.
@@ -76,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(default: one standby per local rank, started once the ranks train, "
                            "with torch, the plugin and the script's DeepSpeed/megatron-core imports "
                            "done; a restart hands each rank to one)")
+    ours.add_argument("--spare", action="store_true",
+                      help="start this node as a hot spare: same command as the job's nodes "
+                           "(--nnodes MIN:MAX, c10d --rdzv-endpoint, --rdzv-id), started once or "
+                           "after they run; it waits beyond MAX and joins when a node is lost or "
+                           "excluded, so the job keeps its world size. Its ranks start cold.")
     # Reuse torchrun's parser actions as they are: same names, defaults, PET_* environment
     # fallbacks and help, so a torchrun command line works after `robust run`.
     for action in get_args_parser()._actions:
@@ -151,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
 
     from robust_plugins.checkpoint.memory import ENV_JOB, job_files, job_key, remove_job
     from robust_plugins.watchdog import inject as _inject
-    from robust_plugins.watchdog.agent import launch
+    from robust_plugins.watchdog.agent import check_spare, launch
     from robust_plugins.watchdog.monitor import Monitor
     from robust_plugins.watchdog.nodes import EXIT_EXCLUDED, NodeExcluded
 
@@ -160,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
     _resolve_rendezvous(args)
     config, cmd, cmd_args = config_from_args(args)
     _inject.check_world(injections, config.nproc_per_node * config.max_nodes)
+    if args.spare:
+        check_spare(config)
 
     run_dir = Path(args.run_dir) if args.run_dir else _new_run_dir(Path("runs"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -172,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     (run_dir / "run.json").write_text(json.dumps({
         "argv": sys.argv, "watchdog": cfg.as_dict(),
         "inject": [i.spec() for i in injections], "max_restarts": config.max_restarts,
-        "standby": args.standby,
+        "standby": args.standby, "spare": args.spare,
     }, indent=1) + "\n")
     print(f"robust run: run directory {run_dir} ({cfg.describe()})", flush=True)
 
@@ -181,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault(ENV_JOB, str(run_dir.resolve()))
     monitor = Monitor(cfg, run_dir, injections, host=args.local_addr or None)
     try:
-        result = launch(config, cmd, cmd_args, monitor, standby=args.standby)
+        result = launch(config, cmd, cmd_args, monitor, standby=args.standby, spare=args.spare)
     except NodeExcluded as exc:
         # One line a scheduler can grep, then the reason; the ranks of this node were stopped.
         print(f"robust run: EXCLUDED NODE {exc.record['node']}", file=sys.stderr, flush=True)
@@ -196,6 +205,9 @@ def run(args: argparse.Namespace) -> int:
             lg.removeHandler(handler)
         handler.close()
     faults = monitor.all_faults
+    if result is None:
+        print("robust run: the job ended without needing this spare node; it ran no ranks.", flush=True)
+        return 0
     if result.is_failed():
         last = faults[-1] if faults else None
         what = (f"last fault: {last.kind} at step {last.step}, suspect ranks {last.suspect_ranks}"

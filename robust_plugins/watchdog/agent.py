@@ -45,6 +45,11 @@ _LAUNCHED = time.time()
 #: Rendezvous-store key under which group rank 0 announces the incarnation's worker store.
 _STORE_KEY = "robust_run/worker_store/{round}"
 
+#: Raw rendezvous-store key group rank 0 sets once the job's first round formed: a ``--spare``
+#: node waits for it, so it joins torch's redundancy list (beyond ``--nnodes`` MAX) and never
+#: one of the first rounds' participants.
+STARTED_KEY = "robust_run/{run_id}/started"
+
 
 def _agent_class():
     # torch.distributed.elastic is imported only when a job is launched. The overrides below rely
@@ -82,6 +87,7 @@ def _agent_class():
             self._monitor_ok = True
             self._launch_world: int | None = None
             self._world: int | None = None
+            self.job_store = None  # the raw rendezvous store (c10d with an endpoint), set by launch()
 
         def _refuse_if_excluded(self) -> None:
             # Before joining: a node that joined and then left would make every other node's
@@ -160,7 +166,8 @@ def _agent_class():
                 log.info("robust run: waiting %.1f s before restart %d (restart_backoff_s)",
                          delay, self._round)
                 time.sleep(delay)
-            super()._rendezvous(worker_group)
+            with torch_elastic.per_round_bootstrap():  # nodes that join later rounds: spares
+                super()._rendezvous(worker_group)
             self._round += 1
             # The c10d (and etcd) rendezvous hand out a store with a fresh prefix every round, so
             # a fixed key is unique per round, also for a node that joins late (its own round
@@ -181,6 +188,8 @@ def _agent_class():
                      self._round, addr, port, worker_group.master_addr, worker_group.master_port)
             worker_group.master_addr, worker_group.master_port = addr, int(port)
             self._note_membership(worker_group)
+            if worker_group.group_rank == 0 and self.job_store is not None:
+                self.job_store.set(STARTED_KEY.format(run_id=worker_group.spec.rdzv_handler.get_run_id()), b"1")
 
         def _per_rank_env(self, name: str) -> bool:
             # What may differ between a standby's import environment and its rank's: torch's
@@ -292,14 +301,19 @@ def _agent_class():
     return RobustAgent
 
 
-def launch(config, entrypoint, args: list[str], monitor: Monitor, standby: bool = True) -> Any:
-    """Run ``entrypoint args`` under the robust agent; returns the agent's ``RunResult``.
+def launch(config, entrypoint, args: list[str], monitor: Monitor, standby: bool = True,
+           spare: bool = False) -> Any:
+    """Run ``entrypoint args`` under the robust agent; returns the agent's ``RunResult``, or None
+    for a ``spare`` node the job ended without.
 
     ``config`` is the ``LaunchConfig`` that torchrun's own ``config_from_args`` builds, so every
     torchrun option means what it means there. ``standby``: keep warm standby workers.
+    ``spare``: a hot spare node (:func:`check_spare`): it waits until the job runs, then joins
+    torch's redundancy list and replaces the first node the job loses or excludes.
     """
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
@@ -325,6 +339,9 @@ def launch(config, entrypoint, args: list[str], monitor: Monitor, standby: bool 
         log_line_prefix_template=config.log_line_prefix_template, monitor=monitor, node=node,
         registry=registry, standby=standby,
     )
+    agent.job_store = registry.store if registry is not None else _job_store(config)
+    if spare:
+        _wait_for_the_job(config, agent.job_store)
     t0 = time.monotonic()
     excluded = False
     try:
@@ -332,16 +349,82 @@ def launch(config, entrypoint, args: list[str], monitor: Monitor, standby: bool 
     except NodeExcluded:
         excluded = True
         raise
+    except RendezvousConnectionError:
+        if not spare or agent._round > 0:
+            raise
+        # A waiting spare polls the store the job's host node serves: when the job ends, that
+        # node exits, often before the spare saw the rendezvous closed. Either way (the job
+        # ended, or its store's host was lost, which no spare can replace) it has nothing to do.
+        print(f"robust run: the rendezvous store at {config.rdzv_endpoint} went away while this "
+              f"spare waited: the job ended (or lost the node hosting its store, which a spare "
+              f"cannot replace); the spare exits.", flush=True)
+        result = None
     finally:
         # shutdown() *closes* the rendezvous for every node (torchrun's way to end a job); an
-        # excluded node only leaves: the others drop it when its keep-alive expires.
-        if not excluded:
+        # excluded node only leaves: the others drop it when its keep-alive expires. So does a
+        # spare that never joined (stopped by its user, or the job is over).
+        if not excluded and not (spare and agent._round == 0):
             spec.rdzv_handler.shutdown()
         agent._worker_store = None
         if agent.pool is not None:
             agent.pool.close()
+    if result is None:
+        # torch's agent returns nothing when the rendezvous closed while this node waited in its
+        # redundancy list: the job finished (or failed) without needing it.
+        log.info("robust run: agent left the closed rendezvous after %.1f s", time.monotonic() - t0)
+        return None
     log.info("robust run: agent finished in %.1f s (%s)", time.monotonic() - t0, result.state.name)
     return result
+
+
+def check_spare(config) -> None:
+    """Refuse ``--spare`` where a spare cannot work: it needs the c10d rendezvous (whose
+    redundancy list holds nodes beyond MAX without restarting the job) at an explicit endpoint
+    hosted by another node."""
+    from robust_plugins.errors import ConfigError
+
+    endpoint = config.rdzv_endpoint or ""
+    if config.rdzv_backend != "c10d" or not endpoint or endpoint.endswith(":0"):
+        raise ConfigError(
+            f"--spare needs --rdzv-backend c10d with the job's --rdzv-endpoint HOST:PORT (got "
+            f"backend {config.rdzv_backend!r}, endpoint {endpoint!r}); --standalone jobs have no spares.")
+    if str(config.rdzv_configs.get("is_host", "")).lower() in ("1", "true", "yes"):
+        raise ConfigError("--spare with --rdzv-conf is_host=true: a spare must not host the "
+                          "rendezvous store (the job could not outlive it); drop is_host on the spare.")
+    if config.max_nodes <= 1:
+        raise ConfigError(f"--spare needs a multi-node job (--nnodes MIN:MAX with MAX > 1); got MAX "
+                          f"{config.max_nodes}.")
+
+
+def _job_store(config):
+    # A client of the c10d rendezvous's own store (no prefix): where group rank 0 says the job
+    # started. None for other backends: no spare can wait on them (check_spare refuses).
+    if config.rdzv_backend != "c10d" or not config.rdzv_endpoint or config.rdzv_endpoint.endswith(":0"):
+        return None
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=29400)
+    timeout = datetime.timedelta(seconds=float(config.rdzv_configs.get("read_timeout", 60)))
+    return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+def _wait_for_the_job(config, store) -> None:
+    # Bounded by the rendezvous's join timeout, as any node's first rendezvous is.
+    timeout_s = float(config.rdzv_configs.get("join_timeout", 600))
+    key = STARTED_KEY.format(run_id=config.run_id)
+    print(f"robust run: hot spare for job {config.run_id!r}: waiting up to {timeout_s:.0f} s for it "
+          f"to start, then standing by to replace the first node it loses", flush=True)
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:  # torch raises DistStoreError (a RuntimeError) on timeout
+        from robust_plugins.errors import RobustPluginsError
+
+        raise RobustPluginsError(
+            f"robust run --spare: job {config.run_id!r} did not start within {timeout_s:.0f} s "
+            f"(rendezvous join_timeout) at {config.rdzv_endpoint} ({exc}); start the spare after "
+            f"(or with) the job's nodes, with the same --rdzv-id and --rdzv-endpoint.") from exc
+    print(f"robust run: job {config.run_id!r} is running; this spare joins when it loses a node", flush=True)
 
 
 def _node_registry(config, node: str, monitor: Monitor):

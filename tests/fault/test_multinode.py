@@ -41,12 +41,13 @@ NODE_FLAGS = ("--no-standby",)
 
 class Node:
     def __init__(self, tmp: Path, name: str, addr: str, port: int, host: bool, *extra: str,
-                 step_sleep: float = 0.3, nproc: int = 1, script: list[str] | None = None) -> None:
+                 step_sleep: float = 0.3, nproc: int = 1, script: list[str] | None = None,
+                 nnodes: str = "1:2") -> None:
         self.run_dir = tmp / name
         self.run_dir.mkdir(parents=True)
         script = script or [SCRIPT, "--steps", str(STEPS), "--step-sleep", str(step_sleep)]
         cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(self.run_dir),
-               "--nnodes", "1:2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+               "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mn-test",
                "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if host else 'false'}",
                "--local-addr", addr, "--max-restarts", "4", "--monitor-interval", "0.1",
@@ -254,3 +255,70 @@ def test_persistent_bit_flip_on_one_node_is_replayed_evicted_and_the_other_node_
     assert rounds[0]["world_size"] == 4 and rounds[-1]["world_size"] == 2, rounds
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world_size"] == 2 and result["steps"] == 16, result
+
+
+def _steps_done(tmp: Path) -> list[dict]:
+    path = tmp / "result.json.steps.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _run_with_spare(tmp: Path, kill_b_at_step: int | None, timeout_s: float = 120.0):
+    # --nnodes 2:2: A and B are the job; the spare (started once the job runs, as --spare waits
+    # for anyway) is beyond MAX, so torch's rendezvous keeps it in its redundancy list.
+    port = free_port()
+    nodes: list[Node] = []
+    try:
+        nodes.append(Node(tmp, "node-a", "127.0.0.1", port, True, nnodes="2:2"))
+        time.sleep(0.5)  # A binds the store first
+        nodes.append(Node(tmp, "node-b", "127.0.0.2", port, False, nnodes="2:2"))
+        nodes.append(Node(tmp, "spare", "127.0.0.3", port, False, "--spare", nnodes="2:2"))
+        a, b, spare = nodes
+        deadline = time.monotonic() + timeout_s
+        if kill_b_at_step is not None:
+            while time.monotonic() < deadline and not any(r["step"] >= kill_b_at_step for r in _steps_done(tmp)):
+                assert all(n.proc.poll() is None for n in nodes), "\n".join(n.output[-2000:] for n in nodes)
+                time.sleep(0.05)
+            b.kill_node()
+        for n in nodes:
+            n.wait(deadline)
+        for n in nodes:
+            assert n.proc.poll() is not None, f"{n.run_dir.name} did not finish in {timeout_s} s:\n{n.output[-4000:]}"
+    finally:
+        left = []
+        for n in nodes:
+            if n.proc.poll() is None:
+                os.killpg(n.proc.pid, signal.SIGKILL)
+                n.proc.wait(timeout=10)
+            left += n.leftovers()
+            n.log.close()
+    assert not left, f"processes left running: {left}"
+    return nodes
+
+
+@pytest.mark.timeout(200)
+def test_hot_spare_replaces_a_lost_node_and_the_job_keeps_its_world_size(tmp_path):
+    a, b, spare = _run_with_spare(tmp_path, kill_b_at_step=4)
+    assert a.proc.returncode == 0, a.output[-4000:]
+    assert spare.proc.returncode == 0, spare.output[-4000:]
+    assert "hot spare for job 'mn-test'" in spare.output and "joins when it loses a node" in spare.output
+    # The spare ran ranks only after B was lost, in a round of two nodes and 2 ranks, like A's.
+    joined = spare.jsonl("membership.jsonl")
+    assert joined and all((r["nodes"], r["world_size"]) == (2, 2) for r in joined), joined
+    rounds = a.jsonl("membership.jsonl")
+    assert len(rounds) >= 2 and all((r["nodes"], r["world_size"]) == (2, 2) for r in rounds), rounds
+    assert "the job continues on" not in a.output  # the world size never changed
+    steps = _steps_done(tmp_path)
+    assert {(r["world"], r["accum"]) for r in steps} == {(2, 2)}, steps
+    assert steps[-1]["step"] == STEPS
+    result = json.loads((tmp_path / "result.json").read_text())
+    _assert_close(result["params"], _reference(tmp_path))
+
+
+@pytest.mark.timeout(150)
+def test_a_spare_the_job_never_needed_exits_cleanly(tmp_path):
+    a, b, spare = _run_with_spare(tmp_path, kill_b_at_step=None)
+    assert a.proc.returncode == 0 and b.proc.returncode == 0, a.output[-3000:] + b.output[-3000:]
+    assert spare.proc.returncode == 0, spare.output[-4000:]
+    assert "the job ended without needing this spare node" in spare.output
+    assert spare.jsonl("membership.jsonl") == []  # it never ran a rank
+    assert {r["world"] for r in _steps_done(tmp_path)} == {2}

@@ -69,3 +69,32 @@ def test_restarts_are_on_by_default_and_the_help_says_so(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         _parse(["--help"])
     assert "(default 3; torchrun's is 0)" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--standalone", "--nproc-per-node", "2"], "--spare needs --rdzv-backend c10d"),
+    (["--nnodes", "2:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400",
+      "--rdzv-conf", "is_host=true"], "must not host the rendezvous store"),
+    (["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400"], "needs a multi-node job"),
+])
+def test_spare_refuses_a_job_it_could_not_serve(argv, says):
+    from torch.distributed.run import config_from_args
+
+    from robust_plugins.watchdog.agent import check_spare
+
+    args = _parse(["--spare", *argv, "t.py"])
+    run_cmd._resolve_rendezvous(args)
+    config, _, _ = config_from_args(args)
+    with pytest.raises(ConfigError, match=says):
+        check_spare(config)
+
+
+def test_spare_accepts_a_c10d_multi_node_job():
+    from torch.distributed.run import config_from_args
+
+    from robust_plugins.watchdog.agent import check_spare
+
+    args = _parse(["--spare", "--nnodes", "2:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "t.py"])
+    assert args.spare
+    run_cmd._resolve_rendezvous(args)
+    check_spare(config_from_args(args)[0])
