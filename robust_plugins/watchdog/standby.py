@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 import datetime
+import importlib.util
 import json
 import os
 import signal
@@ -99,6 +100,20 @@ def _module_source(name: str, cwd: str) -> str | None:
         for path in (base + ".py", os.path.join(base, "__main__.py")):
             if os.path.isfile(path):
                 return path
+    if parts[0] in PREIMPORT_ROOTS:
+        # A library module the path walk cannot see: one an import hook maps, as the editable
+        # install maps robust_plugins.recipes to the top-level recipes/. Asking the import system
+        # imports its parent packages, which is safe for these libraries (a standby imports them
+        # anyway), never for user code.
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return None
+        if spec is not None and spec.origin and os.path.isfile(spec.origin):
+            if spec.submodule_search_locations:  # a package run with -m: its __main__
+                main = os.path.join(os.path.dirname(spec.origin), "__main__.py")
+                return main if os.path.isfile(main) else None
+            return spec.origin
     return None
 
 
