@@ -109,6 +109,12 @@ def robust_run(run_dir: Path, nproc: int, *args: str, timeout_s: float = 120.0,
            *rdzv_args, "--nproc-per-node", str(nproc), "--monitor-interval", "0.1", *args,
            *(script or ["-m", RECIPE, *(RECIPE_ARGS if recipe_args is None else recipe_args)]),
            "--ckpt-dir", str(run_dir / "ckpt"), "--out", str(run_dir / "result.json")]
+    return run_job(cmd, run_dir, timeout_s, env)
+
+
+def run_job(cmd: list[str], run_dir: Path, timeout_s: float, env: dict | None = None) -> Job:
+    """Run a ``robust run`` command line in its own session, logging to ``run_dir/launcher.log``;
+    kill whatever is left of it afterwards and fail on a timeout or on a survivor."""
     full_env = launch_env(extra=env)  # OMP_NUM_THREADS=1, DeepSpeed's CPU accelerator and JIT cache
     t0 = time.monotonic()
     log = run_dir / "launcher.log"

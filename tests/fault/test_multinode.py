@@ -89,6 +89,15 @@ class Node:
                 pass
         return alive
 
+    def stop(self) -> list[int]:
+        """After the test: kill the node if it still runs, close its log; what was left running."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        left = self.leftovers()
+        self.log.close()
+        return left
+
     def kill_node(self) -> None:
         """The node is lost: its agent and ranks die at once."""
         os.killpg(self.proc.pid, signal.SIGKILL)
@@ -124,14 +133,7 @@ def _run_nodes(tmp: Path, b_extra: tuple[str, ...] = (), kill_b_at_step: int | N
         assert a.proc.poll() is not None, f"node A did not finish in {timeout_s} s:\n{a.output[-4000:]}"
         assert b.proc.poll() is not None, f"node B did not finish in {timeout_s} s:\n{b.output[-4000:]}"
     finally:
-        left = []
-        for n in (a, b):
-            if n is not None:
-                if n.proc.poll() is None:
-                    os.killpg(n.proc.pid, signal.SIGKILL)
-                    n.proc.wait(timeout=10)
-                left += n.leftovers()
-                n.log.close()
+        left = [pid for n in (a, b) if n is not None for pid in n.stop()]
     assert not left, f"processes left running: {left}"
     return a, b
 
@@ -284,13 +286,7 @@ def _run_with_spare(tmp: Path, kill_b_at_step: int | None, timeout_s: float = 12
         for n in nodes:
             assert n.proc.poll() is not None, f"{n.run_dir.name} did not finish in {timeout_s} s:\n{n.output[-4000:]}"
     finally:
-        left = []
-        for n in nodes:
-            if n.proc.poll() is None:
-                os.killpg(n.proc.pid, signal.SIGKILL)
-                n.proc.wait(timeout=10)
-            left += n.leftovers()
-            n.log.close()
+        left = [pid for n in nodes for pid in n.stop()]
     assert not left, f"processes left running: {left}"
     return nodes
 

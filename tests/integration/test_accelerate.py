@@ -12,17 +12,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-
-from robust_plugins.launch import launch_env
 
 pytestmark = [pytest.mark.integration]
 
@@ -53,21 +47,9 @@ def _accelerate_launch(out: Path, ds_config: Path, timeout_s: float = 240.0) -> 
            str(RECIPE / "accelerate_config.yaml"), "--deepspeed_config_file", str(ds_config),
            "--main_process_port", "0", str(RECIPE / "train.py"), "--steps", str(STEPS), "--out", str(out)]
     out.mkdir(parents=True, exist_ok=True)
-    log = out / "launch.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=launch_env(), start_new_session=True)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # accelerate, its torchrun agent and both ranks
-                proc.wait(timeout=10)
-                pytest.fail(f"accelerate launch ran past {timeout_s} s:\n{log.read_text(errors='replace')[-4000:]}")
-    text = log.read_text(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    job = _fault.run_job(cmd, out, timeout_s)  # accelerate, its torchrun agent and both ranks
+    text = job.output
+    assert job.returncode == 0, text[-4000:]
     digests = sorted(p.read_text().strip() for p in out.glob("digest.rank*"))
     return json.loads((out / "result.json").read_text()), digests, text
 
@@ -137,24 +119,7 @@ def _robust_run(run_dir: Path, config: Path, *args: str, timeout_s: float = 300.
            "--nproc-per-node", "2", "--monitor-interval", "0.1", "--watchdog", "straggler_factor=0", *args,
            "-m", "robust_plugins.recipes.accelerate.train", "--ds-config", str(config), "--steps", str(STEPS),
            "--out", str(run_dir / "out")]
-    log = run_dir / "launcher.log"
-    t0 = time.monotonic()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=launch_env(), start_new_session=True)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            timed_out = proc.poll() is None
-            left = _fault._kill_everything(proc.pid, run_dir)
-            if timed_out:
-                proc.wait(timeout=10)
-    job = _fault.Job(proc.returncode, log.read_text(errors="replace"), run_dir, time.monotonic() - t0)
-    assert not timed_out, f"robust run did not finish within {timeout_s} s:\n{job.output[-4000:]}"
-    assert not left, f"processes left running after robust run exited: {left}"
-    return job
+    return _fault.run_job(cmd, run_dir, timeout_s)
 
 
 @pytest.mark.timeout(600)

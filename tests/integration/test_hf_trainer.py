@@ -13,14 +13,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from robust_plugins.launch import launch_env, run_torchrun
+from robust_plugins.launch import run_torchrun
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -135,24 +133,7 @@ def _robust_run(run_dir: Path, config: Path, *args: str, timeout_s: float = 600.
            "--nproc-per-node", "2", "--monitor-interval", "0.1", "--watchdog", "straggler_factor=0", *args,
            "-m", "robust_plugins.recipes.hf_trainer.train", "--ds-config", str(config), "--steps", str(STEPS),
            "--windows", "192", "--grad-accum", "2", "--out", str(run_dir / "out")]
-    log = run_dir / "launcher.log"
-    t0 = time.monotonic()
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=launch_env(), start_new_session=True)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            timed_out = proc.poll() is None
-            left = _fault._kill_everything(proc.pid, run_dir)
-            if timed_out:
-                proc.wait(timeout=10)
-    job = _fault.Job(proc.returncode, log.read_text(errors="replace"), run_dir, time.monotonic() - t0)
-    assert not timed_out, f"robust run did not finish within {timeout_s} s:\n{job.output[-4000:]}"
-    assert not left, f"processes left running after robust run exited: {left}"
-    return job
+    return _fault.run_job(cmd, run_dir, timeout_s)
 
 
 def test_kill_and_nan_resume_the_trainer_exactly(zero2, tmp_path):

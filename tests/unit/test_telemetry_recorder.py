@@ -3,7 +3,11 @@ copied from a robust run directory's faults.jsonl, W&B offline run read back, cl
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -81,12 +85,9 @@ def test_faults_from_run_dir_and_wandb(tmp_path, monkeypatch):
     assert rows[2]["watchdog/faults/nrows"] == 1 and rows[2]["loss"] == pytest.approx(1.5)
 
 
-def test_sigterm_finishes_the_wandb_run_then_terminates(tmp_path):
-    # How torch's elastic agent stops the healthy ranks of a job that robust run restarts.
-    import signal
-    import subprocess
-    import textwrap
-
+def _logging_child(tmp_path, **popen_kw) -> subprocess.Popen:
+    """A child that logs 4 steps to a recorder with a W&B sink under ``tmp_path/tel``, prints
+    ``ready`` and sleeps: for the tests that stop it with a signal."""
     script = textwrap.dedent(f"""
         import os, signal, sys, time, torch
         sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
@@ -97,7 +98,12 @@ def test_sigterm_finishes_the_wandb_run_then_terminates(tmp_path):
         print("ready", flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, **popen_kw)
+
+
+def test_sigterm_finishes_the_wandb_run_then_terminates(tmp_path):
+    # How torch's elastic agent stops the healthy ranks of a job that robust run restarts.
+    proc = _logging_child(tmp_path)
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == -signal.SIGTERM  # still dies of the signal
@@ -111,23 +117,7 @@ def test_sigkill_of_the_process_group_keeps_the_wandb_steps_flushed_before_it(tm
     # How robust run stops the ranks of a job it restarts from warm standbys: SIGKILL to each
     # rank's process group, wandb-core included, with no chance to finish the run. wandb-core's
     # default (a write every 15 s) left header-only .wandb files; the sink asks for one a second.
-    import signal
-    import subprocess
-    import textwrap
-    import time
-
-    script = textwrap.dedent(f"""
-        import os, signal, sys, time, torch
-        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-        from test_telemetry_recorder import _tel, _steps
-        from pathlib import Path
-        tel = _tel(Path({str(tmp_path)!r}), wandb={{"project": "p"}})
-        _steps(tel, 4)
-        print("ready", flush=True)
-        time.sleep(60)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = _logging_child(tmp_path, start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(3 * sinks.WANDB_FLUSH_S + 1.0)  # at least one write after the last step
