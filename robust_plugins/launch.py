@@ -10,6 +10,7 @@ the command that started it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -85,9 +86,13 @@ class LaunchResult:
             # torchrun's own summary fills the log's tail; the rank's traceback says what went wrong.
             cause = self.first_traceback()
             cause = f"--- first traceback ---\n{cause}\n" if cause else ""
+            # A rank killed by a signal (an abort: exit -6) prints no traceback; its own last
+            # lines say how far it got, which torchrun's summary at the log's end does not.
+            last = rank_tails(self.stdout)
+            last = f"--- each rank's last lines ---\n{last}\n" if last else ""
             raise LaunchError(
                 f"Job failed with exit status {self.returncode}: {' '.join(self.args)}\n"
-                f"Log: {self.log_path}\n{cause}--- last lines ---\n{self.tail(20)}",
+                f"Log: {self.log_path}\n{cause}{last}--- last lines ---\n{self.tail(20)}",
                 self,
             )
 
@@ -108,6 +113,19 @@ def first_traceback(log_text: str, max_lines: int = 40) -> str:
                 break
         return "\n".join(block[-max_lines:])
     return ""
+
+
+def rank_tails(log_text: str, lines: int = 6) -> str:
+    """The last ``lines`` lines of each rank in a log of torchrun's ``--tee`` (``[defaultN]:``)."""
+    by_rank: dict[str, list[str]] = {}
+    for line in log_text.splitlines():
+        m = _RANK_PREFIX.match(line)
+        if m:
+            by_rank.setdefault(m.group(0), []).append(line)
+    return "\n".join(ln for prefix in sorted(by_rank) for ln in by_rank[prefix][-lines:])
+
+
+_RANK_PREFIX = re.compile(r"\[default\d+\]:")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -13,7 +13,7 @@ from robust_plugins.cli.bench import (
     write_section,
 )
 from robust_plugins.errors import ConfigError
-from robust_plugins.launch import first_traceback, launch_env, torchrun_command
+from robust_plugins.launch import first_traceback, launch_env, rank_tails, torchrun_command
 
 
 def test_torchrun_command_module_and_script():
@@ -37,6 +37,14 @@ def test_first_traceback_keeps_one_rank():
         "[r1]: ValueError: bad", "[r1]: later",
     ])
     assert first_traceback(log) == '[r1]: Traceback (most recent call last):\n[r1]:   File "x.py", line 1\n[r1]: ValueError: bad'
+
+
+def test_rank_tails_keeps_each_ranks_last_lines():
+    log = "\n".join(["[default0]:a", "[default1]:b", "torchrun summary", "[default0]:c",
+                     "[default1]:terminate called without an active exception", "[default0]:d"])
+    assert rank_tails(log, lines=2) == ("[default0]:c\n[default0]:d\n[default1]:b\n"
+                                        "[default1]:terminate called without an active exception")
+    assert rank_tails("no ranks here") == ""
 
 
 def test_write_section_creates_replaces_and_keeps_the_rest(tmp_path):
