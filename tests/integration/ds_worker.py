@@ -11,6 +11,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 
 import robust_plugins  # noqa: F401  (must precede deepspeed.initialize: installs the patch)
@@ -253,3 +254,10 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # The tests judge results.json, written above. Once in CI a rank of this worker died of
+    # SIGABRT (exit -6) with no traceback, where a DeepSpeed+gloo rank can abort in interpreter
+    # teardown (docs/hf_trainer.md): leave without the teardown, the work being done and saved.
+    # An abort during the work still fails the launch, and its last lines are in the error.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
