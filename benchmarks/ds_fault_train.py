@@ -59,7 +59,13 @@ def main() -> None:
     p.add_argument("--emergency", action="store_true",
                    help="ZeRO 0 with the plugin's checkpoint block: verified saves, and under robust run the "
                         "emergency save of the last step when a peer dies (patches/deepspeed_emergency.py)")
+    p.add_argument("--memory", action="store_true",
+                   help="the plugin's checkpoint block instead of the script's own saves: a memory snapshot "
+                        "every step, persisted to --ckpt-dir every --save-every steps in the background; "
+                        "under robust run the engine resumes inside deepspeed.initialize")
     args = p.parse_args()
+    if args.memory and args.emergency:
+        p.error("--memory and --emergency are two different checkpoint setups: pick one")
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -86,8 +92,12 @@ def main() -> None:
     }
     if args.emergency:
         config["robust_plugins"] = {"checkpoint": {"dir": args.ckpt_dir, "emergency_save": True}}
+    if args.memory:
+        config["robust_plugins"] = {"checkpoint": {"dir": args.ckpt_dir, "memory_every": 1,
+                                                   "persist_every": args.save_every}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    if (Path(args.ckpt_dir) / "latest").exists():
+    # With --memory the engine has already resumed (memory -> peer -> disk) inside initialize.
+    if not args.memory and (Path(args.ckpt_dir) / "latest").exists():
         engine.load_checkpoint(args.ckpt_dir)
     start = engine.global_steps + 1
     corpus = load_corpus(max_bytes=200_000)
@@ -132,7 +142,7 @@ def main() -> None:
         log.write(json.dumps({"step": step, "t": time.time(), "dt": dt, "inc": inc, "pid": os.getpid(),
                               "wd": wd, "wd_cpu": wd_c}) + "\n")
         # save_checkpoint is collective: every rank gets the same answer from the node monitor.
-        if step % args.save_every == 0 and agree and watchdog.ok_to_save(step):
+        if not args.memory and step % args.save_every == 0 and agree and watchdog.ok_to_save(step):
             engine.save_checkpoint(args.ckpt_dir)
         step += 1
     h = hashlib.sha256()

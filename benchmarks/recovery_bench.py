@@ -74,9 +74,13 @@ def _job(cmd: list[str], timeout_s: float, env: dict | None = None) -> tuple[int
     return rc, out, t0
 
 
+#: ``--memory``: every job's script uses the plugin's checkpoint block (set in main()).
+MEMORY: list[str] = []
+
+
 def _script_args(work: Path, steps: int, save_every: int, *extra: str) -> list[str]:
     return [SCRIPT, "--steps", str(steps), "--save-every", str(save_every), "--ckpt-dir", str(work / "ckpt"),
-            "--step-log-dir", str(work / "steps"), "--out", str(work / "result.json"), *extra]
+            "--step-log-dir", str(work / "steps"), "--out", str(work / "result.json"), *MEMORY, *extra]
 
 
 def _step_log(work: Path) -> tuple[list[dict], list[dict]]:
@@ -252,7 +256,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="jobs per row, interleaved (row order repeated); the table gives medians and ranges")
     p.add_argument("--keep", help="keep the work directories here")
+    p.add_argument("--memory", action="store_true",
+                   help="robust run rows: a memory snapshot every step, persisted every --save-every steps "
+                        "(ds_fault_train.py --memory) instead of the script's own disk checkpoints")
     args = p.parse_args()
+    if args.memory:
+        if {"crash_emergency", "torchrun", "ft_launcher"} & set(args.rows):
+            p.error("--memory is for the robust run rows other than crash_emergency")
+        MEMORY.append("--memory")
     S = args.fault_step
     hang = ["hang_min_timeout_s=3", "hang_initial_timeout_s=60"]
     specs = {
@@ -293,7 +304,9 @@ def main() -> None:
             row["repeat"] = rep
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{args.nproc} ranks, DeepSpeed ZeRO-1 tiny GPT, disk checkpoint every {args.save_every} steps, "
+    saves = (f"memory snapshot every step, persisted every {args.save_every} steps" if args.memory
+             else f"disk checkpoint every {args.save_every} steps")
+    print(f"\n{args.nproc} ranks, DeepSpeed ZeRO-1 tiny GPT, {saves}, "
           f"fault at step {S}, {args.repeats} job(s) a row: median (min-max) ({root})")
     print("| launcher | fault | injected | detected after | action | recovered after (fault -> first step) | steps lost | resumed at | jobs |")
     print("|---|---|---|---|---|---|---|---|---|")
