@@ -47,6 +47,7 @@ import os
 import random
 import sys
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -134,6 +135,36 @@ def _set_rng_state(state: dict) -> None:
     set_device_rng_state(state.get("cuda"))
 
 
+#: The snapshot bindings of this process, finished before ``destroy_process_group`` (weak).
+_LIVE: "weakref.WeakSet[SnapshotBinding]" = weakref.WeakSet()
+
+
+def _finish_before_destroy() -> None:
+    """Wrap ``torch.distributed.destroy_process_group`` (once): every live binding first finishes
+    its background work. A script's last step is often a persist step, whose background save
+    agrees over a process group; a script that destroyed the group right after that step lost
+    the save (its ranks logged ``KeyError: 'manifest'`` and "Connection closed by peer", and the
+    newest checkpoint on disk was the one before). DeepSpeed's ``deepspeed.comm`` calls through
+    ``torch.distributed``, so its destroy is covered too."""
+    import torch.distributed as tdist
+    from torch.distributed import distributed_c10d as c10d
+
+    from robust_plugins.patches import _guard
+
+    if _guard.is_patched(tdist.destroy_process_group):
+        return
+    original = c10d.destroy_process_group
+
+    def destroy_process_group(*args, **kwargs):
+        for binding in list(_LIVE):
+            binding.finish_pending()
+        return original(*args, **kwargs)
+
+    wrapped = _guard.wrap(original, destroy_process_group)
+    tdist.destroy_process_group = wrapped
+    c10d.destroy_process_group = wrapped
+
+
 class SnapshotBinding:
     """What the DeepSpeed and megatron-core snapshot bindings share: registered user state and
     the end of the job, and the wait of the next optimizer step for a background copy. A subclass
@@ -150,12 +181,22 @@ class SnapshotBinding:
             # Restored inside deepspeed.initialize, before the script could register it.
             set_(pending.pop(name))
 
-    def close(self, remove: bool) -> None:
-        """Finish pending hand-offs; with ``remove`` delete this rank's shared-memory files."""
+    def _track(self) -> None:
+        """Close at interpreter exit; finish background work before the process group goes."""
+        _LIVE.add(self)
+        _finish_before_destroy()
+        atexit.register(self._at_exit)
+
+    def finish_pending(self) -> None:
+        """Wait (bounded) until every handed-off snapshot is committed, sent and persisted."""
         try:
             self.store.flush(timeout_s=min(self.timeout_s, 60.0))
         except CheckpointError as exc:
             log.error("robust_plugins: %s", exc)
+
+    def close(self, remove: bool) -> None:
+        """Finish pending hand-offs; with ``remove`` delete this rank's shared-memory files."""
+        self.finish_pending()
         self.store.close(remove=remove)
         if self.peers is not None:
             self.peers.close(remove=remove)
@@ -276,7 +317,7 @@ class MemorySnapshots(SnapshotBinding):
         by every snapshot from then on; set back by a restore."""
         self._persisted_step: int | None = None
         sys.excepthook = _note_crash(sys.excepthook)
-        atexit.register(self._at_exit)
+        self._track()
 
     # ------------------------------------------------------------------------------- capture
     def capture(self) -> dict:

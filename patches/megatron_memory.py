@@ -28,7 +28,6 @@ waits too before it overwrites the state.
 
 from __future__ import annotations
 
-import atexit
 import sys
 import time
 from typing import Any, Callable
@@ -97,7 +96,7 @@ class MegatronMemory(SnapshotBinding):
         self.restored: dict | None = None
         """What the last restore used: ``{"step", "source", "seconds"}``."""
         sys.excepthook = _note_crash(sys.excepthook)
-        atexit.register(self._at_exit)
+        self._track()
 
     # ------------------------------------------------------------------------------- capture
     def capture(self, step: int) -> dict:
