@@ -54,6 +54,15 @@ PREIMPORT_ROOTS = ("torch", "deepspeed", "megatron", "robust_plugins", "numpy", 
 #: Always imported: the interpreter's dominant cost (~2 s here) and the plugin the job runs under.
 ALWAYS = ("torch", "robust_plugins", "robust_plugins.watchdog")
 
+#: What a host imports lazily inside its own setup, imported after the host itself. DeepSpeed
+#: 0.19's ``deepspeed.initialize`` imports its Muon optimizer module (``torch.compile`` at module
+#: level), which with torch.optim's lazy ``torch._dynamo`` pulls in dynamo and inductor: 10-14 s
+#: of a 4-rank restart's ~16 s ``initialize`` on this 2-core machine, measured with cProfile. Only
+#: imports: nothing is compiled, and the CUDA check before ``ready`` still guards the device.
+HOST_LAZY = {"deepspeed": ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"),
+             # the engine patch imports the codecs (and triton_ops' custom ops) when it attaches
+             "robust_plugins": ("robust_plugins.comm",)}
+
 #: Seconds a standby may take to import before it counts as hung (four importing on two
 #: loaded cores took up to ~20 s here).
 READY_TIMEOUT_S = 300.0
@@ -120,7 +129,7 @@ def _module_source(name: str, cwd: str) -> str | None:
 def preimports(target: Target, cwd: str) -> list[str]:
     """Modules a standby imports for ``target``: :data:`ALWAYS`, then the library modules the
     script's source imports (absolute imports under :data:`PREIMPORT_ROOTS`), in source order,
-    never the target module itself."""
+    never the target module itself; last, :data:`HOST_LAZY` of the hosts among them."""
     path = target.script if target.module is None else _module_source(target.module, cwd)
     names = list(ALWAYS)
     if path is not None:
@@ -135,6 +144,8 @@ def preimports(target: Target, cwd: str) -> list[str]:
                 names.append(node.module)
     own = target.module  # runpy runs it as __main__; imported before, its body would run twice
     keep = [n for n in names if n in ALWAYS or (n.split(".")[0] in PREIMPORT_ROOTS and n != own)]
+    for root in dict.fromkeys(n.split(".")[0] for n in list(keep)):
+        keep += HOST_LAZY.get(root, ())
     return list(dict.fromkeys(keep))
 
 

@@ -33,13 +33,15 @@ def test_preimports_are_the_scripts_library_imports_never_the_script_or_user_mod
     script.write_text("import os, deepspeed\nimport mylib.data\nfrom megatron.core import parallel_state\n"
                       "from . import sibling\ndef f():\n    import transformers\n")
     names = standby.preimports(standby.Target(str(script), None, ()), str(tmp_path))
-    assert names == [*standby.ALWAYS, "deepspeed", "megatron.core", "transformers"]
+    # DeepSpeed's setup-time imports come last (standby.HOST_LAZY)
+    assert names == [*standby.ALWAYS, "deepspeed", "megatron.core", "transformers",
+                     *standby.HOST_LAZY["robust_plugins"], *standby.HOST_LAZY["deepspeed"]]
     pkg = tmp_path / "robust_plugins_probe_pkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "run.py").write_text("import numpy\nimport robust_plugins_probe_pkg.run\n")
     names = standby.preimports(standby.Target(None, "robust_plugins_probe_pkg.run", ()), str(tmp_path))
-    assert names == [*standby.ALWAYS, "numpy"]  # found from the cwd without importing the package
+    assert names == [*standby.ALWAYS, "numpy", *standby.HOST_LAZY["robust_plugins"]]  # found from the cwd, not imported
     # the target module itself is never imported before it runs as __main__ (its body would run twice)
     own = standby.preimports(standby.Target(None, "robust_plugins.recipes.plain_gpt.train", ()), str(tmp_path))
     assert "robust_plugins.recipes.plain_gpt.train" not in own and "robust_plugins.workloads" in own
