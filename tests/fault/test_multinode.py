@@ -1,4 +1,5 @@
-"""Two ``robust run`` agents on one machine acting as two nodes (c10d rendezvous on 127.0.0.1).
+"""Two ``robust run`` agents on one machine acting as two nodes (c10d rendezvous on 127.0.0.1;
+the hot-spare test also across the network-namespace simulator, as root).
 
 Node A (``--local-addr 127.0.0.1``) hosts the rendezvous store and gets group rank 0; node B
 (``127.0.0.2``, another loopback address) gets rank 1. One rank a node, ``--nnodes 1:2``, each node
@@ -23,6 +24,9 @@ import pytest
 from robust_plugins.launch import launch_env
 
 from conftest import _alive, _session_members, free_port
+from _netns import need_netns
+
+from robust_plugins.sim.netns import IFNAME, SimCluster
 
 pytestmark = [pytest.mark.fault, pytest.mark.distributed]
 
@@ -42,21 +46,26 @@ NODE_FLAGS = ("--no-standby",)
 class Node:
     def __init__(self, tmp: Path, name: str, addr: str, port: int, host: bool, *extra: str,
                  step_sleep: float = 0.3, nproc: int = 1, script: list[str] | None = None,
-                 nnodes: str = "1:2") -> None:
+                 nnodes: str = "1:2", endpoint: str = "127.0.0.1", netns: str | None = None) -> None:
         self.run_dir = tmp / name
         self.run_dir.mkdir(parents=True)
         script = script or [SCRIPT, "--steps", str(STEPS), "--step-sleep", str(step_sleep)]
         cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(self.run_dir),
                "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "mn-test",
+               "--rdzv-endpoint", f"{endpoint}:{port}", "--rdzv-id", "mn-test",
                "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if host else 'false'}",
                "--local-addr", addr, "--max-restarts", "4", "--monitor-interval", "0.1",
                "--watchdog", "straggler_factor=0", *NODE_FLAGS, *extra,
                *script, "--ckpt-dir", str(tmp / "ckpt"), "--out", str(tmp / "result.json")]
+        env = launch_env()
+        if netns is not None:
+            # A node of the network-namespace simulator: `ip netns exec` execs the agent (same
+            # pid), and gloo talks over the node's simulated link.
+            cmd = ["ip", "netns", "exec", netns, *cmd]
+            env["GLOO_SOCKET_IFNAME"] = IFNAME
         self.log = open(self.run_dir / "launcher.log", "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=launch_env(),
-                                     start_new_session=True)
+                                     stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
     @property
     def output(self) -> str:
@@ -264,16 +273,20 @@ def _steps_done(tmp: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def _run_with_spare(tmp: Path, kill_b_at_step: int | None, timeout_s: float = 120.0):
+def _run_with_spare(tmp: Path, kill_b_at_step: int | None, timeout_s: float = 120.0,
+                    sim: SimCluster | None = None):
     # --nnodes 2:2: A and B are the job; the spare (started once the job runs, as --spare waits
-    # for anyway) is beyond MAX, so torch's rendezvous keeps it in its redundancy list.
+    # for anyway) is beyond MAX, so torch's rendezvous keeps it in its redundancy list. With
+    # ``sim``, each agent runs in its own simulated node (netns) and A's address hosts the store.
     port = free_port()
+    addr = sim.node_addr if sim is not None else (lambda i: f"127.0.0.{i + 1}")
+    where = [dict(endpoint=addr(0), netns=sim.node_ns[i] if sim is not None else None) for i in range(3)]
     nodes: list[Node] = []
     try:
-        nodes.append(Node(tmp, "node-a", "127.0.0.1", port, True, nnodes="2:2"))
+        nodes.append(Node(tmp, "node-a", addr(0), port, True, nnodes="2:2", **where[0]))
         time.sleep(0.5)  # A binds the store first
-        nodes.append(Node(tmp, "node-b", "127.0.0.2", port, False, nnodes="2:2"))
-        nodes.append(Node(tmp, "spare", "127.0.0.3", port, False, "--spare", nnodes="2:2"))
+        nodes.append(Node(tmp, "node-b", addr(1), port, False, nnodes="2:2", **where[1]))
+        nodes.append(Node(tmp, "spare", addr(2), port, False, "--spare", nnodes="2:2", **where[2]))
         a, b, spare = nodes
         deadline = time.monotonic() + timeout_s
         if kill_b_at_step is not None:
@@ -293,7 +306,21 @@ def _run_with_spare(tmp: Path, kill_b_at_step: int | None, timeout_s: float = 12
 
 @pytest.mark.timeout(200)
 def test_hot_spare_replaces_a_lost_node_and_the_job_keeps_its_world_size(tmp_path):
-    a, b, spare = _run_with_spare(tmp_path, kill_b_at_step=4)
+    _assert_the_spare_replaced_b(tmp_path, *_run_with_spare(tmp_path, kill_b_at_step=4))
+
+
+@pytest.mark.timeout(240)
+def test_hot_spare_replaces_a_lost_node_across_the_network_namespace_simulator(tmp_path):
+    # Three simulated nodes (root), each agent in its own network namespace: loopback does not
+    # reach the others, so the rendezvous, the ranks' gloo traffic and the spare's join all
+    # cross the simulated links (1 Gbit/s), as they would between hosts.
+    need_netns()
+    with SimCluster(nodes=3, ranks_per_node=1, rate="1gbit") as sim:
+        nodes = _run_with_spare(tmp_path, kill_b_at_step=4, sim=sim)
+    _assert_the_spare_replaced_b(tmp_path, *nodes)
+
+
+def _assert_the_spare_replaced_b(tmp_path: Path, a: Node, b: Node, spare: Node) -> None:
     assert a.proc.returncode == 0, a.output[-4000:]
     assert spare.proc.returncode == 0, spare.output[-4000:]
     assert "hot spare for job 'mn-test'" in spare.output and "joins when it loses a node" in spare.output
