@@ -12,7 +12,7 @@ plugin's sum, exactly as the ``allreduce_bucket`` replacement in ``patches/deeps
 With ``compression.overlap`` (default: on where supported) a post-accumulate-grad hook on every
 parameter counts, on the gradient-accumulation boundary micro-step only, the gradients backward
 has finished; when every gradient of the next bucket in plan order is final, the training thread
-routes the bucket (error-feedback key, statistics: :meth:`GradientSync.route`) and submits its
+routes the bucket (error-feedback key, statistics: :meth:`GradientSync.compress_key`) and submits its
 reduction to one background thread (:class:`robust_plugins.comm.overlap.SyncThread`) that runs
 the buckets in plan order on its own clones of the data-parallel groups. DeepSpeed's reduction
 point (``buffered_allreduce_fallback``) then submits what is left (buckets holding a parameter
@@ -270,7 +270,7 @@ class BucketedReduction:
                 raise UnsupportedError(f"robust_plugins: parameter {i} has a sparse gradient; the planned "
                                        f"buckets reduce dense gradients only (unset sparse_gradients).")
             grads.append(p.grad.data)
-        key = self.sync.route(SITE, sum(g.numel() for g in grads))
+        key = self.sync.compress_key(SITE, sum(g.numel() for g in grads))
         self._keys.append(key)
         name = f"b{b}"
         self._emit("dispatch", name)

@@ -46,7 +46,7 @@ def _engine_allreduce_bucket(engine, plugin: DeepSpeedPlugin):
         buckets = plugin.buckets
         if buckets is not None and buckets.host_reduces():  # codec auto handed the step back
             return buckets.host_allreduce_bucket(original, bucket, dp_group, dp_world_size)
-        key = plugin.sync.route("ds.engine", numel)
+        key = plugin.sync.compress_key("ds.engine", numel)
         if key is None:
             return original(bucket, dp_group, dp_world_size)
         tensor = engine.flatten(bucket)
@@ -64,7 +64,7 @@ def _zero_allreduce_bucket(opt, plugin: DeepSpeedPlugin):
 
     def allreduce_bucket(bucket, communication_data_type, rank=None, log=None, divide=True, process_group=None):
         numel = sum(t.numel() for t in bucket)
-        key = plugin.sync.route("ds.zero" if rank is None else "ds.zero.reduce", numel)
+        key = plugin.sync.compress_key("ds.zero" if rank is None else "ds.zero.reduce", numel)
         if key is None:
             return original(bucket, communication_data_type, rank=rank, log=log, divide=divide,
                             process_group=process_group)
@@ -86,7 +86,7 @@ def _zero_predivide(opt, plugin: DeepSpeedPlugin):
     from deepspeed import comm as dist
 
     def gradient_reduction_w_predivide(tensor, communication_data_type):
-        key = plugin.sync.route("ds.zero_predivide", tensor.numel()) if tensor.numel() else None
+        key = plugin.sync.compress_key("ds.zero_predivide", tensor.numel()) if tensor.numel() else None
         if key is None:
             return original(tensor, communication_data_type)
         group = opt.dp_process_group

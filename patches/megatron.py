@@ -417,7 +417,7 @@ def _reduce_buckets(plugin: MegatronPlugin, buckets: list, keys: list, locals_: 
     """The collectives of one bucket group (training thread, or the sync thread with cloned ``pg``).
 
     ``locals_[i]`` is bucket i's local shard for the distributed optimizer's reduce-scatter, or None
-    for an all-reduce. Keys are from :meth:`GradientSync.route` (None: uncompressed).
+    for an all-reduce. Keys are from :meth:`GradientSync.compress_key` (None: uncompressed).
     """
     import torch.distributed as dist
 
@@ -453,7 +453,7 @@ def _start_grad_sync(group, name: str, plugin: MegatronPlugin):
     def start_grad_sync(force_all_reduce=False):
         if group.is_first_batch and group.grad_reduce_handle is not None:
             return  # megatron: already dispatched during the first batch
-        keys = [plugin.sync.route(f"mcore.{name}.b{i}", b.grad_data.numel()) for i, b in enumerate(group.buckets)]
+        keys = [plugin.sync.compress_key(f"mcore.{name}.b{i}", b.grad_data.numel()) for i, b in enumerate(group.buckets)]
         threaded = plugin.thread is not None and cfg.overlap_grad_reduce
         if not threaded and all(k is None for k in keys):
             return original(force_all_reduce=force_all_reduce)

@@ -46,7 +46,7 @@ def _sync_hook(sync, world: int):
         # DDP rebuilds its buckets after the first iteration; the size in the key keeps a rebuilt
         # bucket from meeting the residual of a different slice.
         key = ("ddp", bucket.index(), buf.numel())
-        if sync.route("ddp", buf.numel()) is None:
+        if sync.compress_key("ddp", buf.numel()) is None:
             dist.all_reduce(buf)
         else:
             sync.all_reduce_sum(buf, None, key)

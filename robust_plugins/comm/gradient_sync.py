@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import logging
 import dataclasses
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -131,8 +132,9 @@ class GradientSync:
         return self.states[self.config.codec]
 
     # -- decisions -------------------------------------------------------------------------------
-    def decide(self, numel: int) -> Optional[str]:
-        """Return ``None`` to compress a bucket of ``numel`` elements, else why it goes uncompressed."""
+    def passthrough_reason(self, numel: int) -> Optional[str]:
+        """Why a bucket of ``numel`` elements goes uncompressed (the host's own collective), or
+        ``None``: compress it."""
         if not self.config.compresses and not self.hierarchical:
             return "codec none"
         if self._step_fn() < self.config.warmup_steps:
@@ -156,7 +158,7 @@ class GradientSync:
         self._site_calls[site] += 1
         return f"{site}:{n}"
 
-    def route(self, site: str, numel: int) -> Optional[str]:
+    def compress_key(self, site: str, numel: int) -> Optional[str]:
         """Account for one bucket of ``numel`` elements reduced at ``site``.
 
         Returns the error-feedback key to compress it under, or ``None`` when the host's own
@@ -164,7 +166,7 @@ class GradientSync:
         identical to the host.
         """
         key = self.next_key(site)
-        reason = self.decide(numel)
+        reason = self.passthrough_reason(numel)
         if reason is not None:
             self.count_passthrough(site, numel, reason)
             return None
@@ -174,8 +176,18 @@ class GradientSync:
         self.stats.compressed_calls += 1
         return key
 
+    def route(self, site: str, numel: int) -> Optional[str]:
+        """Deprecated alias of :meth:`compress_key` (it returns a key, not a route); kept for 0.2."""
+        warnings.warn("GradientSync.route() is now compress_key()", DeprecationWarning, stacklevel=2)
+        return self.compress_key(site, numel)
+
+    def decide(self, numel: int) -> Optional[str]:
+        """Deprecated alias of :meth:`passthrough_reason` (None meant "compress"); kept for 0.2."""
+        warnings.warn("GradientSync.decide() is now passthrough_reason()", DeprecationWarning, stacklevel=2)
+        return self.passthrough_reason(numel)
+
     def count_passthrough(self, site: str, numel: int, reason: str) -> None:
-        """Account for a bucket the host reduced itself, for ``reason``, without :meth:`route` (a host
+        """Account for a bucket the host reduced itself, for ``reason``, without :meth:`compress_key` (a host
         integration that handed its whole reduction back, see ``patches/deepspeed_overlap.py``)."""
         self._new_step_check()
         self.stats.step_elements += numel
@@ -259,7 +271,7 @@ class GradientSync:
         return self._groups
 
     def all_reduce_sum(self, tensor: torch.Tensor, group, key: str) -> torch.Tensor:
-        """In-place sum of ``tensor`` over ``group`` (a key from :meth:`route`): compressed, and
+        """In-place sum of ``tensor`` over ``group`` (a key from :meth:`compress_key`): compressed, and
         hierarchical with ``topology.hierarchical``."""
         from robust_plugins.comm import compressed_all_reduce
 

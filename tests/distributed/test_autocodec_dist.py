@@ -25,7 +25,7 @@ def _decide(rank: int, world: int, hierarchical: bool) -> dict:
     sync = GradientSync(cfg, step_fn=lambda: 0, topology=TopologyConfig(hierarchical=hierarchical))
     exact = t.clone()
     torch.distributed.all_reduce(exact)
-    sync.all_reduce_sum(t, None, sync.route("site", n))
+    sync.all_reduce_sum(t, None, sync.compress_key("site", n))
     return {"codecs": dict(sync.stats.by_codec), "decision": sync.stats.auto_decisions,
             "err": float((t - exact).norm() / exact.norm())}
 
@@ -57,7 +57,7 @@ def _route(rank: int, world: int) -> dict:
         t = torch.randn(n, generator=g)
         exact = t.clone()
         torch.distributed.all_reduce(exact)
-        sync.all_reduce_sum(t, None, sync.route("site", n))
+        sync.all_reduce_sum(t, None, sync.compress_key("site", n))
         errs.append(float((t - exact).norm() / exact.norm()))
     return {"decisions": sync.stats.auto_decisions, "history": len(sync.auto.history),
             "by_route": dict(sync.stats.by_route), "hier": sync.stats.hierarchical_elements, "errs": errs}

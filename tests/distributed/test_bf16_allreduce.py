@@ -105,7 +105,7 @@ def _auto(rank: int, world: int, error_feedback: bool) -> dict:
         t = _grad(rank + 10 * step, n)
         exact = t.clone()
         torch.distributed.all_reduce(exact)
-        sync.all_reduce_sum(t, None, sync.route("bucket", n))
+        sync.all_reduce_sum(t, None, sync.compress_key("bucket", n))
         errs.append(float((t - exact).norm() / exact.norm()))
     st = sync.states.get("bf16_allreduce")  # only with auto_bf16_error_feedback
     return {"by_route": dict(sync.stats.by_route), "by_codec": dict(sync.stats.by_codec),

@@ -35,7 +35,7 @@ def _dp_sync(rank: int, world: int) -> dict:
         t = torch.randn(n, generator=torch.Generator().manual_seed(rank))
         exact = t.clone()
         dist.all_reduce(exact, group=dp["group"])
-        sync.all_reduce_sum(t, dp["group"], sync.route("site", n))
+        sync.all_reduce_sum(t, dp["group"], sync.compress_key("site", n))
         g = sync._groups
         out[codec] = {"intra": list(g.intra_ranks), "rail": list(g.rail_ranks), "plan": g.plan is not None,
                       "world": g.plan.world_size, "hier": sync.stats.hierarchical_elements,

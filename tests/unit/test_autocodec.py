@@ -147,7 +147,7 @@ def test_gradient_sync_auto_keeps_one_state_per_codec_and_refuses_the_single_sta
         sync.state  # noqa: B018
     t = torch.randn(1000)
     want = t.clone()
-    sync.all_reduce_sum(t, None, sync.route("site", t.numel()))
+    sync.all_reduce_sum(t, None, sync.compress_key("site", t.numel()))
     assert torch.equal(t, want) and sync.stats.by_codec == {"none": 1000}  # world of one: none
     assert sync.stats.auto_decisions[0]["codec"] == "none"
     assert set(sync.state_dict()["compression_auto"]) == {"bf16", "bf16_allreduce", "int4", "int8"}
@@ -314,3 +314,15 @@ def test_measured_error_is_the_largest_over_the_probes_in_force():
     auto._probes = {("a",): (0, None, {"bf16_allreduce": CodecCost(1e-9, 0.002)}),
                     ("b",): (0, None, {"bf16_allreduce": CodecCost(1e-9, 0.003), "int8": CodecCost(1e-9, 0.01)})}
     assert auto.measured_error("bf16_allreduce") == 0.003 and auto.measured_error("int4") is None
+
+
+def test_the_old_gradient_sync_names_warn_and_answer_as_the_new_ones():
+    from robust_plugins.comm.gradient_sync import GradientSync
+
+    sync = GradientSync(CompressionConfig(codec="int8", min_numel=100), step_fn=lambda: 0)
+    assert sync.passthrough_reason(10) == "below min_numel" and sync.passthrough_reason(1000) is None
+    with pytest.warns(DeprecationWarning, match="compress_key"):
+        assert sync.route("site", 1000) == "site:0"  # the error-feedback key
+    with pytest.warns(DeprecationWarning, match="passthrough_reason"):
+        assert sync.decide(10) == "below min_numel"
+    assert sync.compress_key("site", 10) is None and sync.compress_key("site", 1000) == "site:2"
