@@ -261,8 +261,10 @@ def main() -> None:
                         "(ds_fault_train.py --memory) instead of the script's own disk checkpoints")
     args = p.parse_args()
     if args.memory:
-        if {"crash_emergency", "torchrun", "ft_launcher"} & set(args.rows):
-            p.error("--memory is for the robust run rows other than crash_emergency")
+        bad = [r for r in args.rows if r in ("crash_emergency", "torchrun", "ft_launcher")]
+        if bad:
+            p.error(f"--memory with --rows {' '.join(bad)}: those rows keep their own checkpoint setup; "
+                    f"--memory is for crash, crash_cold, crash_warm, hang, nan, spike, straggler, sdc and ettr")
         MEMORY.append("--memory")
     S = args.fault_step
     hang = ["hang_min_timeout_s=3", "hang_initial_timeout_s=60"]
