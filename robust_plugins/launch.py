@@ -115,6 +115,9 @@ def first_traceback(log_text: str, max_lines: int = 40) -> str:
     return ""
 
 
+_RANK_PREFIX = re.compile(r"\[default\d+\]:")
+
+
 def rank_tails(log_text: str, lines: int = 6) -> str:
     """The last ``lines`` lines of each rank in a log of torchrun's ``--tee`` (``[defaultN]:``)."""
     by_rank: dict[str, list[str]] = {}
@@ -122,10 +125,8 @@ def rank_tails(log_text: str, lines: int = 6) -> str:
         m = _RANK_PREFIX.match(line)
         if m:
             by_rank.setdefault(m.group(0), []).append(line)
-    return "\n".join(ln for prefix in sorted(by_rank) for ln in by_rank[prefix][-lines:])
-
-
-_RANK_PREFIX = re.compile(r"\[default\d+\]:")
+    order = sorted(by_rank, key=lambda prefix: int(prefix[len("[default"):-2]))  # rank 2 before 10
+    return "\n".join(ln for prefix in order for ln in by_rank[prefix][-lines:])
 
 
 def free_port(host: str = "127.0.0.1") -> int:
