@@ -36,6 +36,7 @@ from typing import Any
 
 from robust_plugins._logging import get_logger, warn_once
 from robust_plugins.watchdog import flight as _flight
+from robust_plugins.watchdog import hold as _hold
 from robust_plugins.watchdog import inject_rank as _inject_rank
 from robust_plugins.watchdog.inject_rank import (  # noqa: F401  (re-exported: tests and stack dumps name them)
     HANG_INJECT_MAX_S,
@@ -43,7 +44,7 @@ from robust_plugins.watchdog.inject_rank import (  # noqa: F401  (re-exported: t
     _hang_in_python,
     _hang_in_syscall,
 )
-from robust_plugins.watchdog.param_hash import param_hash
+from robust_plugins.watchdog.param_hash import minority_ranks, param_hash  # noqa: F401  (tests name it here)
 from robust_plugins.watchdog.ring import RingError, RingWriter
 
 log = get_logger(__name__)
@@ -89,6 +90,7 @@ class _Client:
         self.last_comm_s = 0.0
         self.slow_s = 0.0
         self.skip_steps = parse_skip_steps(os.environ.get(ENV_SKIP, ""))
+        self.spikes = _hold.SpikeWatch(os.environ.get(_hold.ENV_SPIKE, ""))
         self.step_times: list[float] = []
         """This rank's latest step times (the learned hang timeout's input), for checkpoints."""
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -200,16 +202,18 @@ class _Client:
                 self.send({"k": "bad", "s": step, "l": loss, "g": grad_norm}, wait=True)
             if now >= self._next_beat_check:
                 self._check_monitor(now)
-            return
-        msg: dict[str, Any] = {"k": "end", "s": step, "l": loss, "g": grad_norm}
-        if wall is not None:
-            msg["w"] = wall
-            if comm is not None:
-                msg["c"] = comm
-        # A plain step's signal may be dropped when the monitor is behind (the next one
-        # supersedes it), but a NaN/Inf is the fault itself: the queue holds only
-        # net.unix.max_dgram_qlen (10) datagrams, so under load it must wait for room (bounded).
-        self.send(msg, wait=bad)
+        else:
+            msg: dict[str, Any] = {"k": "end", "s": step, "l": loss, "g": grad_norm}
+            if wall is not None:
+                msg["w"] = wall
+                if comm is not None:
+                    msg["c"] = comm
+            # A plain step's signal may be dropped when the monitor is behind (the next one
+            # supersedes it), but a NaN/Inf is the fault itself: the queue holds only
+            # net.unix.max_dgram_qlen (10) datagrams, so under load it must wait for room (bounded).
+            self.send(msg, wait=bad)
+        if bad or self.spikes.seen(loss, grad_norm):
+            _hold.after_fault(self, step, "NaN/Inf" if bad else "spike")
 
     def _check_monitor(self, now: float) -> None:
         self._next_beat_check = now + HEARTBEAT_CHECK_S
@@ -270,6 +274,17 @@ class _Client:
         if not self.can_ask:
             warn_once(log, "watchdog-ask", "robust watchdog: ok_to_save needs Linux; saving unchecked.")
             return True
+        ok = self.ask(step, timeout_s)
+        if ok is None:
+            log.warning("robust watchdog: no answer from the node monitor about step %d within "
+                        "%.0f s; saving without its check.", step, timeout_s)
+        return ok is not False
+
+    def ask(self, step: int, timeout_s: float) -> bool | None:
+        """The monitor's verdict on ``step`` (False: a fault was found and the ranks are being
+        stopped); None without an answer within ``timeout_s`` or where the rank cannot ask."""
+        if not self.can_ask:
+            return None
         self.send({"k": "query", "s": step}, wait=True)
         deadline = time.monotonic() + timeout_s
         try:
@@ -278,12 +293,11 @@ class _Client:
                 msg = json.loads(self.sock.recv(4096))
                 if msg.get("k") == "verdict" and msg.get("s") == step:
                     return bool(msg["ok"])
-        except (socket.timeout, OSError, ValueError) as exc:
-            log.warning("robust watchdog: no answer from the node monitor about step %d within "
-                        "%.0f s (%r); saving without its check.", step, timeout_s, exc)
+        except (socket.timeout, OSError, ValueError):
+            return None
         finally:
             self.sock.setblocking(True)
-        return True
+        return None
 
 
 #: Step times a rank keeps for its checkpoints (the monitor's window per rank).
@@ -330,23 +344,6 @@ def load_state_dict(state: dict[str, Any] | None) -> None:
 def parse_skip_steps(text: str) -> frozenset[int]:
     """``"25,40"`` -> ``{25, 40}`` (the ``ROBUST_SKIP_STEPS`` value ``robust run`` sets)."""
     return frozenset(int(x) for x in text.split(",") if x.strip())
-
-
-def minority_ranks(hashes: dict[int, int]) -> tuple[list[int], str]:
-    """Ranks whose hash differs from a strict majority, and why; ``([], "")`` when all agree.
-
-    Without a strict majority (two replicas that disagree, or an even split) every rank is named.
-    """
-    groups: dict[int, list[int]] = {}
-    for rank, h in sorted(hashes.items()):
-        groups.setdefault(h, []).append(rank)
-    if len(groups) == 1:
-        return [], ""
-    ordered = sorted(groups.values(), key=len, reverse=True)
-    if len(ordered[0]) * 2 > len(hashes):
-        bad = sorted(r for g in ordered[1:] for r in g)
-        return bad, f"ranks {bad} hold parameters that differ from the majority {ordered[0]}"
-    return sorted(hashes), f"no majority among {len(hashes)} replicas ({len(groups)} different hashes)"
 
 
 def _die_with_parent() -> None:

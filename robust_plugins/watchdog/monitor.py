@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 from robust_plugins._logging import get_logger
 from robust_plugins.config import WatchdogConfig
+from robust_plugins.watchdog import hold as _hold
 from robust_plugins.watchdog import inject as _inject
 from robust_plugins.watchdog import ring as _ring
 from robust_plugins.watchdog.detect import STEP_WINDOW, RunningMedian
@@ -89,6 +90,8 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         self._medians: dict[tuple[int, str], RunningMedian] = {}
         self._queries: list[tuple[int, Any]] = []
         """(step, reply address) of ``ok_to_save`` questions not answered yet."""
+        self._stopping = -1
+        """The incarnation whose fault ``check`` returned: its ranks are being stopped."""
         self._fired: list[tuple[int, int, _inject.Injection]] = []
         """(incarnation, step, injection) of every injected fault the ranks announced."""
         self._lock = threading.Lock()
@@ -138,6 +141,7 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
             client.ENV_SKIP: ",".join(str(s) for s in sorted(self.skip_steps)),
             client.ENV_EMERGENCY_TIMEOUT: str(self.cfg.emergency_save_timeout_s),
             ENV_ROLLBACK_MAX_STEP: self._rollback_max_step(),
+            _hold.ENV_SPIKE: f"{self.cfg.spike_factor:g},{self.cfg.spike_window},{self.cfg.spike_warmup_steps}",
         }
 
     def _rollback_max_step(self) -> str:
@@ -240,5 +244,8 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         """Look for faults (SDC, NaN/Inf, spike, hang); returns the fault if the ranks must be
         stopped. Then answers the ranks' ``ok_to_save`` questions."""
         fault = self._check(will_restart)
+        if fault is not None:
+            with self._lock:
+                self._stopping = self.incarnation  # later questions: answered at once (monitor_ipc)
         self._answer_queries(fault)
         return fault

@@ -162,7 +162,12 @@ class _MonitorIPC:
                              "(learned hang timeout without a new warm-up)", rank,
                              len(msg.get("times", [])))
             elif kind == "query":
-                if addr:
+                if addr and self._stopping == self.incarnation:
+                    # The fault was found (its check has returned): the ranks are being stopped,
+                    # and a rank that asks now (a NaN's rank, hold.py) must not wait for a check
+                    # that will not come before the stop.
+                    self._send_verdict(int(msg["s"]), addr, False)
+                elif addr:
                     self._queries.append((int(msg["s"]), addr))
             elif kind == "hash":
                 key = (self.incarnation, int(msg["s"]))
@@ -199,9 +204,10 @@ class _MonitorIPC:
             ready = [(s, a) for s, a in self._queries if fault is not None or s <= reached]
             self._queries = [(s, a) for s, a in self._queries if (s, a) not in ready]
         for step, addr in ready:
-            verdict = {"k": "verdict", "s": step, "ok": fault is None}
-            try:
-                self._sock.sendto(json.dumps(verdict).encode(), socket.MSG_DONTWAIT, addr)
-            except OSError as exc:  # the rank is gone or its buffer is full: it will time out
-                log.warning("robust watchdog: could not answer a save question of step %d: %r",
-                            step, exc)
+            self._send_verdict(step, addr, fault is None)
+
+    def _send_verdict(self, step: int, addr: Any, ok: bool) -> None:
+        try:
+            self._sock.sendto(json.dumps({"k": "verdict", "s": step, "ok": ok}).encode(), socket.MSG_DONTWAIT, addr)
+        except OSError as exc:  # the rank is gone or its buffer is full: it will time out
+            log.warning("robust watchdog: could not answer a save question of step %d: %r", step, exc)

@@ -61,3 +61,20 @@ def device_hash(params: list) -> int:
         pos += flat.numel()
         h = part if h is None else h * _K_PARAM + part
     return 0 if h is None else int(h.item())
+
+
+def minority_ranks(hashes: dict[int, int]) -> tuple[list[int], str]:
+    """Ranks whose hash differs from a strict majority, and why; ``([], "")`` when all agree.
+
+    Without a strict majority (two replicas that disagree, or an even split) every rank is named.
+    """
+    groups: dict[int, list[int]] = {}
+    for rank, h in sorted(hashes.items()):
+        groups.setdefault(h, []).append(rank)
+    if len(groups) == 1:
+        return [], ""
+    ordered = sorted(groups.values(), key=len, reverse=True)
+    if len(ordered[0]) * 2 > len(hashes):
+        bad = sorted(r for g in ordered[1:] for r in g)
+        return bad, f"ranks {bad} hold parameters that differ from the majority {ordered[0]}"
+    return sorted(hashes), f"no majority among {len(hashes)} replicas ({len(groups)} different hashes)"

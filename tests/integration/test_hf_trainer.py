@@ -152,6 +152,9 @@ def test_kill_and_nan_resume_the_trainer_exactly(zero2, tmp_path):
     # Each restart resumed the Trainer itself (not only the engine), and said so on rank 0.
     resumed = [ln for ln in job.output.splitlines() if "Trainer resumed at global step" in ln]
     assert len(resumed) == 2 and all(ln.startswith("[Rank 0] ") for ln in resumed), resumed
+    # The NaN's rank held (took no step 46: watchdog/hold.py), so the rollback found step 44 in
+    # memory (CI once saw only [46, 45] there, and the job restarted from step 0).
+    assert "resumed at global step 44 " in resumed[1], resumed
     res = json.loads((job.run_dir / "out" / "result.json").read_text())
     # The Trainer's log: exactly the fault-free run's steps, losses, grad norms, learning rates
     # and epochs, and its closing train_loss (the loss accumulators came back with the state).

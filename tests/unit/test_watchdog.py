@@ -10,8 +10,8 @@ import socket
 import pytest
 
 from robust_plugins.config import PluginConfig, WatchdogConfig
-from robust_plugins.errors import ConfigError
-from robust_plugins.watchdog import client, detect, inject
+from robust_plugins.errors import ConfigError, RobustPluginsError
+from robust_plugins.watchdog import client, detect, hold, inject
 from robust_plugins.watchdog.faults import Fault, FaultLog, read_faults
 from _wait import wait_for as _wait_for
 
@@ -253,13 +253,16 @@ def test_step_end_sends_datagrams_and_nan_and_spike_injections_change_reported_v
     monkeypatch.setattr(client, "_client", None)
     monkeypatch.setattr(client, "_checked", False)
     monkeypatch.setattr(client, "_die_with_parent", lambda: None)
+    # The NaN's rank asks the monitor whether it is being stopped (hold.py); this one never answers.
+    monkeypatch.setattr(hold, "ANSWER_TIMEOUT_S", 0.2)
     client.step_end(1, loss=2.5, grad_norm=0.5)
     client.step_end(2, loss=2.4)
     client.step_end(3, loss=2.3, grad_norm=0.5)
-    msgs = [json.loads(srv.recv(65536)) for _ in range(6)]
+    msgs = [json.loads(srv.recv(65536)) for _ in range(7)]
     srv.close()
-    assert [m["k"] for m in msgs] == ["hello", "end", "inject", "end", "inject", "end"]
-    assert msgs[5]["g"] == 500.0 and msgs[5]["l"] == 2.3
+    assert [m["k"] for m in msgs] == ["hello", "end", "inject", "end", "query", "inject", "end"]
+    assert msgs[4]["s"] == 2  # no answer: bounded, then training went on
+    assert msgs[6]["g"] == 500.0 and msgs[6]["l"] == 2.3
     assert msgs[1]["s"] == 1 and msgs[1]["l"] == 2.5 and msgs[1]["g"] == 0.5
     assert msgs[2]["spec"] == "nan:rank=0,step=2,what=loss"
     assert math.isnan(msgs[3]["l"])
@@ -430,13 +433,22 @@ def test_ok_to_save_waits_for_every_rank_and_says_no_after_a_fault(tmp_path, mon
         # answered, not timed out (a timeout says True too): well before the ASK_S bound
         assert answers[1] is True and time.monotonic() - t_answer < ASK_S / 2
         clients[0].step_end(2, 2.0, None)
-        clients[1].step_end(2, float("nan"), None)
+        # The NaN's rank is told it is being stopped and takes no further step (hold.py); nothing
+        # stops it here, so after the hold it stops itself.
+        monkeypatch.setattr(hold, "HOLD_MAX_S", 0.5)
+        t_hold = time.monotonic()
+        with pytest.raises(RobustPluginsError, match="nothing stopped this rank within 0.5 s"):
+            clients[1].step_end(2, float("nan"), None)
+        assert time.monotonic() - t_hold >= 0.5
         assert clients[0].ok_to_save(2, 5.0) is False  # the NaN of step 2 is in the checkpoint
     finally:
         stop.set()
         loop.join(timeout=5)
+    # The fault was found, so the ranks are being stopped: a later question is answered at once.
+    t0 = time.monotonic()
+    assert clients[0].ok_to_save(3, 5.0) is False and time.monotonic() - t0 < 2.0
+    mon.close()
     t0 = time.monotonic()
     assert clients[0].ok_to_save(3, 0.3) is True  # no answer: bounded, then saves (with a warning)
     waited = time.monotonic() - t0
     assert 0.3 <= waited < 0.3 + 3.0, waited  # the bound, plus slack for a loaded machine
-    mon.close()

@@ -13,7 +13,8 @@ import time
 import pytest
 
 from robust_plugins.config import WatchdogConfig
-from robust_plugins.watchdog import client, ring
+from robust_plugins.errors import RobustPluginsError
+from robust_plugins.watchdog import client, hold, ring
 from robust_plugins.watchdog.monitor import Monitor
 from robust_plugins.watchdog.ring import RingError, RingReader, RingWriter
 
@@ -135,6 +136,9 @@ def ring_env(tmp_path, monkeypatch):
     for var in (client.ENV_RUN_DIR, client.ENV_INJECT, client.ENV_STRAGGLER):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv(client.ENV_INCARNATION, "0")
+    # A NaN's rank asks the monitor whether it is being stopped (hold.py); where a test drives
+    # the monitor's checks itself, nobody answers during step_end: wait briefly, not 10 s.
+    monkeypatch.setattr(hold, "ANSWER_TIMEOUT_S", 0.1)
 
     def start(mon, ranks):
         env = mon.worker_env(ranks)
@@ -198,7 +202,7 @@ def test_a_lapped_ring_is_counted_and_logged_and_the_nan_still_arrives(tmp_path,
         clients[0].sock.close()
 
 
-def test_ok_to_save_answers_once_every_ring_reports_the_step(tmp_path, ring_env):
+def test_ok_to_save_answers_once_every_ring_reports_the_step(tmp_path, ring_env, monkeypatch):
     import threading
 
     mon = Monitor(WatchdogConfig(), tmp_path, host="h")
@@ -223,8 +227,54 @@ def test_ok_to_save_answers_once_every_ring_reports_the_step(tmp_path, ring_env)
         asker.join(timeout=5)
         assert answers[1] is True
         clients[0].step_end(2, 2.0, None)
-        clients[1].step_end(2, float("nan"), None)
+        # The NaN's rank is told that the ranks are being stopped and holds (hold.py) until
+        # stopped; nothing stops it here, so it stops itself after the hold.
+        monkeypatch.setattr(hold, "HOLD_MAX_S", 0.3)
+        with pytest.raises(RobustPluginsError, match="the ranks are being stopped"):
+            clients[1].step_end(2, float("nan"), None)
         assert clients[0].ok_to_save(2, 5.0) is False
+    finally:
+        stop.set()
+        loop.join(timeout=5)
+        mon.close()
+        for c in clients.values():
+            c.sock.close()
+
+
+def test_a_ranks_spike_holds_it_until_stopped_and_a_later_question_is_answered_at_once(
+        tmp_path, ring_env, monkeypatch):
+    """The rank applies the monitor's spike rule to its own values and holds at the spike's step
+    (hold.py); a rank that asks after the check found the fault is answered at once."""
+    import threading
+
+    cfg = WatchdogConfig(spike_factor=5, spike_window=8, spike_warmup_steps=3)
+    mon = Monitor(cfg, tmp_path, host="h")
+    monkeypatch.setenv(hold.ENV_SPIKE, mon.worker_env([0, 1])[hold.ENV_SPIKE])
+    monkeypatch.setattr(hold, "HOLD_MAX_S", 0.3)
+    stop = threading.Event()
+    found = []
+
+    def agent():
+        while not stop.is_set():
+            if (fault := mon.check(will_restart=True)) is not None:
+                found.append(fault)
+            time.sleep(0.02)
+
+    _, clients = ring_env(mon, [0, 1])
+    loop = threading.Thread(target=agent, daemon=True)
+    try:
+        loop.start()
+        for step in range(1, 5):  # warm-up, then normal steps: no question, no hold
+            for r in (0, 1):
+                clients[r].step_end(step, 2.0, 1.0)
+        clients[1].step_end(5, 2.0, 1.0)
+        t0 = time.monotonic()
+        with pytest.raises(RobustPluginsError, match="rank 0: the node monitor found the spike of step 5"):
+            clients[0].step_end(5, 50.0, 1.0)  # 25x the median loss
+        assert time.monotonic() - t0 >= 0.3
+        assert (found[0].kind, found[0].step, found[0].suspect_ranks) == ("spike", 5, [0])  # (agent: stops here)
+        t1 = time.monotonic()
+        assert clients[1].ask(5, 5.0) is False and time.monotonic() - t1 < 1.0
     finally:
         stop.set()
         loop.join(timeout=5)

@@ -1,0 +1,87 @@
+"""A rank that reported a NaN/Inf or a spike waits to be stopped instead of training on.
+
+Why: ``robust run`` rolls a NaN back to the step before it (that step's update is the bad one),
+and each rank keeps two in-memory snapshots (a double buffer). Ranks that trained on while the
+agent stopped them took the snapshot of the next step, which evicted the last good one: the
+rollback then found only bad steps in memory and fell back to disk, or without a disk
+checkpoint to step 0 (the HF Trainer test saw it: memory held steps [46, 45] for a rollback to
+44). Here the rank that saw the NaN asks its node monitor and, when the monitor says the ranks
+are being stopped, takes no further step; a spike likewise, judged on the rank by the monitor's
+own rule (:class:`SpikeWatch`). Its data-parallel peers cannot finish the next step
+without its gradients, so no rank gets past the snapshot of the NaN step and every rank still
+holds the step before it: by construction, not by winning a race against the agent's stop.
+
+The monitor answers the ``ok_to_save`` question (``k: query``): False once its check has found
+the fault (the agent then stops every rank, to restart them or to end the job), True once every
+rank of the node reported the step without one (``nan_check`` off), after which training goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from robust_plugins._logging import announce, get_logger
+from robust_plugins.errors import RobustPluginsError
+
+log = get_logger(__name__)
+
+#: How long the rank waits for the monitor's answer: it answers at its next check (every
+#: ``--monitor-interval``, 0.1 s by default), later only while it collects a hang's stacks.
+ANSWER_TIMEOUT_S = 10.0
+
+#: How long a rank told that it is being stopped waits for it. The agent stops the ranks right
+#: after the check that answered (SIGTERM, then SIGKILL after its grace period); a rank still
+#: alive after this stops itself with an error rather than training on a NaN.
+HOLD_MAX_S = 120.0
+
+
+#: ``robust run`` sets it for the ranks: the monitor's spike rule, ``"factor,window,warmup"``.
+ENV_SPIKE = "ROBUST_SPIKE"
+
+
+class SpikeWatch:
+    """The monitor's spike rule (:class:`~robust_plugins.watchdog.detect.RunningMedian`, same
+    factor, window and warm-up) on this rank's own values, so that the rank holds at the step the
+    monitor will judge a spike. The monitor's windows live across incarnations, this one starts
+    empty in each: for the first ``warmup`` steps after a restart a spike is not held (the ranks
+    may then run on and evict the step before it, and the rollback falls back to disk)."""
+
+    def __init__(self, text: str) -> None:
+        from robust_plugins.watchdog.detect import RunningMedian
+
+        try:
+            factor, window, warmup = text.split(",")
+            self.factor, self.warmup = float(factor), int(warmup)
+            self.medians = {w: RunningMedian(int(window)) for w in ("loss", "grad_norm")} if self.factor > 0 else {}
+        except ValueError:  # unset (outside robust run) or spikes off
+            self.factor, self.warmup, self.medians = 0.0, 0, {}
+
+    def seen(self, loss: float | None, grad_norm: float | None) -> bool:
+        hits = [m.spike(v, self.factor, self.warmup) is not None
+                for m, v in ((self.medians.get("loss"), loss), (self.medians.get("grad_norm"), grad_norm)) if m]
+        return any(hits)  # both judged, as the monitor does: a normal value joins its window
+
+
+def after_fault(client: Any, step: int, what: str) -> None:
+    """Called by the client after it wrote step ``step`` with a NaN/Inf or a spike (``what``)."""
+    hold_max_s = HOLD_MAX_S
+    ok = client.ask(step, ANSWER_TIMEOUT_S)
+    if ok is None:
+        log.warning("robust watchdog: rank %d: no answer from the node monitor about the %s of step %d "
+                    "within %.0f s; training on, so a rollback may find only later snapshots in memory.",
+                    client.rank, what, step, ANSWER_TIMEOUT_S)
+        return
+    if ok:
+        return  # the monitor does not act on it (nan_check off, or its window judged otherwise)
+    # Printed (every rank that holds): the launcher's log should say why this rank stopped stepping.
+    announce(log, "robust watchdog: rank %d: %s at step %d; waiting to be stopped for the rollback (no "
+             "further step, so every rank keeps the snapshot before it in memory)", client.rank, what, step,
+             all_ranks=True)
+    deadline = time.monotonic() + hold_max_s
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise RobustPluginsError(
+        f"robust watchdog: rank {client.rank}: the node monitor found the {what} of step {step} and said the "
+        f"ranks are being stopped, but nothing stopped this rank within {hold_max_s:g} s; it stops here rather "
+        f"than train on. Look in the launcher's log for why the agent did not stop the ranks.")
