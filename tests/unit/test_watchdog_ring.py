@@ -3,11 +3,13 @@ wraparound, exact counts of lapped entries, torn records, the heartbeat, file cl
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -202,22 +204,35 @@ def test_a_lapped_ring_is_counted_and_logged_and_the_nan_still_arrives(tmp_path,
         clients[0].sock.close()
 
 
-def test_ok_to_save_answers_once_every_ring_reports_the_step(tmp_path, ring_env, monkeypatch):
-    import threading
+@contextlib.contextmanager
+def _agent(mon, clients):
+    """What the elastic agent does every monitor interval, in a thread; yields the faults its
+    checks returned. Closes the monitor and the clients' sockets afterwards."""
+    stop, found = threading.Event(), []
 
-    mon = Monitor(WatchdogConfig(), tmp_path, host="h")
-    stop = threading.Event()
-
-    def agent():  # what the elastic agent does every monitor interval
+    def loop():
         while not stop.is_set():
-            mon.check(will_restart=True)
+            if (fault := mon.check(will_restart=True)) is not None:
+                found.append(fault)
             time.sleep(0.02)
 
-    _, clients = ring_env(mon, [0, 1])
-    loop = threading.Thread(target=agent, daemon=True)
-    answers = {}
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
     try:
-        loop.start()
+        yield found
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        mon.close()
+        for c in clients.values():
+            c.sock.close()
+
+
+def test_ok_to_save_answers_once_every_ring_reports_the_step(tmp_path, ring_env, monkeypatch):
+    mon = Monitor(WatchdogConfig(), tmp_path, host="h")
+    _, clients = ring_env(mon, [0, 1])
+    answers = {}
+    with _agent(mon, clients):
         clients[0].step_end(1, 2.0, None)
         asker = threading.Thread(target=lambda: answers.setdefault(1, clients[0].ok_to_save(1, 10.0)))
         asker.start()
@@ -233,37 +248,18 @@ def test_ok_to_save_answers_once_every_ring_reports_the_step(tmp_path, ring_env,
         with pytest.raises(RobustPluginsError, match="the ranks are being stopped"):
             clients[1].step_end(2, float("nan"), None)
         assert clients[0].ok_to_save(2, 5.0) is False
-    finally:
-        stop.set()
-        loop.join(timeout=5)
-        mon.close()
-        for c in clients.values():
-            c.sock.close()
 
 
 def test_a_ranks_spike_holds_it_until_stopped_and_a_later_question_is_answered_at_once(
         tmp_path, ring_env, monkeypatch):
     """The rank applies the monitor's spike rule to its own values and holds at the spike's step
     (hold.py); a rank that asks after the check found the fault is answered at once."""
-    import threading
-
     cfg = WatchdogConfig(spike_factor=5, spike_window=8, spike_warmup_steps=3)
     mon = Monitor(cfg, tmp_path, host="h")
     monkeypatch.setenv(hold.ENV_SPIKE, mon.worker_env([0, 1])[hold.ENV_SPIKE])
     monkeypatch.setattr(hold, "HOLD_MAX_S", 0.3)
-    stop = threading.Event()
-    found = []
-
-    def agent():
-        while not stop.is_set():
-            if (fault := mon.check(will_restart=True)) is not None:
-                found.append(fault)
-            time.sleep(0.02)
-
     _, clients = ring_env(mon, [0, 1])
-    loop = threading.Thread(target=agent, daemon=True)
-    try:
-        loop.start()
+    with _agent(mon, clients) as found:
         for step in range(1, 5):  # warm-up, then normal steps: no question, no hold
             for r in (0, 1):
                 clients[r].step_end(step, 2.0, 1.0)
@@ -275,12 +271,6 @@ def test_a_ranks_spike_holds_it_until_stopped_and_a_later_question_is_answered_a
         assert (found[0].kind, found[0].step, found[0].suspect_ranks) == ("spike", 5, [0])  # (agent: stops here)
         t1 = time.monotonic()
         assert clients[1].ask(5, 5.0) is False and time.monotonic() - t1 < 1.0
-    finally:
-        stop.set()
-        loop.join(timeout=5)
-        mon.close()
-        for c in clients.values():
-            c.sock.close()
 
 
 def test_a_rank_warns_once_when_the_monitor_stops_reading(tmp_path, ring_env, monkeypatch, caplog):
