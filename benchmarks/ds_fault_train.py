@@ -8,11 +8,14 @@ The same script runs under ``robust run``, ``torchrun --max-restarts`` and NVIDI
   parameter hashes agree and the node monitor saw no fault (both no-ops outside ``robust run``);
 - every rank appends one JSON line per completed step to ``<step-log-dir>/steps-rank<R>.jsonl``:
   ``{"step", "t" (time.time() at the step's end), "dt" (its wall seconds), "inc" (incarnation),
-  "pid"}``; the benchmark measures recovery from these lines and ``faults.jsonl``;
+  "pid", "wd" (the watchdog calls' wall seconds), "snap" (the memory snapshot's blocking in the
+  step, with ``--memory``)}``; the benchmark measures recovery from these lines and ``faults.jsonl``;
 - ``--kill-at R:S`` (for launchers without ``--inject``): rank R SIGKILLs itself after step S in
   the first incarnation only, after logging ``{"kill": S, "t": ...}``;
 - ``--seconds T``: instead of a step count, train until T seconds after the first start (the ETTR
-  run: a wall-clock budget shared by every incarnation through ``<step-log-dir>/t0``).
+  run: a wall-clock budget shared by every incarnation through ``<step-log-dir>/t0``);
+- ``--memory``: the plugin's checkpoint block (a snapshot every ``--memory-every`` steps, persisted
+  every ``--save-every``) instead of the script's own saves.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def main() -> None:
                    help="the plugin's checkpoint block instead of the script's own saves: a memory snapshot "
                         "every step, persisted to --ckpt-dir every --save-every steps in the background; "
                         "under robust run the engine resumes inside deepspeed.initialize")
+    p.add_argument("--memory-every", type=int, default=1, help="with --memory: snapshot every this many steps")
     args = p.parse_args()
     if args.memory and args.emergency:
         p.error("--memory and --emergency are two different checkpoint setups: pick one")
@@ -93,7 +97,7 @@ def main() -> None:
     if args.emergency:
         config["robust_plugins"] = {"checkpoint": {"dir": args.ckpt_dir, "emergency_save": True}}
     if args.memory:
-        config["robust_plugins"] = {"checkpoint": {"dir": args.ckpt_dir, "memory_every": 1,
+        config["robust_plugins"] = {"checkpoint": {"dir": args.ckpt_dir, "memory_every": args.memory_every,
                                                    "persist_every": args.save_every}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     # With --memory the engine has already resumed (memory -> peer -> disk) inside initialize.
@@ -101,6 +105,7 @@ def main() -> None:
         engine.load_checkpoint(args.ckpt_dir)
     start = engine.global_steps + 1
     corpus = load_corpus(max_bytes=200_000)
+    snaps = engine.robust_plugins.memory if args.memory else None
     log = open(logs / f"steps-rank{rank}.jsonl", "a", buffering=1)
     loss_value = None
     wd_wall = wd_cpu = 0.0
@@ -120,7 +125,14 @@ def main() -> None:
                          micro_batch=MICRO_BATCH, seq_len=model.cfg.seq_len)
         loss = engine(x, y)
         engine.backward(loss)
+        # The snapshot's blocking in this step (the ETTR charges it): the new snapshot's part,
+        # plus the wait for the previous one's background copy, which the binding adds to the
+        # previous entry (patches/deepspeed_memory.py).
+        n0 = len(snaps.blocking_s) if snaps is not None else 0
+        last0 = snaps.blocking_s[-1] if n0 else 0.0
         engine.step()
+        blk = (sum(snaps.blocking_s[n0:]) + (snaps.blocking_s[n0 - 1] - last0 if n0 else 0.0)
+               if snaps is not None else 0.0)
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         loss_value = float(mean) / world
@@ -140,7 +152,7 @@ def main() -> None:
         wd_cpu += wd_c
         wd_steps += 1
         log.write(json.dumps({"step": step, "t": time.time(), "dt": dt, "inc": inc, "pid": os.getpid(),
-                              "wd": wd, "wd_cpu": wd_c}) + "\n")
+                              "wd": wd, "wd_cpu": wd_c, "snap": blk}) + "\n")
         # save_checkpoint is collective: every rank gets the same answer from the node monitor.
         if not args.memory and step % args.save_every == 0 and agree and watchdog.ok_to_save(step):
             engine.save_checkpoint(args.ckpt_dir)

@@ -18,9 +18,16 @@ default warm standby workers (each row also gives its job's own cold start, laun
 step, and the table ends with warm recovery / cold start); ``crash_emergency``: the crash with ZeRO 0 and the plugin's checkpoint block, whose
 emergency save (``patches/deepspeed_emergency.py``) writes the last step before the restart; ``torchrun`` and ``ft_launcher``: the same script with ``--kill-at`` (the rank
 kills itself; these launchers have no injection). ``ettr``: one job of ``--ettr-seconds`` with a
-random fault (kill, hang, NaN, spike; at a random rank) every ``--ettr-every`` seconds,
-ETTR = the summed wall time of the steps kept in the final result (each step counted once, by the
-incarnation whose result survived) / the job's wall time from launch to exit.
+random fault (kill, hang, NaN, spike; at a random rank) every ``--ettr-every`` seconds.
+ETTR = productive time / the job's wall time from launch to exit, where productive time sums,
+over the steps kept in the final result (each step counted once, by the incarnation whose result
+survived), rank 0's whole loop iteration (end of the previous step to the end of this one; its
+timed part for an incarnation's first step) minus what the plugin blocked in it: the watchdog
+calls and the memory snapshot's blocking, the slowest rank's (the next collective waits for it).
+What the background copy threads take from the shared cores is not subtracted (steps are slower
+for it; ``robust bench checkpoint`` measures it side by side). ``ettr_timed_steps``, the earlier
+figure, sums the kept steps' timed part (forward to the loss all-reduce, the snapshot's blocking
+inside it, the loop's other work outside it) instead.
 
 Run under the shared lock, the recovery rows in commands under 6 minutes (BENCHMARKS.md)::
 
@@ -28,8 +35,8 @@ Run under the shared lock, the recovery rows in commands under 6 minutes (BENCHM
     python benchmarks/recovery_bench.py --rows spike sdc crash_emergency --repeats 3
     python benchmarks/recovery_bench.py --rows straggler torchrun ft_launcher --repeats 3 --nvrx-path DIR
     python benchmarks/recovery_bench.py --rows crash_cold crash_warm --repeats 3 --steps 40 --fault-step 25
-    python benchmarks/recovery_bench.py --rows ettr --ettr-seconds 600 --ettr-every 60 --ettr-step-s 0.05 \
-        --save-every 50 --seed 3     # the 10-minute ETTR run (about 11 minutes)
+    python benchmarks/recovery_bench.py --rows ettr --memory --ettr-seconds 600 --ettr-every 60 \
+        --ettr-step-s 0.05 --save-every 50 --seed 3     # the 10-minute ETTR run (about 11 minutes)
 
 ``ft_launcher`` needs ``nvidia-resiliency-ext`` importable; ``--nvrx-path DIR[:DIR]`` is prepended
 to ``PYTHONPATH`` for that row only (a throwaway ``pip install --target`` works).
@@ -211,15 +218,29 @@ def ettr_run(work: Path, args) -> dict:
     # The steps that count: for each step number, the latest incarnation that completed it (the
     # earlier completions of a replayed step were lost work). Step time: rank 0's wall time.
     kept: dict[int, dict] = {}
-    for s in steps:
-        if s["rank"] == 0 and (s["step"] not in kept or s["inc"] >= kept[s["step"]]["inc"]):
+    blocked: dict[tuple[int, int], float] = {}  # (incarnation, step) -> the slowest rank's blocking
+    prev: dict[int, dict] = {}
+    for s in sorted(steps, key=lambda s: (s["rank"], s["inc"], s["t"])):
+        key = (s["inc"], s["step"])
+        blocked[key] = max(blocked.get(key, 0.0), s.get("wd", 0.0) + s.get("snap", 0.0))
+        if s["rank"] != 0:
+            continue
+        p = prev.get(s["inc"])
+        s["loop"] = s["t"] - p["t"] if p is not None and p["step"] == s["step"] - 1 else s["dt"]
+        prev[s["inc"]] = s
+        if s["step"] not in kept or s["inc"] >= kept[s["step"]]["inc"]:
             kept[s["step"]] = s
-    productive = sum(s["dt"] for s in kept.values())
-    all_steps = sum(s["dt"] for s in steps if s["rank"] == 0)
+    plugin = sum(blocked[(s["inc"], s["step"])] for s in kept.values())
+    productive = sum(s["loop"] for s in kept.values()) - plugin
+    timed = sum(s["dt"] for s in kept.values())
     return {"injected": injects, "rc": job["rc"], "wall_s": round(wall, 1),
+            "memory_every": args.memory_every if MEMORY else None,
             "faults": [(f["kind"], f["step"], f["suspect_ranks"], f["action"]) for f in job["faults"]],
-            "steps_kept": len(kept), "productive_s": round(productive, 1),
-            "steps_done_s": round(all_steps, 1), "ettr": round(productive / wall, 3),
+            "steps_kept": len(kept), "productive_s": round(productive, 1), "plugin_blocking_s": round(plugin, 1),
+            "ettr": round(productive / wall, 3), "ettr_timed_steps": round(timed / wall, 3),
+            # Work done and then lost to a rollback or restart (steps trained twice).
+            "retrained_s": round(sum(s["loop"] for s in steps if s["rank"] == 0)
+                                 - sum(s["loop"] for s in kept.values()), 1),
             "incarnations": 1 + max((s["inc"] for s in steps), default=0),
             "first_step_after_s": round(min(s["t"] for s in steps) - job["t0"], 1) if steps else None,
             "note": "" if job["rc"] == 0 else job["out"][-2000:]}
@@ -252,6 +273,8 @@ def main() -> None:
     p.add_argument("--ettr-seconds", type=float, default=300)
     p.add_argument("--ettr-every", type=float, default=60)
     p.add_argument("--ettr-step-s", type=float, default=0.25, help="expected step time (places the faults)")
+    p.add_argument("--memory-every", type=int, default=1,
+                   help="with --memory: a snapshot every this many steps (the recovery rows' targets assume 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
                    help="jobs per row, interleaved (row order repeated); the table gives medians and ranges")
@@ -265,7 +288,7 @@ def main() -> None:
         if bad:
             p.error(f"--memory with --rows {' '.join(bad)}: those rows keep their own checkpoint setup; "
                     f"--memory is for crash, crash_cold, crash_warm, hang, nan, spike, straggler, sdc and ettr")
-        MEMORY.append("--memory")
+        MEMORY.extend(["--memory", "--memory-every", str(args.memory_every)])
     S = args.fault_step
     hang = ["hang_min_timeout_s=3", "hang_initial_timeout_s=60"]
     specs = {
@@ -306,7 +329,7 @@ def main() -> None:
             row["repeat"] = rep
             rows.append(row)
             print(json.dumps(row), flush=True)
-    saves = (f"memory snapshot every step, persisted every {args.save_every} steps" if args.memory
+    saves = (f"memory snapshot every {args.memory_every} step(s), persisted every {args.save_every} steps" if args.memory
              else f"disk checkpoint every {args.save_every} steps")
     print(f"\n{args.nproc} ranks, DeepSpeed ZeRO-1 tiny GPT, {saves}, "
           f"fault at step {S}, {args.repeats} job(s) a row: median (min-max) ({root})")
