@@ -107,8 +107,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"inputs": inputs, "rows": rows}, indent=1))
         return 0
+    source = (" (default: Llama 3, 419 interruptions / 54 days / 16,384 GPUs)"
+              if args.failures_per_gpu_hour == model.LLAMA3_FAILURES_PER_GPU_HOUR else " (given)")
     print(f"robust plan: ETTR projected (robust_plugins/plan.py); failure rate {args.failures_per_gpu_hour:.3g} "
-          f"per GPU-hour (default: Llama 3, 419 interruptions / 54 days / 16,384 GPUs); step {args.step_s} s; "
+          f"per GPU-hour{source}; step {args.step_s} s; "
           f"recovery {', '.join(f'{k} {v} s' for k, v in recoveries.items())}; start {args.start_s} s; "
           f"snapshot {args.snapshot_block_s} s, persist {args.persist_block_s} s blocking; "
           f"disk share {args.disk_share}; job {args.job_days:g} days")
