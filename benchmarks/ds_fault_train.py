@@ -68,6 +68,8 @@ def main() -> None:
                         "under robust run the engine resumes inside deepspeed.initialize")
     p.add_argument("--memory-every", type=int, default=1, help="with --memory: snapshot every this many steps")
     args = p.parse_args()
+    if args.memory_every < 1 or (args.memory_every != 1 and not args.memory):
+        p.error(f"--memory-every {args.memory_every}: an interval of 1 or more steps, and only with --memory")
     if args.memory and args.emergency:
         p.error("--memory and --emergency are two different checkpoint setups: pick one")
     torch.set_num_threads(1)

@@ -283,6 +283,10 @@ def main() -> None:
                    help="robust run rows: a memory snapshot every step, persisted every --save-every steps "
                         "(ds_fault_train.py --memory) instead of the script's own disk checkpoints")
     args = p.parse_args()
+    if args.memory_every < 1:
+        p.error(f"--memory-every {args.memory_every}: a snapshot interval in steps, 1 or more")
+    if args.memory_every != 1 and not args.memory:
+        p.error(f"--memory-every {args.memory_every} needs --memory (without it there are no snapshots)")
     if args.memory:
         bad = [r for r in args.rows if r in ("crash_emergency", "torchrun", "ft_launcher")]
         if bad:
