@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -162,31 +162,60 @@ def measure_bf16_allreduce(sample: torch.Tensor, group_size: int, error_feedback
 
 
 def measure_link(group, given_gbit: float | None, probe_bytes: int) -> tuple[float, float, int]:
-    """(latency s, seconds per bus byte, size) of one all-reduce on ``group``, unagreed: the best
-    of 3 one-element all-reduces, then one of ``probe_bytes`` (skipped when the rate is given,
-    ``given_gbit``)."""
+    """(latency s, seconds per bus byte, size) of one all-reduce on ``group``, unagreed (see
+    :func:`measure_links`)."""
+    return measure_links({"link": group}, {"link": given_gbit}, probe_bytes)["link"]
+
+
+#: Timed one-element all-reduces per link; the best counts.
+LATENCY_ROUNDS = 5
+
+
+def measure_links(groups: Mapping[str, Any], given_gbit: Mapping[str, float | None],
+                  probe_bytes: int) -> dict[str, tuple[float, float, int]]:
+    """(latency s, seconds per bus byte, size) of one all-reduce on each of ``groups`` (by kind;
+    ``None`` is the default group), unagreed: the best of :data:`LATENCY_ROUNDS` one-element
+    all-reduces, then one of ``probe_bytes`` (skipped where ``given_gbit`` gives the rate).
+
+    The latency samples of the kinds are interleaved and each starts at a barrier of its group:
+    auto compares routes built from these latencies (the flat all-reduce against the node and
+    rail steps), and on shared cores a slow spell that hit only one kind's samples made the
+    flat all-reduce look 4x slower than the other two together (8.9 ms against ~2 ms in the
+    next probe of the same job) and picked the hierarchy on a fast link.
+    """
     import torch.distributed as dist
 
-    w = dist.get_world_size(group)
-    if w <= 1:
-        return 0.0, 0.0, w
+    out: dict[str, tuple[float, float, int]] = {}
+    live = {}
+    for kind, group in groups.items():
+        w = dist.get_world_size(group)
+        if w <= 1:
+            out[kind] = (0.0, 0.0, w)
+        else:
+            live[kind] = (group, w, collective_device(group), _ranks_of(group))
     # On the device the group's backend moves (CUDA on NCCL), timed by its clock (CUDA events
     # after the collective joined the current stream), after a warm-up of each size per group
     # on a GPU: NCCL builds its communicator at the first collective.
-    device, ranks = collective_device(group), _ranks_of(group)
-    tiny = torch.zeros(1, device=device)
-    WARMUP.ensure(("link tiny", ranks), lambda: dist.all_reduce(tiny, group=group), device)
-    lat = []
-    for _ in range(3):
+    tiny = {kind: torch.zeros(1, device=device) for kind, (_, _, device, _) in live.items()}
+    for kind, (group, _, device, ranks) in live.items():
+        WARMUP.ensure(("link tiny", ranks), lambda t=tiny[kind], g=group: dist.all_reduce(t, group=g), device)
+    lat: dict[str, list[float]] = {kind: [] for kind in live}
+    for _ in range(LATENCY_ROUNDS):
+        for kind, (group, _, device, _) in live.items():
+            dist.barrier(group=group)
+            clock = Clock(device).start()
+            dist.all_reduce(tiny[kind], group=group)
+            lat[kind].append(clock.stop())
+    for kind, (group, w, device, ranks) in live.items():
+        latency = min(lat[kind])
+        if given_gbit.get(kind) is not None:
+            out[kind] = (latency, 8 / (given_gbit[kind] * 1e9), w)
+            continue
+        buf = torch.zeros(max(probe_bytes // 4, 1), device=device)
+        WARMUP.ensure(("link buf", ranks, buf.numel()), lambda b=buf, g=group: dist.all_reduce(b, group=g), device)
+        dist.barrier(group=group)
         clock = Clock(device).start()
-        dist.all_reduce(tiny, group=group)
-        lat.append(clock.stop())
-    latency = min(lat)
-    if given_gbit is not None:
-        return latency, 8 / (given_gbit * 1e9), w
-    buf = torch.zeros(max(probe_bytes // 4, 1), device=device)
-    WARMUP.ensure(("link buf", ranks, buf.numel()), lambda: dist.all_reduce(buf, group=group), device)
-    clock = Clock(device).start()
-    dist.all_reduce(buf, group=group)
-    elapsed = max(clock.stop() - latency, 1e-9)
-    return latency, elapsed / (2 * (w - 1) / w * buf.numel() * 4), w
+        dist.all_reduce(buf, group=group)
+        elapsed = max(clock.stop() - latency, 1e-9)
+        out[kind] = (latency, elapsed / (2 * (w - 1) / w * buf.numel() * 4), w)
+    return out

@@ -247,7 +247,8 @@ def choose_route(
     :func:`choose_codec`). The times compared are ``measured`` (trial runs, for the routes that
     were run) when given, else the predictions of
     :func:`predict_route_seconds`. The fastest exact route (codec ``none``) wins unless a lossy
-    route is at least ``min_gain`` faster than it.
+    route is at least ``min_gain`` faster than it; of the exact routes, ``hier none`` only where it
+    is at least ``min_gain`` faster than ``flat none``.
     """
     if not 0 <= min_gain < 1:
         raise ConfigError(f"min_gain = {min_gain!r} must lie in [0, 1).")
@@ -267,8 +268,18 @@ def choose_route(
     best = min(times, key=lambda r: (times[r], not r.endswith(" none"), r))
     exact = [r for r in times if r.endswith(" none")]
     pick, reason = best, f"{best} {how} fastest"
+    base = min(exact, key=lambda r: (times[r], r)) if exact else None
+    if base == "hier none" and "flat none" in times:
+        # The hierarchy's three collectives replace one only when clearly faster, as a lossy
+        # route must be: within min_gain, the estimates' noise (a latency sample on shared
+        # cores) would decide, and the two would swap between launches of one job.
+        gain = 1 - times[base] / times["flat none"]
+        if gain < min_gain:
+            base = "flat none"
+            if best == "hier none":
+                pick = base
+                reason = f"hier none {how} only {gain:.0%} faster than flat none (< min_gain {min_gain:.0%})"
     if not best.endswith(" none") and exact:
-        base = min(exact, key=lambda r: (times[r], r))
         gain = 1 - times[best] / times[base]
         if gain < min_gain:
             pick = base

@@ -40,6 +40,7 @@ from robust_plugins.comm.auto_measure import (  # noqa: F401  (measurements; re-
     measure_bf16_allreduce,
     measure_codec,
     measure_link,
+    measure_links,
     timed_runs,
 )
 from robust_plugins.comm.auto_model import (  # noqa: F401  (the cost model; re-exported)
@@ -203,10 +204,11 @@ class AutoCodec:
         w = dist.get_world_size(group)
         costs = {c: measure_codec(c, sample[: self.sample_numel], w, self.block_size, self.bf16_error_feedback)
                  for c in self.candidates if c != "none"}
-        none = (0.0, 0.0, 1)  # no hierarchy: a node and a rail of one rank each
-        measured = {"flat": self._link(group, self.link_gbit),
-                    "intra": none if intra is None else self._link(intra, None),
-                    "rail": none if rail is None else self._link(rail, self.link_gbit)}
+        kinds = {"flat": group} | {k: g for k, g in (("intra", intra), ("rail", rail)) if g is not None}
+        measured = measure_links(kinds, {"flat": self.link_gbit, "intra": None, "rail": self.link_gbit},
+                                 self.probe_bytes)
+        for kind in ("intra", "rail"):
+            measured.setdefault(kind, (0.0, 0.0, 1))  # no hierarchy: a node and a rail of one rank each
         names = sorted(costs)
         flat_values = [v for kind in ("flat", "intra", "rail") for v in measured[kind][:2]]
         agreed = _max_over_group(flat_values + [costs[c].seconds_per_element for c in names]

@@ -326,3 +326,61 @@ def test_the_old_gradient_sync_names_warn_and_answer_as_the_new_ones():
     with pytest.warns(DeprecationWarning, match="passthrough_reason"):
         assert sync.decide(10) == "below min_numel"
     assert sync.compress_key("site", 10) is None and sync.compress_key("site", 1000) == "site:2"
+
+
+def test_link_latencies_are_interleaved_barriered_and_the_best_counts(monkeypatch):
+    """auto compares the flat all-reduce against the node and rail steps built from these
+    latencies: their samples alternate (a slow spell hits every kind), each after a barrier of its
+    group, and each kind's fastest sample counts; a size-1 group sends nothing."""
+    import torch.distributed as dist
+
+    from robust_plugins.comm import auto_measure
+
+    calls, clock = [], {"t": 0.0}
+    slow = {"flat": [0.009, 0.009, 0.002, 0.009, 0.009], "intra": [0.001] * 5, "rail": [0.003] * 5}
+
+    class FakeClock:
+        def __init__(self, device):
+            pass
+
+        def start(self):
+            self.t0 = clock["t"]
+            return self
+
+        def stop(self):
+            return clock["t"] - self.t0
+
+    def all_reduce(t, group):
+        calls.append(("all_reduce", group, t.numel()))
+        if t.numel() == 1:
+            clock["t"] += slow[group].pop(0)
+        else:
+            clock["t"] += 0.5
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group: {"flat": 4, "intra": 2, "rail": 2, "one": 1}[group])
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "barrier", lambda group: calls.append(("barrier", group)))
+    monkeypatch.setattr(auto_measure, "collective_device", lambda group: torch.device("cpu"))
+    monkeypatch.setattr(auto_measure, "_ranks_of", lambda group: (group,))
+    monkeypatch.setattr(auto_measure, "Clock", FakeClock)
+    out = auto_measure.measure_links({"flat": "flat", "intra": "intra", "rail": "rail", "none": "one"},
+                                     {"flat": 1000.0, "intra": None, "rail": 1000.0}, probe_bytes=4096)
+    tiny = [c[1] for c in calls if c[0] == "all_reduce" and c[2] == 1]
+    assert tiny == ["flat", "intra", "rail"] * auto_measure.LATENCY_ROUNDS
+    assert all(calls[i - 1] == ("barrier", c[1]) for i, c in enumerate(calls) if c[0] == "all_reduce")
+    assert out["flat"][0] == pytest.approx(0.002) and out["rail"][0] == pytest.approx(0.003)
+    assert out["flat"][1] == pytest.approx(8 / 1e12) and out["none"] == (0.0, 0.0, 1)
+    # The node link's rate is measured: one 1024-element all-reduce, its latency taken off.
+    assert [c for c in calls if c[0] == "all_reduce" and c[2] > 1] == [("all_reduce", "intra", 1024)]
+    assert out["intra"] == (pytest.approx(0.001), pytest.approx((0.5 - 0.001) / (1024 * 4)), 2)
+
+
+def test_hier_none_replaces_flat_none_only_by_min_gain():
+    lk = links(10, 10)
+    d = choose_route(N, lk, COSTS, per_node=2, measured={"flat none": 0.100, "hier none": 0.095})
+    assert d.route == "flat none" and "hier none measured only 5% faster than flat none" in d.reason, d.reason
+    d = choose_route(N, lk, COSTS, per_node=2, measured={"flat none": 0.100, "hier none": 0.080})
+    assert d.route == "hier none" and d.reason == "hier none measured fastest", d.reason
+    # A lossy route is weighed against the exact route that stands: here flat none.
+    d = choose_route(N, lk, COSTS, per_node=2, measured={"flat none": 0.100, "hier none": 0.095, "hier int8": 0.092})
+    assert d.route == "flat none" and "only 8% faster than flat none" in d.reason, d.reason
