@@ -501,3 +501,28 @@ def _start_grad_sync(group, name: str, plugin: MegatronPlugin):
         group.grad_reduce_handle = plugin.thread.submit(name, work, tensors)
 
     return start_grad_sync
+
+
+def destroy_parallel_state() -> list[str]:
+    """Destroy megatron-core's model-parallel groups and drop every group its ``parallel_state``
+    still holds; the names of the globals that megatron's own teardown left set.
+
+    Why: ``torch.distributed.destroy_process_group()`` forgets the groups but not the objects,
+    and a group object that outlives it is destroyed during interpreter shutdown, with its gloo
+    threads still running: the rank then sometimes aborts after training finished
+    (``terminate called without an active exception``, exit -6; seen in CI on a megatron recipe
+    rank). megatron-core 0.16's ``destroy_model_parallel`` leaves
+    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` and its ``_GLOO`` twin set (3 gloo groups, 9
+    threads alive at exit on 2 CPU ranks).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    group_types = (dist.ProcessGroup,)
+    left = sorted(name for name, value in vars(ps).items()
+                  if name.isupper() and name.startswith("_") and isinstance(value, group_types))
+    for name in left:
+        setattr(ps, name, None)
+    return left

@@ -54,6 +54,30 @@ def disable(ddp) -> None:
     patch.disable(ddp)
 
 
+def shutdown() -> None:
+    """End of a megatron-core job: destroy megatron's groups and the default group, and free them
+    now, while the interpreter is alive (call it once, last, on every rank).
+
+    A process group that outlives ``destroy_process_group`` is freed during interpreter shutdown
+    with its gloo threads running, and the rank then sometimes aborts after its work is done
+    (``terminate called without an active exception``, exit -6); megatron-core's own
+    ``destroy_model_parallel`` leaves two of its groups set
+    (:func:`robust_plugins.patches.megatron.destroy_parallel_state`).
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    from robust_plugins.patches import megatron as patch
+
+    left = patch.destroy_parallel_state()
+    if left:
+        log.debug("megatron-core's teardown left %s set; dropped", ", ".join(left))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # group objects in reference cycles (modules, DDP buffers) go now, not at exit
+
+
 def apply_rank_order(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, topology_file: str | None = None,
                      timeout: Any = None) -> dict[str, Any]:
     """Renumber this job's ranks so that megatron-core's groups follow the topology (collective).

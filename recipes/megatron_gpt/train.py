@@ -448,7 +448,9 @@ def main(argv: list[str] | None = None) -> int:
                 with open(args.out, "w") as f:
                     json.dump(result, f, indent=1)
     finally:
-        dist.destroy_process_group()
+        import robust_plugins.megatron as rpm
+
+        rpm.shutdown()
     return 0
 
 
