@@ -520,9 +520,8 @@ def destroy_parallel_state() -> list[str]:
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    group_types = (dist.ProcessGroup,)
     left = sorted(name for name, value in vars(ps).items()
-                  if name.isupper() and name.startswith("_") and isinstance(value, group_types))
+                  if name.isupper() and name.startswith("_") and isinstance(value, dist.ProcessGroup))
     for name in left:
         setattr(ps, name, None)
     return left
