@@ -6,12 +6,7 @@ Each rank keeps two *slots* (a double buffer), each one file in ``/dev/shm``::
     robust_plugins.<job>.r<src>.at<holder>.s<0|1>    rank <src>'s snapshot kept by rank <holder>
 
 ``<job>`` comes from :func:`job_key` (the same for every incarnation of one job, different for
-two jobs). A slot file is a 4 KiB header, the JSON schema of :mod:`~robust_plugins.checkpoint.flat`
-and the tensor bytes, each tensor 64-byte aligned::
-
-    0   magic "RPSNAP1\\0"   8  committed (u32)    12 format (u32)      16 step (i64)
-    24  rank (i32)          28 world size (i32)  32 schema length     40 data offset
-    48  data length         56 crc32 of schema + data                 64 job key (32 bytes)
+two jobs). The file's layout: :mod:`~robust_plugins.checkpoint.slot`.
 
 A save first clears the slot's ``committed`` word, copies into the pre-allocated mapping the
 tensors that may change before the next optimizer step (residuals, RNG, registered state: small),
@@ -38,21 +33,32 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import queue
 import re
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 
 from robust_plugins._logging import get_logger
-from robust_plugins.checkpoint import devcopy, flat
+from robust_plugins.checkpoint import devcopy, flat, replicas
+from robust_plugins.checkpoint.slot import (  # noqa: F401  (re-exported: peer, persist and tests use them here)
+    _ALIGN,
+    _FIELDS,
+    FORMAT,
+    HEADER_SIZE,
+    MAGIC,
+    Header,
+    Slot,
+    _align,
+    _crc,
+    _nbytes,
+    read_header,
+)
 from robust_plugins.errors import CheckpointError
 
 log = get_logger(__name__)
@@ -60,16 +66,6 @@ log = get_logger(__name__)
 #: Where snapshots live: POSIX shared memory (tmpfs) on Linux.
 SHM_ROOT = "/dev/shm"
 PREFIX = "robust_plugins"
-MAGIC = b"RPSNAP1\0"
-FORMAT = 1
-HEADER_SIZE = 4096
-_FIELDS = struct.Struct("<8sIIqiiQQQI")  # up to and including crc32 (60 bytes)
-_JOB_OFF, _JOB_LEN = 64, 32
-_COMMITTED_OFF = 8
-_ALIGN = 64
-#: crc32 in 64 MiB pieces: zlib releases the GIL for each call, so training threads keep running.
-_CRC_CHUNK = 64 << 20
-
 ENV_JOB = "ROBUST_JOB_ID"
 
 #: Niceness added to the snapshot threads (Linux sets it per thread). Their copy, crc32 and peer
@@ -134,192 +130,6 @@ def remove_job(job: str, root: str = SHM_ROOT) -> int:
     return n
 
 
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-@dataclass(frozen=True)
-class Header:
-    """The fixed fields of a slot file."""
-
-    committed: bool
-    step: int
-    rank: int
-    world_size: int
-    schema_len: int
-    data_off: int
-    data_len: int
-    crc: int
-    job: str
-
-    @property
-    def total(self) -> int:
-        """Bytes of the file that hold the snapshot."""
-        return self.data_off + self.data_len
-
-
-def read_header(buf: Any) -> Header | None:
-    """The header of a mapped slot, or None if it is not a snapshot (wrong magic, too short)."""
-    if len(buf) < HEADER_SIZE:
-        return None
-    magic, committed, fmt, step, rank, world, slen, doff, dlen, crc = _FIELDS.unpack_from(buf, 0)
-    if magic != MAGIC or fmt != FORMAT:
-        return None
-    job = bytes(buf[_JOB_OFF:_JOB_OFF + _JOB_LEN]).rstrip(b"\0").decode("ascii", "replace")
-    return Header(bool(committed), step, rank, world, slen, doff, dlen, crc, job)
-
-
-def _crc(buf: Any, start: int, end: int) -> int:
-    view = memoryview(buf)
-    crc = 0
-    for off in range(start, end, _CRC_CHUNK):
-        crc = zlib.crc32(view[off:min(end, off + _CRC_CHUNK)], crc)
-    view.release()
-    return crc
-
-
-class Slot:
-    """One shared-memory file, mapped read-write; grown (never shrunk) when a snapshot needs it."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: int | None = None
-        self._map: mmap.mmap | None = None
-        self._bytes: torch.Tensor | None = None
-        self.busy = threading.Event()
-        """Set while the background thread owns this slot (checksum, commit, peer send)."""
-        self.unpin: Callable[[], Any] | None = None
-        """Unregisters the mapping from CUDA (set by :mod:`~robust_plugins.checkpoint.devcopy`)."""
-
-    def open_existing(self) -> bool:
-        """Map the file if it exists (a previous incarnation's snapshot); False if absent."""
-        if not os.path.exists(self.path):
-            return False
-        self._remap(None)
-        return True
-
-    def ensure(self, size: int) -> None:
-        """Create or grow the file to at least ``size`` bytes and map it."""
-        if self._map is not None and len(self._map) >= size:
-            return
-        self._remap(size)
-
-    def _remap(self, size: int | None) -> None:
-        self.unmap()
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            have = os.fstat(fd).st_size
-            if size is not None and have < size:
-                try:
-                    os.posix_fallocate(fd, 0, size)  # fail now (ENOSPC) rather than SIGBUS mid-copy
-                except OSError as exc:
-                    raise CheckpointError(
-                        f"Cannot reserve {size / 2**20:.1f} MiB for an in-memory snapshot in {self.path} "
-                        f"({exc}). /dev/shm is full or too small: enlarge it (docker --shm-size, or "
-                        f"`mount -o remount,size=... /dev/shm`) or turn memory_every off."
-                    ) from exc
-                have = size
-            if have == 0:
-                os.close(fd)
-                return
-            self._fd, self._map = fd, mmap.mmap(fd, have)
-        except BaseException:
-            if self._fd is None:
-                os.close(fd)
-            raise
-        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-
-    @property
-    def buf(self) -> mmap.mmap:
-        """The mapping (raises if the slot is not mapped)."""
-        if self._map is None:
-            raise CheckpointError(f"snapshot slot {self.path} is not mapped")
-        return self._map
-
-    def bytes(self) -> torch.Tensor:
-        """The mapping as a uint8 tensor (shares memory with the file)."""
-        if self._bytes is None:
-            raise CheckpointError(f"snapshot slot {self.path} is not mapped")
-        return self._bytes
-
-    def header(self) -> Header | None:
-        """The slot's header, or None when unmapped or not a snapshot."""
-        return read_header(self._map) if self._map is not None else None
-
-    def set_committed(self, value: bool) -> None:
-        """Write the committed word (a single aligned 4-byte store)."""
-        struct.pack_into("<I", self.buf, _COMMITTED_OFF, int(value))
-
-    def write_header(self, h: Header) -> None:
-        """Write every field but ``committed`` (left as it is: 0 during a save)."""
-        committed = struct.unpack_from("<I", self.buf, _COMMITTED_OFF)[0]
-        _FIELDS.pack_into(self.buf, 0, MAGIC, committed, FORMAT, h.step, h.rank, h.world_size,
-                          h.schema_len, h.data_off, h.data_len, h.crc)
-        job = h.job.encode("ascii")[:_JOB_LEN]
-        self.buf[_JOB_OFF:_JOB_OFF + _JOB_LEN] = job.ljust(_JOB_LEN, b"\0")
-
-    def problem(self, job: str, world_size: int, rank: int | None = None) -> str | None:
-        """Why this slot must not be restored by ``rank`` of a ``world_size`` job, or None."""
-        h = self.header()
-        if h is None:
-            return "not a snapshot (empty or wrong magic)"
-        if not h.committed:
-            return f"step {h.step} was never committed (the process died while writing it)"
-        if h.job != job:
-            return f"belongs to job {h.job}, not {job}"
-        if h.world_size != world_size:
-            return f"taken at world size {h.world_size}, this job has {world_size}"
-        if rank is not None and h.rank != rank:
-            return f"holds rank {h.rank}'s state, not rank {rank}'s"
-        if h.total > len(self.buf):
-            return f"truncated ({len(self.buf)} bytes, header says {h.total})"
-        crc = _crc(self.buf, HEADER_SIZE, h.total)
-        if crc != h.crc:
-            return f"step {h.step}: crc32 {crc:08x} != {h.crc:08x} (corrupted)"
-        return None
-
-    def read(self, allowed: Mapping[str, type] | None = None) -> tuple[int, Any]:
-        """(step, state) with every tensor cloned out of the mapping."""
-        h = self.header()
-        raw = bytes(self.buf[HEADER_SIZE:HEADER_SIZE + h.schema_len])
-        try:
-            schema = json.loads(raw.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"snapshot {self.path}: schema is not JSON ({exc})") from None
-        specs = flat.tensor_specs(schema)
-        offsets = schema.get("offsets")
-        if not isinstance(offsets, list) or len(offsets) != len(specs):
-            raise CheckpointError(f"snapshot {self.path}: schema has no offset for every tensor")
-        data = self.bytes()
-        tensors = []
-        for (dtype, shape), off in zip(specs, offsets):
-            n = _nbytes(dtype, shape)
-            start = h.data_off + off
-            if not isinstance(off, int) or off < 0 or start + n > h.total:
-                raise CheckpointError(f"snapshot {self.path}: tensor at {off!r} lies outside the data")
-            tensors.append(data[start:start + n].view(dtype).view(shape).clone())
-        return h.step, flat.unflatten(schema, tensors, allowed)
-
-    def unmap(self) -> None:
-        """Drop the mapping (the file stays)."""
-        if self.unpin is not None:
-            self.unpin()
-            self.unpin = None
-        self._bytes = None
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
-
 
 @dataclass(frozen=True)
 class SnapshotInfo:
@@ -337,14 +147,24 @@ class SnapshotStore:
     checksum and commit run on one background thread, in order, and ``after_commit(slot)`` (the
     peer send) on a second one. A failure there is logged at once and raised as CheckpointError
     by the next ``save``, ``settle`` or ``flush``.
+
+    ``verify(slot, step, ranges)``, when given, runs on the first thread after each commit of a
+    save that named its ``replicated`` tensors (:mod:`~robust_plugins.checkpoint.replicas`): False
+    means the replicas disagree, and that snapshot is neither handed to ``after_commit`` (no peer
+    copy, no disk save of it) nor counted as good (:meth:`verdict`).
     """
 
     def __init__(self, job: str, rank: int, world_size: int, root: str = SHM_ROOT,
                  allowed: Mapping[str, type] | None = None,
-                 after_commit: Callable[[int, Slot], None] | None = None) -> None:
+                 after_commit: Callable[[int, Slot], None] | None = None,
+                 verify: Callable[[Slot, int, list[tuple[int, int]]], bool] | None = None) -> None:
         self.job, self.rank, self.world_size, self.root = job, rank, world_size, root
         self.allowed = dict(allowed or {})
         self.after_commit = after_commit
+        self.verify = verify
+        self._verified: threading.Event | None = None
+        self.bad_step: int | None = None
+        """Step of a snapshot whose replicas disagreed (``verify`` returned False), or None."""
         self.slots = [Slot(os.path.join(root, own_name(job, rank, i))) for i in range(2)]
         for s in self.slots:
             s.open_existing()
@@ -370,7 +190,7 @@ class SnapshotStore:
 
     # --------------------------------------------------------------------------------- save
     def save(self, step: int, state: Any, replace_newest: bool = False, defer: set[int] | None = None,
-             timeout_s: float = 600.0) -> float:
+             timeout_s: float = 600.0, replicated: set | None = None) -> float:
         """Snapshot ``state`` as ``step``; returns the seconds the caller was blocked.
 
         ``replace_newest``: write into the slot of the newest snapshot instead of the other one
@@ -383,12 +203,22 @@ class SnapshotStore:
         counter is read here and again after its copy, and a tensor changed in place in between
         fails the snapshot (never committed; the next ``save``/``settle`` raises). Writes through
         another alias (``.data``, a flat buffer the tensor is a view of) do not move the counter:
-        ``settle`` before anything changes them is what keeps the copy exact."""
+        ``settle`` before anything changes them is what keeps the copy exact.
+
+        ``replicated``: :func:`~robust_plugins.checkpoint.replicas.replicated_keys` of the
+        parameters every data-parallel replica holds alike; with a ``verify`` hook their bytes in
+        the slot are checked against the replicas after the commit."""
         t0 = time.perf_counter()
         self._raise_if_failed()
         # The previous snapshot's deferred copy reads the same tensors this one will: let it
         # finish first (normally long done: the optimizer step before this save waited for it).
         self.settle(timeout_s)
+        if self.verdict(timeout_s) is not None:
+            # The slot this save would overwrite holds the newest snapshot the replicas agreed on.
+            raise CheckpointError(
+                f"rank {self.rank}: the replicas' parameters differed in the snapshot of step {self.bad_step} "
+                f"(silent data corruption); no later snapshot is taken, so the one before it stays in memory "
+                f"for the rollback. Under robust run the job is rolled back; restart it from that snapshot.")
         paths: list | None = [] if defer else None
         schema, tensors = flat.flatten(state, self.allowed, paths)
         key = tuple((t.dtype, tuple(t.shape)) for t in tensors)
@@ -427,14 +257,18 @@ class SnapshotStore:
                 devcopy.copy_into(buf[data_off + off:data_off + off + n].view(t.dtype).view(t.shape), t, copier)
         if copier is not None:
             copier.fence_inline()
+        ranges = None
+        if self.verify is not None and replicated:
+            ranges = replicas.replica_ranges(tensors, offsets, data_off, replicated)
         buf[HEADER_SIZE:HEADER_SIZE + len(schema_bytes)] = torch.frombuffer(bytearray(schema_bytes), dtype=torch.uint8)
         slot.write_header(Header(False, step, self.rank, self.world_size, len(schema_bytes), data_off,
                                  data_len, 0, self.job))
         self._next = 1 - index
         slot.busy.set()
         self._settled = settled = threading.Event()
+        self._verified = verified = threading.Event() if ranges is not None else None
         self._ensure_thread()
-        self._queue.put((index, slot, step, later, settled, copier))
+        self._queue.put((index, slot, step, later, settled, copier, ranges, verified))
         self.last_blocking_s = time.perf_counter() - t0
         return self.last_blocking_s
 
@@ -453,6 +287,17 @@ class SnapshotStore:
                                   f"(its copy or checksum is stuck on the snapshot thread)")
         self._raise_if_failed()
         return time.perf_counter() - t0
+
+    def verdict(self, timeout_s: float = 600.0) -> int | None:
+        """Wait until the newest snapshot's replica check is done; the step of a snapshot whose
+        replicas disagreed (this process's first), or None. Raises CheckpointError if the check
+        failed (a replica did not answer) or does not end within ``timeout_s``."""
+        verified = self._verified
+        if verified is not None and not verified.wait(timeout_s):
+            raise CheckpointError(f"replica check of rank {self.rank}'s newest snapshot not done after "
+                                  f"{timeout_s:g} s (a replica does not answer)")
+        self._raise_if_failed()
+        return self.bad_step
 
     def _ensure_thread(self) -> None:
         # Two threads: one commits (crc32, committed flag), one runs after_commit (peer send,
@@ -487,7 +332,7 @@ class SnapshotStore:
                 if self.after_commit is not None:
                     self._after_queue.put(None)
                 return
-            index, slot, step, later, settled, copier = item
+            index, slot, step, later, settled, copier, ranges, verified = item
             handed = False
             try:
                 if self._error is None:
@@ -499,13 +344,23 @@ class SnapshotStore:
                     struct.pack_into("<I", slot.buf, 56, crc)
                     slot.set_committed(True)
                     self.committed_step = step
-                    if self.after_commit is not None:
+                    # The next optimizer step may change the tensors now; the replicas' verdict
+                    # is waited for only before the next snapshot (:meth:`verdict`).
+                    settled.set()
+                    if ranges is not None and not self.verify(slot, step, ranges):
+                        # Every replica sees the same mismatch and uncommits the same step, so
+                        # no restore can pick it, whatever the rollback bound says.
+                        slot.set_committed(False)
+                        self.bad_step = step
+                    elif self.after_commit is not None:
                         self._after_queue.put((index, slot, step))
                         handed = True
             except Exception as exc:  # noqa: BLE001 - reported now and raised by the next save
                 self._fail(step, exc)
             finally:
                 settled.set()
+                if verified is not None:
+                    verified.set()
                 if not handed:
                     slot.busy.clear()
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from robust_plugins.checkpoint import flat, memory
+from robust_plugins.checkpoint import flat, memory, slot
 from robust_plugins.checkpoint.peer import plan_peers
 from robust_plugins.checkpoint.restore import MEMORY, PEER, plan_restore
 from robust_plugins.errors import CheckpointError
@@ -193,12 +193,12 @@ def test_restore_plan_prefers_own_then_peer_and_needs_a_common_step():
 
 
 def test_header_layout_is_fixed():
-    assert memory._FIELDS.size == 60 and memory.HEADER_SIZE == 4096
-    buf = bytearray(memory.HEADER_SIZE)
-    memory._FIELDS.pack_into(buf, 0, memory.MAGIC, 1, memory.FORMAT, 5, 2, 4, 10, 8192, 64, 123)
-    h = memory.read_header(buf)
+    assert slot._FIELDS.size == 60 and slot.HEADER_SIZE == 4096
+    buf = bytearray(slot.HEADER_SIZE)
+    slot._FIELDS.pack_into(buf, 0, slot.MAGIC, 1, slot.FORMAT, 5, 2, 4, 10, 8192, 64, 123)
+    h = slot.read_header(buf)
     assert (h.committed, h.step, h.rank, h.world_size, h.total, h.crc) == (True, 5, 2, 4, 8256, 123)
-    assert struct.unpack_from("<I", buf, memory._COMMITTED_OFF)[0] == 1
+    assert struct.unpack_from("<I", buf, slot._COMMITTED_OFF)[0] == 1
 
 
 def test_after_a_rollback_memory_newer_than_the_bad_step_is_not_used(tmp_path):
