@@ -44,7 +44,7 @@ from robust_plugins.watchdog.inject_rank import (  # noqa: F401  (re-exported: t
     _hang_in_python,
     _hang_in_syscall,
 )
-from robust_plugins.watchdog.param_hash import minority_ranks, param_hash  # noqa: F401  (tests name it here)
+from robust_plugins.watchdog.param_hash import hash_message, minority_ranks, param_hash  # noqa: F401  (tests name it here)
 from robust_plugins.watchdog.ring import RingError, RingWriter
 
 log = get_logger(__name__)
@@ -257,17 +257,11 @@ class _Client:
         dist.all_gather(gathered, mine_t, group=group)
         hashes = {dist.get_global_rank(group, i) if group is not None else i: int(t.item())
                   for i, t in enumerate(gathered)}
-        minority, reason = minority_ranks(hashes)
-        msg = {"k": "hash", "s": step, "h": f"{mine & (2**64 - 1):016x}", "bad": minority,
-               "why": reason, "n": world}
-        if world <= MAX_HASHES_SENT:
-            # Every rank holds every hash after the all-gather: one datagram that arrives is
-            # then the whole evidence, also when a peer is stopped before its own is read.
-            msg["all"] = {str(r): f"{h & (2**64 - 1):016x}" for r, h in sorted(hashes.items())}
+        msg = hash_message(step, mine, hashes, max_sent=MAX_HASHES_SENT)
         # Waited for, unlike a step signal: a dropped hash is missing evidence (a replay's
         # verdict counts them), and it comes only every sdc_every_steps steps.
         self.send(msg, wait=True)
-        return not reason
+        return not msg["why"]
 
 
     def ok_to_save(self, step: int, timeout_s: float) -> bool:

@@ -112,7 +112,12 @@ class _MonitorDetectors:
             sdc = sorted((st.sdc for st in self.ranks.values() if st.sdc), key=lambda x: x[0])
         if sdc:
             # Every rank computed the same verdict from the same all-gathered hashes.
-            step, minority, reason, t = sdc[0]
+            step, minority, reason, t, every = sdc[0]
+            # How far back the corruption may go: to the previous check that agreed (the snapshot
+            # check runs at every snapshot and says so; check_params every sdc_every_steps).
+            checked = {"check_every": every or self.cfg.sdc_every_steps}
+            if every:
+                checked["checked_by"] = "snapshot"
             with self._lock:
                 rp = self._sdc_replay
                 replay = rp is not None and self.incarnation > rp["incarnation"] and step == rp["step"]
@@ -138,13 +143,13 @@ class _MonitorDetectors:
                     evidence=list(first.evidence),
                     detail={"reason": f"{reason}; the replay of step {step} from the checkpoint "
                                       f"corrupted the same ranks again: persistent",
-                            "check_every": self.cfg.sdc_every_steps, "replay": first.detail["replay"]},
+                            **checked, "replay": first.detail["replay"]},
                 ))
             action = "rollback" if will_restart else "report"
             fault = Fault(
                 kind="sdc", step=step, suspect_ranks=minority, suspect_hosts=[self.host],
                 detected_after_s=round(max(0.0, now_wall - t), 3), action=action,
-                detail={"reason": reason, "check_every": self.cfg.sdc_every_steps},
+                detail={"reason": reason, **checked},
             )
             if action == "rollback" and self.cfg.sdc_replay:
                 fault.detail["replay"] = {"verdict": "pending"}

@@ -187,7 +187,9 @@ class _MonitorIPC:
                     if len(self._hash_log[key]) >= len(self.ranks):
                         self._replay_verdict("transient", [])
                 elif msg.get("why") and st.sdc is None:
-                    st.sdc = (int(msg["s"]), [int(r) for r in msg["bad"]], str(msg["why"]), msg["t"])
+                    every = msg.get("every")
+                    st.sdc = (int(msg["s"]), [int(r) for r in msg["bad"]], str(msg["why"]), msg["t"],
+                              int(every) if isinstance(every, int) and every > 0 else None)
             elif kind == "end":
                 # A step as a datagram: from a rank without a ring.
                 self._on_step(st, msg["r"], int(msg["s"]), msg.get("l"), msg.get("g"), msg.get("w"),

@@ -20,8 +20,9 @@ class _RankState:
     """The rank reported through ``step_end`` at least once (only such ranks are watched for hangs)."""
     finished: bool = False
     """The rank's interpreter is exiting (it sent ``exit``): no more steps are expected."""
-    sdc: tuple[int, list[int], str, float] | None = None
-    """(step, minority ranks, reason, wall time) of the first parameter-hash mismatch seen."""
+    sdc: tuple[int, list[int], str, float, int | None] | None = None
+    """(step, minority ranks, reason, wall time, steps since the previous check that agreed, when
+    the rank said: the snapshot check) of the first parameter-hash mismatch seen."""
     spike: tuple[int, str, float, float, float] | None = None
     """(step, what, value, median, wall time) of the first spike reported in this incarnation."""
     bad_number: tuple[int, str, float | None, float] | None = None

@@ -78,3 +78,23 @@ def minority_ranks(hashes: dict[int, int]) -> tuple[list[int], str]:
         bad = sorted(r for g in ordered[1:] for r in g)
         return bad, f"ranks {bad} hold parameters that differ from the majority {ordered[0]}"
     return sorted(hashes), f"no majority among {len(hashes)} replicas ({len(groups)} different hashes)"
+
+
+def hash_message(step: int, mine: int, hashes: dict[int, int], every: int | None = None,
+                 max_sent: int = 256) -> dict:
+    """The ``hash`` datagram a rank sends its node monitor after a check of step ``step``.
+
+    ``mine``: this rank's hash; ``hashes``: every replica's, by global rank (all-gathered, so
+    every rank judges the same). ``every``: steps since the previous check that agreed, when it is
+    not the watchdog's ``sdc_every_steps`` (the snapshot check runs at every snapshot); a rollback
+    goes back that far. Up to ``max_sent`` replicas' hashes travel as evidence (16 bytes each)."""
+    minority, reason = minority_ranks(hashes)
+    msg = {"k": "hash", "s": step, "h": f"{mine & (2**64 - 1):016x}", "bad": minority, "why": reason,
+           "n": len(hashes)}
+    if every is not None:
+        msg["every"] = int(every)
+    if len(hashes) <= max_sent:
+        # Every rank holds every hash after the all-gather: one datagram that arrives is then the
+        # whole evidence, also when a peer is stopped before its own is read.
+        msg["all"] = {str(r): f"{h & (2**64 - 1):016x}" for r, h in sorted(hashes.items())}
+    return msg
