@@ -53,7 +53,7 @@ from typing import Any, Callable
 import torch
 
 from robust_plugins._logging import get_logger
-from robust_plugins.checkpoint import flat, memory
+from robust_plugins.checkpoint import flat, memory, replicas
 from robust_plugins.checkpoint.disk import DiskCheckpointer
 from robust_plugins.checkpoint.peer import PeerBackup, plan_peers
 from robust_plugins.checkpoint.persist import FORMAT as PERSIST_FORMAT
@@ -61,6 +61,7 @@ from robust_plugins.checkpoint.persist import SnapshotPersister, load_snapshot_c
 from robust_plugins.checkpoint.restore import restore_from_memory, rollback_bound
 from robust_plugins.device import device_rng_state, set_device_rng_state
 from robust_plugins.errors import CheckpointError, UnsupportedError
+from robust_plugins.watchdog import snapshot_check
 
 log = get_logger(__name__)
 
@@ -198,12 +199,33 @@ class SnapshotBinding:
         """Finish pending hand-offs; with ``remove`` delete this rank's shared-memory files."""
         self.finish_pending()
         self.store.close(remove=remove)
+        if getattr(self, "sdc", None) is not None:
+            self.sdc.close()
         if self.peers is not None:
             self.peers.close(remove=remove)
 
     def _module(self):
         """The model whose parameters a snapshot holds (set by each binding)."""
         raise NotImplementedError
+
+    def _replica_params(self) -> list:
+        """The parameters every data-parallel replica holds alike (the replica check hashes them)."""
+        return list(self._module().parameters())
+
+    def _replicated(self) -> set | None:
+        """Keys of those parameters for ``SnapshotStore.save`` (None without the replica check).
+        Cached: parameters are not re-allocated while training (a stale key fails loudly in
+        ``replicas.replica_ranges``), and listing them every step would be blocking time."""
+        if getattr(self, "sdc", None) is None:
+            return None
+        if getattr(self, "_replica_keys", None) is None:
+            self._replica_keys = replicas.replicated_keys(self._replica_params())
+        return self._replica_keys
+
+    def _before_snapshot(self, step: int) -> None:
+        # The previous snapshot's replica verdict (a mismatch holds), then an armed bit flip.
+        if getattr(self, "sdc", None) is not None:
+            self.sdc.before_snapshot(step, self._replica_params)
 
     def stable_tensors(self, state: dict) -> set[int] | None:
         """``data_ptr()`` of the captured tensors only the optimizer step changes (parameters and
@@ -227,6 +249,11 @@ class SnapshotBinding:
         self._unsettled = False
         t0 = time.perf_counter()
         self.store.settle(self.timeout_s)
+        if getattr(self, "sdc", None) is not None:
+            # The replicas' verdict on that snapshot, before this step changes anything: after a
+            # mismatch the rank holds here, so the step before the bad one stays its newest
+            # completed step (one step trained twice) and its snapshot stays in memory.
+            self.sdc.before_step()
         waited = time.perf_counter() - t0
         self.wait_s.append(waited)
         if self.blocking_s:
@@ -275,8 +302,7 @@ class MemorySnapshots(SnapshotBinding):
             # impossible there, and plan_peers then only keeps the copy off the source's node.
             if mpu is not None and hasattr(mpu, "get_model_parallel_group"):
                 groups.append(tdist.get_process_group_ranks(mpu.get_model_parallel_group()))
-            groups.append(tdist.get_process_group_ranks(engine.seq_data_parallel_group)
-                          if getattr(engine, "seq_data_parallel_group", None) is not None else list(range(self.world)))
+            groups.append(_replica_ranks(engine, self.world))
             holders = plan_peers(hosts, groups)
             self.peers = PeerBackup(self.job, self.rank, holders, group, timeout_s=self.timeout_s)
             if self.rank == 0:
@@ -290,6 +316,9 @@ class MemorySnapshots(SnapshotBinding):
                 cfg.dir)
         self.store = memory.SnapshotStore(self.job, self.rank, self.world, allowed=_allowed(),
                                           after_commit=self._after_commit)
+        self.sdc = snapshot_check.build(self.store, cfg.verify_replicas, _replica_ranks(engine, self.world),
+                                        self.every, self.timeout_s)
+        """The replica check of every snapshot under robust run (``verify_replicas``), or None."""
         self.background = cfg.memory_copy == "background"
         """Parameters and optimizer state copied on the snapshot thread (``memory_copy``)."""
         self.taken_at: int | None = None
@@ -299,7 +328,7 @@ class MemorySnapshots(SnapshotBinding):
         self.wait_s: list[float] = []
         """Of that, the waits at the optimizer step for the background copy (one a snapshot)."""
         self._unsettled = False
-        if self.background:
+        if self.background or self.sdc is not None:
             # Bound now, before the plugin's own step and load wrappers: they stack on top, so this
             # wait runs right before DeepSpeed's step and DeepSpeed's own load.
             from robust_plugins.patches import _guard
@@ -410,11 +439,13 @@ class MemorySnapshots(SnapshotBinding):
 
     def _save(self, n: int, replace_newest: bool = False) -> None:
         t0 = time.perf_counter()  # building the state dicts is blocking too
+        if not replace_newest:
+            self._before_snapshot(n)
         state = self.capture()
         self.store.save(n, state, replace_newest=replace_newest, defer=self.stable_tensors(state),
-                        timeout_s=self.timeout_s)
+                        timeout_s=self.timeout_s, replicated=self._replicated())
         self.blocking_s.append(time.perf_counter() - t0)
-        self._unsettled = self.background
+        self._unsettled = self.background or self.sdc is not None
 
     # ---------------------------------------------------------------------------------- hooks
     def _after_commit(self, _index: int, slot) -> None:
@@ -461,6 +492,15 @@ class MemorySnapshots(SnapshotBinding):
         self.apply(state)
         self.taken_at = step
 
+
+
+def _replica_ranks(engine, world: int) -> list[int]:
+    """Global ranks holding the same parameters as this one: ZeRO 1/2's data-parallel group (with
+    sequence parallelism, the group its gradients are reduced over), else every rank."""
+    import torch.distributed as tdist
+
+    group = getattr(engine, "seq_data_parallel_group", None)
+    return tdist.get_process_group_ranks(group) if group is not None else list(range(world))
 
 
 def _settle_before(original: Callable, settle: Callable[[], Any]) -> Callable:

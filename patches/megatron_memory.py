@@ -39,10 +39,20 @@ from robust_plugins.checkpoint import memory
 from robust_plugins.checkpoint.peer import PeerBackup, plan_peers
 from robust_plugins.checkpoint.restore import restore_from_memory, rollback_bound
 from robust_plugins.errors import CheckpointError, UnsupportedError
+from robust_plugins.watchdog import snapshot_check
 from robust_plugins.patches.deepspeed_memory import (SnapshotBinding, _note_crash, _rng_state,
                                                       _set_rng_state, record_restore)
 
 log = get_logger(__name__)
+
+
+def _replica_ranks() -> list[int]:
+    """Global ranks holding this rank's parameters: its data-parallel group with context
+    parallelism (context-parallel ranks hold the same weights)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    return dist.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=True))
 
 
 def _allowed() -> dict[str, type]:
@@ -83,6 +93,9 @@ class MegatronMemory(SnapshotBinding):
                 log.info("robust_plugins: peer backup holders %s (hosts %s)", holders, sorted(set(hosts)))
         self.store = memory.SnapshotStore(self.job, self.rank, self.world, allowed=_allowed(),
                                           after_commit=self._after_commit if self.peers is not None else None)
+        self.sdc = snapshot_check.build(self.store, config.verify_replicas, _replica_ranks(), self.every,
+                                        self.timeout_s)
+        """The replica check of every snapshot under robust run (``verify_replicas``), or None."""
         self.background = config.memory_copy == "background" and optimizer is not None
         """Parameters and optimizer state copied on the snapshot thread (``memory_copy``)."""
         self.taken_at: int | None = None
@@ -92,7 +105,8 @@ class MegatronMemory(SnapshotBinding):
         self.wait_s: list[float] = []
         """Of that, the waits at the optimizer step for the background copy (one a snapshot)."""
         self._unsettled = False
-        self._hook = optimizer.register_step_pre_hook(self._settle_in_step) if self.background else None
+        waits = self.background or (self.sdc is not None and optimizer is not None)
+        self._hook = optimizer.register_step_pre_hook(self._settle_in_step) if waits else None
         self.restored: dict | None = None
         """What the last restore used: ``{"step", "source", "seconds"}``."""
         sys.excepthook = _note_crash(sys.excepthook)
@@ -137,6 +151,11 @@ class MegatronMemory(SnapshotBinding):
     def _module(self):
         return self.ddp.module
 
+    def _replica_params(self) -> list:
+        # Expert parameters (megatron marks them allreduce=False) are replicated over the expert
+        # data-parallel group, not the data-parallel one: they are not compared.
+        return [p for p in self.ddp.module.parameters() if getattr(p, "allreduce", True)]
+
     # ---------------------------------------------------------------------------------- hooks
     def _after_commit(self, _index: int, slot) -> None:
         self.peers.exchange(slot)
@@ -146,10 +165,12 @@ class MegatronMemory(SnapshotBinding):
         if step % self.every == 0 and step != self.taken_at:
             self.taken_at = step
             t0 = time.perf_counter()  # building the state dicts is blocking too
+            self._before_snapshot(step)
             state = self.capture(step)
-            self.store.save(step, state, defer=self.stable_tensors(state), timeout_s=self.timeout_s)
+            self.store.save(step, state, defer=self.stable_tensors(state), timeout_s=self.timeout_s,
+                            replicated=self._replicated())
             self.blocking_s.append(time.perf_counter() - t0)
-            self._unsettled = self.background
+            self._unsettled = self._hook is not None
 
     def close(self, remove: bool) -> None:
         """Remove the optimizer hook, then finish and close as :meth:`SnapshotBinding.close`."""

@@ -66,6 +66,16 @@ class CheckpointConfig(Section):
     another node (outside its model-parallel groups when the layout allows), so a restart after
     losing a whole node restores from the peers."""
 
+    verify_replicas: bool = True
+    """With ``memory_every``, under ``robust run`` (unless its watchdog's ``sdc_every_steps`` is 0):
+    once each snapshot is committed, the snapshot thread hashes the parameters' bytes in it and
+    agrees on the hash with the other data-parallel replicas (16 bytes on a gloo group of its
+    own; the training loop does not wait for it). A mismatch is silent data corruption: that
+    snapshot is uncommitted on every rank, no later one is taken, and ``robust run`` rolls back to
+    the one before it, from memory (one step lost with ``memory_every: 1``), naming the ranks that
+    differ. ``false``: off (the SDC check is then ``watchdog.check_params`` alone). No effect
+    outside ``robust run``, or where a rank has no replica."""
+
     memory_copy: Literal[MEMORY_COPY_MODES] = "background"
     """With ``memory_every``: ``background`` copies parameters and optimizer state (which only the
     optimizer step changes) on the snapshot thread while the next forward and backward run; the

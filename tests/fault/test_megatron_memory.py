@@ -62,3 +62,23 @@ def test_random_sigkill_resumes_from_memory_bitwise(tmp_path, clean, draw):
     assert job.result["losses"] == clean.result["losses"][resumed:], where
     assert "in-memory snapshots skipped" in clean.output  # the first incarnation found none and said so
     assert _shm_files(clean) == [] and _shm_files(job) == []
+
+
+def test_a_bit_flip_is_rolled_back_one_snapshot_from_memory_bitwise(tmp_path, clean, draw):
+    """No --max-restarts and no watchdog option: the snapshot of step S holds the flipped bit,
+    its replica check finds it (both ranks named: two replicas have no majority), and the job
+    resumes from S-1 in memory and ends bitwise equal to the clean run."""
+    rank, step = draw.randrange(2), draw.randrange(3, STEPS - 2)
+    where = f"(bitflip:rank={rank},step={step}, ROBUST_TEST_SEED={draw.seed_value})"
+    job = robust_run(tmp_path / "flip", 2, "--inject", f"bitflip:rank={rank},step={step}", timeout_s=150,
+                     script=SCRIPT)
+    assert job.returncode == 0, f"{where}\n{job.output[-3000:]}"
+    (fault,) = job.faults
+    assert (fault["kind"], fault["step"], fault["action"], fault["suspect_ranks"]) == \
+        ("sdc", step, "rollback", [0, 1]), (where, fault)
+    assert fault["detail"]["checked_by"] == "snapshot", (where, fault)
+    restores = [r for r in _restores(job) if r["incarnation"] > 0]
+    assert {(r["rank"], r["step"], r["source"]) for r in restores} == {(0, step - 1, "memory"),
+                                                                      (1, step - 1, "memory")}, (where, restores)
+    assert job.result["digest"] == clean.result["digest"], where
+    assert job.result["losses"] == clean.result["losses"][step - 1:], where

@@ -118,3 +118,35 @@ def test_the_last_steps_background_save_lands_before_the_group_is_destroyed(tmp_
     assert (ckpt / "latest").read_text().strip() == "global_step8", sorted(p.name for p in ckpt.iterdir())
     assert verify_files(ckpt / "global_step8", read_manifest(ckpt / "global_step8")) is None
     assert "snapshot failed" not in job.output and "hand-off failed" not in job.output, job.output[-3000:]
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_a_bit_flip_is_found_at_its_snapshot_and_rolled_back_one_step_from_memory(tmp_path, nproc, draw):
+    """Defaults only (no --max-restarts, no watchdog option): every snapshot's parameters are
+    checked against the replicas on the snapshot thread, so a bit flipped on one rank at step S
+    is found at the snapshot of S; the job rolls back to S-1 from memory (one step lost) and ends
+    bitwise equal to a run without the flip. The replayed step agrees: a transient fault."""
+    pytest.importorskip("deepspeed")
+    rank, step = draw.randrange(nproc), draw.randrange(3, STEPS - 2)
+    where = f"(bitflip:rank={rank},step={step}, {nproc} ranks, ROBUST_TEST_SEED={draw.seed_value})"
+    args = [SCRIPT, "--steps", str(STEPS), "--persist-every", "100"]
+    clean = robust_run(tmp_path / "clean", nproc, timeout_s=150, script=args)
+    assert clean.returncode == 0 and clean.faults == [], clean.output[-3000:]
+    assert "checked against its" in clean.output, clean.output[-3000:]
+    job = robust_run(tmp_path / "flip", nproc, "--inject", f"bitflip:rank={rank},step={step}",
+                     timeout_s=150, script=args)
+    assert job.returncode == 0, f"{where}\n{job.output[-3000:]}"
+    (fault,) = job.faults
+    # Two replicas that differ have no majority: both are named (param_hash.minority_ranks).
+    suspects = [rank] if nproc > 2 else list(range(nproc))
+    assert (fault["kind"], fault["action"], fault["step"], fault["suspect_ranks"]) == \
+        ("sdc", "rollback", step, suspects), (where, fault)
+    assert fault["detail"]["check_every"] == 1 and fault["detail"]["checked_by"] == "snapshot", (where, fault)
+    assert fault["detail"]["replay"]["verdict"] == "transient", (where, fault)
+    restores = [r for r in _restores(job) if r["incarnation"] > 0]
+    assert sorted(r["rank"] for r in restores) == list(range(nproc)), (where, restores)
+    assert {(r["step"], r["source"]) for r in restores} == {(step - 1, "memory")}, (where, restores)
+    assert fault["lost_steps"] <= 1, (where, fault)
+    assert job.result["final_loss"] == clean.result["final_loss"], where
+    assert job.result["params_hash"] == clean.result["params_hash"], where
+    assert job.result["fp32_hashes"] == clean.result["fp32_hashes"], where
