@@ -17,6 +17,10 @@ rank (:mod:`robust_plugins.watchdog.standby`), started once the ranks train; on 
 the old ranks at once (SIGKILL: their state is in shared-memory snapshots and atomically written
 checkpoints, so a grace period buys nothing) and hands each rank to a standby instead of starting
 a fresh ``python``. Every restart's ``detail.restart_s`` and ``detail.standby`` go to faults.jsonl.
+
+Multi-node jobs with the c10d rendezvous also keep a job-wide fault view: every agent sends its
+node's faults.jsonl lines, tagged with a job-wide round number, to the rendezvous store and writes
+every node's, merged so that one fault appears once (:mod:`.jobfaults`), to ``job_faults.jsonl``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from robust_plugins._logging import get_logger
 from robust_plugins.watchdog import completion
 from robust_plugins.watchdog.detect import restart_delay
 from robust_plugins.watchdog.client import ENV_LAUNCH_WORLD
+from robust_plugins.watchdog.jobfaults_sync import STORE_TIMEOUT_S, JobFaultView
 from robust_plugins.watchdog.monitor import Monitor
 from robust_plugins.watchdog.nodes import NodeExcluded, NodeRegistry, node_blame
 from robust_plugins.watchdog.standby import StandbyPool, target_of
@@ -44,6 +49,12 @@ _LAUNCHED = time.time()
 
 #: Rendezvous-store key under which group rank 0 announces the incarnation's worker store.
 _STORE_KEY = "robust_run/worker_store/{round}"
+
+#: Job-wide counter of rendezvous rounds (group rank 0 adds 1 a round) and the per-round key
+#: announcing its value: every node's faults of one round carry the same number in the
+#: job-wide fault view, whatever this node's own round count (a spare joins late).
+_JOB_ROUNDS = "robust_run/job_rounds"
+_JOB_ROUND_KEY = "robust_run/job_round/current"
 
 #: Raw rendezvous-store key group rank 0 sets once the job's first round formed: a ``--spare``
 #: node waits for it, so it joins torch's redundancy list (beyond ``--nnodes`` MAX) and never
@@ -88,6 +99,7 @@ def _agent_class():
             self._launch_world: int | None = None
             self._world: int | None = None
             self.job_store = None  # the raw rendezvous store (c10d with an endpoint), set by launch()
+            self.view: JobFaultView | None = None  # the job-wide fault view, set by launch()
 
         def _refuse_if_excluded(self) -> None:
             # Before joining: a node that joined and then left would make every other node's
@@ -176,6 +188,9 @@ def _agent_class():
             static = worker_group.spec.rdzv_handler.get_backend() == "static"
             key = _STORE_KEY.format(round=self._round if static else "current")
             store = worker_group.store
+            if worker_group.group_rank == 0 and self.job_store is not None:
+                # Before the worker store's key: a node that read that one finds this one set.
+                store.set(_JOB_ROUND_KEY, str(int(self.job_store.add(_JOB_ROUNDS, 1))).encode())
             if worker_group.group_rank == 0:
                 # Dropping the previous incarnation's store stops its server; its ranks are gone.
                 self._worker_store = None
@@ -188,6 +203,10 @@ def _agent_class():
                      self._round, addr, port, worker_group.master_addr, worker_group.master_port)
             worker_group.master_addr, worker_group.master_port = addr, int(port)
             self._note_membership(worker_group)
+            if self.view is not None:
+                self.view.join_round(int(store.get(_JOB_ROUND_KEY)), self.monitor.incarnation + 1,
+                                     worker_group.group_world_size,
+                                     [w.global_rank for w in worker_group.workers])
             if worker_group.group_rank == 0 and self.job_store is not None:
                 self.job_store.set(STARTED_KEY.format(run_id=worker_group.spec.rdzv_handler.get_run_id()), b"1")
 
@@ -342,9 +361,13 @@ def launch(config, entrypoint, args: list[str], monitor: Monitor, standby: bool 
     agent.job_store = registry.store if registry is not None else _job_store(config)
     if spare:
         _wait_for_the_job(config, agent.job_store)
+    agent.view = _job_fault_view(config, node, monitor, agent.job_store)
     t0 = time.monotonic()
     excluded = False
+    result = None
     try:
+        if agent.view is not None:
+            agent.view.start()
         result = agent.run()
     except NodeExcluded:
         excluded = True
@@ -368,6 +391,10 @@ def launch(config, entrypoint, args: list[str], monitor: Monitor, standby: bool 
         agent._worker_store = None
         if agent.pool is not None:
             agent.pool.close()
+        if agent.view is not None:
+            # The faults held for a resume step go out with this node's last records.
+            monitor.flush_faults()
+            agent.view.close(completed=result is not None and not result.is_failed())
     if result is None:
         # torch's agent returns nothing when the rendezvous closed while this node waited in its
         # redundancy list: the job finished (or failed) without needing it.
@@ -425,6 +452,24 @@ def _wait_for_the_job(config, store) -> None:
             f"(rendezvous join_timeout) at {config.rdzv_endpoint} ({exc}); start the spare after "
             f"(or with) the job's nodes, with the same --rdzv-id and --rdzv-endpoint.") from exc
     print(f"robust run: job {config.run_id!r} is running; this spare joins when it loses a node", flush=True)
+
+
+def _job_fault_view(config, node: str, monitor: Monitor, job_store) -> JobFaultView | None:
+    """The job-wide fault view (:mod:`.jobfaults_sync`) of a multi-node job whose agents share the
+    c10d rendezvous store; None for a single node (its faults.jsonl is the job's), said otherwise."""
+    if config.max_nodes <= 1:
+        return None
+    if job_store is None:
+        print(f"robust run: no job-wide fault view with --rdzv-backend {config.rdzv_backend} and "
+              f"endpoint {config.rdzv_endpoint!r}: telemetry, reports and W&B see only this node's "
+              f"faults.jsonl. Use --rdzv-backend c10d with --rdzv-endpoint HOST:PORT.", flush=True)
+        return None
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=29400)
+    timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+    return JobFaultView(lambda: dist.TCPStore(host, port, is_master=False, timeout=timeout), node, monitor)
 
 
 def _node_registry(config, node: str, monitor: Monitor):

@@ -79,6 +79,7 @@ class _MonitorFaultLog:
         return fault
 
     def _flush_pending(self) -> None:
+        # Written under the lock: fault_state() must never see a fault neither held nor in the file.
         with self._lock:
             if self._sdc_replay is not None:
                 held = self._sdc_replay["fault"]
@@ -87,8 +88,21 @@ class _MonitorFaultLog:
                     self._pending_resume = None
                     self.faults.write(held)
             fault, self._pending_resume = self._pending_resume, None
-        if fault is not None:
-            self.faults.write(fault)
+            if fault is not None:
+                self.faults.write(fault)
+
+    def flush_faults(self) -> None:
+        """Write the faults still held for their resume step or an SDC verdict (the job ends)."""
+        self._flush_pending()
+
+    def fault_state(self) -> tuple[int, set[int]]:
+        """(the current incarnation, incarnations with a recorded fault not yet in ``faults.jsonl``),
+        read together: an incarnation below the first and not in the second has all its faults in
+        the file (the job-wide view then closes its round, ``jobfaults_sync``)."""
+        with self._lock:
+            held = {f.incarnation for f in (self._pending_resume,
+                                            (self._sdc_replay or {}).get("fault")) if f is not None}
+            return self.incarnation, held
 
     def _max_step(self) -> int | None:
         steps = [st.progress.last_step for st in self.ranks.values() if st.progress.last_step is not None]

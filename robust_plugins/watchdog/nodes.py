@@ -72,24 +72,29 @@ def node_blame(fault: Any, local_ranks: set[int]) -> str | None:
     """Why ``fault`` (a :class:`~robust_plugins.watchdog.faults.Fault` seen by this node's monitor)
     is evidence against this node, or None when it is not (see the module docstring)."""
     suspects = set(fault.suspect_ranks) & set(local_ranks)
+    return blame_reason(fault.kind, fault.step, suspects, fault.detail or {})
+
+
+def blame_reason(kind: str, step: int | None, suspects: set[int], detail: dict[str, Any]) -> str | None:
+    """The evidence rule of :func:`node_blame` on a fault's fields (a ``faults.jsonl`` line works
+    too): ``suspects`` are the fault's suspect ranks that run on the node judged."""
     if not suspects:
         return None
-    if fault.kind == "crash":
-        detail = fault.detail or {}
+    if kind == "crash":
         sig = detail.get("signal")
         if detail.get("onset") == "injected":
-            return f"injected crash of rank(s) {sorted(suspects)} at step {fault.step}"
+            return f"injected crash of rank(s) {sorted(suspects)} at step {step}"
         if sig and f"SIG{str(sig).removeprefix('SIG')}" not in _AGENT_SIGNALS:
-            return f"rank(s) {sorted(suspects)} died by {sig} at step {fault.step}"
+            return f"rank(s) {sorted(suspects)} died by {sig} at step {step}"
         return None
-    if fault.kind == "sdc":
-        return f"silent data corruption on rank(s) {sorted(suspects)} at step {fault.step}"
-    if fault.kind == "hang":
+    if kind == "sdc":
+        return f"silent data corruption on rank(s) {sorted(suspects)} at step {step}"
+    if kind == "hang":
         # Each node sees only its own ranks' stacks. A rank waiting inside a collective waits for
         # a peer (perhaps on another node); one stuck outside any collective is the evidence.
-        where = (fault.detail or {}).get("in_collective") or {}
+        where = detail.get("in_collective") or {}
         if all(where.get(str(r)) is False for r in suspects):
-            return f"rank(s) {sorted(suspects)} hung outside any collective at step {fault.step}"
+            return f"rank(s) {sorted(suspects)} hung outside any collective at step {step}"
         return None
     return None
 
