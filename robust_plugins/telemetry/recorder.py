@@ -252,10 +252,16 @@ class Telemetry:
 
     def _new_faults(self) -> list[dict[str, Any]]:
         run_dir = os.environ.get(ENV_RUN_DIR)
-        path = Path(run_dir) / "faults.jsonl" if run_dir else None
-        if path is None or not path.is_file():
+        if not run_dir:
             return []
         from robust_plugins.watchdog.faults import read_faults
+        from robust_plugins.watchdog.jobfaults import fault_view_path
+
+        # A multi-node job's view of every node's faults, each once (job_faults.jsonl); a single
+        # node's own faults.jsonl otherwise.
+        path = fault_view_path(run_dir)
+        if not path.is_file():
+            return []
 
         faults = read_faults(path)
         new = faults[self._faults_seen:]

@@ -286,11 +286,12 @@ def _html(runs, charts, rows, faults, target) -> str:
         "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows) + "</tbody></table>"
     fault_rows = "".join(
         f"<tr><td>{esc(n)}</td><td>{esc(str(f.get('fault_kind')))}</td><td>{esc(str(f.get('step')))}</td>"
-        f"<td>{esc(str(f.get('suspect_ranks')))}</td><td>{esc(str(f.get('detected_after_s')))}</td>"
+        f"<td>{esc(str(f.get('suspect_ranks')))}</td><td>{esc(', '.join(f.get('suspect_hosts') or []))}</td>"
+        f"<td>{esc(str(f.get('detected_after_s')))}</td>"
         f"<td>{esc(str(f.get('resumed_at_step')))}</td><td>{esc(str(f.get('lost_steps')))}</td></tr>"
         for n, f in faults)
     fault_table = ("<table id='faults'><thead><tr><th>run</th><th>fault</th><th>step</th><th>suspect ranks</th>"
-                   "<th>detected after (s)</th><th>resumed at step</th><th>lost steps</th></tr></thead>"
+                   "<th>hosts</th><th>detected after (s)</th><th>resumed at step</th><th>lost steps</th></tr></thead>"
                    f"<tbody>{fault_rows}</tbody></table>" if faults else "<p id='faults'>No faults recorded.</p>")
     figures = "".join(
         f"<figure><figcaption>{esc(title)}</figcaption><img id='{cid}' class='chart' alt='{esc(title)}' "

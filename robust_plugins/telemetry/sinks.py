@@ -7,7 +7,8 @@
 ``step``    one aggregation window (``robust_plugins.telemetry.metrics.aggregate`` fields, plus
             ``step``, ``time``, ``incarnation``, ``ettr``, ``faults_total``; with compression
             also ``codec_share`` and ``auto_decisions``)
-``fault``   a watchdog event copied from ``faults.jsonl`` (its fields, ``fault_index``)
+``fault``   a watchdog event copied from ``faults.jsonl`` (its fields, ``fault_index``); in a
+            multi-node job from the job-wide ``job_faults.jsonl`` (plus ``node``, ``source``...)
 ``heatmap`` a rank-to-rank probe: ``file`` (JSON with the matrices), ``png``, ``outliers``
 ``end``     the engine's telemetry was closed cleanly
 ==========  ===================================================================================
@@ -99,7 +100,7 @@ WANDB_SCALARS = (
 WANDB_FLUSH_S = 1.0
 
 FAULT_COLUMNS = ("kind", "step", "suspect_ranks", "suspect_hosts", "detected_after_s", "action",
-                 "resumed_at_step", "lost_steps", "incarnation", "time")
+                 "resumed_at_step", "lost_steps", "incarnation", "time", "node")
 
 
 class WandbSink:
