@@ -8,8 +8,10 @@ Two jobs of the deepspeed_gpt recipe on CPU ranks, same seed and data:
    not change training) and ``plugin`` (``plugin.json``, int8 compressed gradients) in one launch;
 2. **faults**: the plugin again, with verified checkpoints, under ``robust run`` with a crash, a
    hang and a NaN injected; ``robust run`` detects each one, restarts the ranks and the recipe
-   resumes from its newest verified checkpoint. This job runs over loopback: ``robust run``
-   cannot yet start a job across the simulator's nodes.
+   resumes from its newest verified checkpoint. On the simulator it runs as a real multi-node
+   job: one ``robust run`` agent per simulated node, c10d rendezvous at node 0's address, each
+   node its own run directory (``plugin-faults/node<i>``); the faults are read from the job-wide
+   view (``job_faults.jsonl``), which names each fault once, on the node that caused it.
 
 While they run, progress bars are drawn from the runs' own telemetry files and fault log. At the
 end: the comparison table, the fault job's summary and the path of the HTML report
@@ -30,12 +32,16 @@ from typing import Any
 from robust_plugins.cli._runs import RECIPE_MODULE, format_table, human_bytes, recipe_config, timestamped_dir
 from robust_plugins.config import load_json
 from robust_plugins.errors import RobustPluginsError
+from robust_plugins.watchdog.jobfaults import fault_view_path
 from robust_plugins.workloads import PRESETS
 
 #: Telemetry window of the demo: the progress bar moves every this many steps.
 LOG_EVERY = 5
 #: Checkpoint interval of the plugin job; a fault costs at most this many steps of rework.
 SAVE_EVERY = 10
+#: The fault job's c10d rendezvous port on node 0 (each simulated node is a fresh network
+#: namespace: nothing else listens there).
+RDZV_PORT = 29400
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,8 +104,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 class Progress:
-    """One progress line per job, drawn from ``<run-dir>/telemetry/metrics.jsonl`` and
-    ``faults.jsonl`` (on a terminal the line is redrawn; otherwise a line per change)."""
+    """One progress line per job, drawn from ``<run-dir>/telemetry/metrics.jsonl`` and the job's
+    faults (``jobfaults.fault_view_path``; on a terminal the line is redrawn; otherwise a line per
+    change)."""
 
     WIDTH = 30
 
@@ -141,10 +148,11 @@ class Progress:
         return (self.telemetry_dir / "metrics.jsonl").is_file()
 
     def _faults(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.run_dir / "faults.jsonl")
+        return _read_jsonl(fault_view_path(self.run_dir))
 
     def _print_fault(self, f: dict[str, Any]) -> None:
-        msg = (f"  ! {f.get('kind')} at step {f.get('step')} on rank(s) {f.get('suspect_ranks')}: detected after "
+        where = f" (node {f['node']})" if f.get("node") else ""
+        msg = (f"  ! {f.get('kind')} at step {f.get('step')} on rank(s) {f.get('suspect_ranks')}{where}: detected after "
                f"{f.get('detected_after_s') or 0:.1f} s, action {f.get('action')}, resumed at step "
                f"{f.get('resumed_at_step')} ({f.get('lost_steps')} steps redone)")
         print(("\n" if self.tty and self.last else "") + msg, flush=True)
@@ -157,47 +165,75 @@ class Progress:
             print(flush=True)
 
 
+def fault_job_argv(args: argparse.Namespace, run_dir: Path, inject: list[str], recipe: list[str],
+                   addrs: list[str] | None = None) -> list[list[str]]:
+    """The fault job's ``robust run`` command lines: one ``--standalone`` job on this machine
+    (``addrs`` None), else one agent per simulated node at ``addrs[i]``, c10d rendezvous on node
+    0's address, each node its own run directory ``run_dir/node<i>``."""
+    common = ["--max-restarts", str(len(inject) + 1),
+              # Tiny steps take ~0.1 s: a 10 s floor still leaves room for a loaded machine.
+              "--watchdog", "hang_min_timeout_s=10", "--watchdog", "hang_initial_timeout_s=300",
+              # Every rank of the demo shares the same 2-4 cores, so a starved rank now and then
+              # computes 2x slower than its peers: a straggler report there says nothing about the
+              # job. The straggler detector is tested on its own (tests/fault/test_straggler.py).
+              "--watchdog", "straggler_factor=0",
+              # Every node gets every injection: each fires only in the rank it names.
+              *[a for spec in inject for a in ("--inject", spec)], "-m", RECIPE_MODULE, *recipe]
+    run = [sys.executable, "-m", "robust_plugins.cli.main", "run"]
+    if addrs is None:
+        return [[*run, "--standalone", "--nproc-per-node", str(args.nproc), "--run-dir", str(run_dir), *common]]
+    return [[*run, "--nnodes", str(len(addrs)), "--nproc-per-node", str(args.nproc // len(addrs)),
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{addrs[0]}:{RDZV_PORT}", "--rdzv-id", "demo-faults",
+             "--rdzv-conf", f"is_host={'true' if i == 0 else 'false'}", "--local-addr", addr,
+             "--run-dir", str(run_dir / f"node{i}"), *common]
+            for i, addr in enumerate(addrs)]
+
+
 def run_job(name: str, plan: Path, out_dir: Path, run_dir: Path, args: argparse.Namespace,
-            inject: list[str]) -> dict[str, Any]:
-    """One ``robust run`` job with a progress bar; returns the recipe's result for ``name``."""
-    from robust_plugins.launch import launch_env
+            inject: list[str], cluster: Any = None) -> dict[str, Any]:
+    """One ``robust run`` job with a progress bar (one agent per node of ``cluster``, a
+    :class:`~robust_plugins.sim.SimCluster`, else one on this machine); returns the recipe's
+    result for ``name``."""
+    from robust_plugins.launch import _kill_group, launch_env
 
-    cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--standalone",
-           "--nproc-per-node", str(args.nproc), "--max-restarts", str(len(inject) + 1),
-           "--run-dir", str(run_dir),
-           # Tiny steps take ~0.1 s: a 10 s floor still leaves room for a loaded machine.
-           "--watchdog", "hang_min_timeout_s=10", "--watchdog", "hang_initial_timeout_s=300",
-           # Every rank of the demo shares the same 2-4 cores, so a starved rank now and then
-           # computes 2x slower than its peers: a straggler report there says nothing about the
-           # job. The straggler detector is tested on its own (tests/fault/test_straggler.py).
-           "--watchdog", "straggler_factor=0",
-           *[a for spec in inject for a in ("--inject", spec)],
-           "-m", RECIPE_MODULE, "--plan", str(plan), "--out-dir", str(out_dir), "--steps", str(args.steps),
-           "--preset", args.preset, "--log-every", "0"]
-    log = out_dir / f"{name}.log"
-    progress = Progress(name, run_dir, args.steps)
+    recipe = ["--plan", str(plan), "--out-dir", str(out_dir), "--steps", str(args.steps),
+              "--preset", args.preset, "--log-every", "0"]
+    addrs = None if cluster is None else [cluster.node_addr(i) for i in range(cluster.nodes)]
+    cmds = fault_job_argv(args, run_dir, inject, recipe, addrs)
+    logs = [out_dir / (f"{name}.log" if len(cmds) == 1 else f"{name}.node{i}.log") for i in range(len(cmds))]
+    # Node 0's run directory holds the job-wide fault view (every node's does); telemetry goes to
+    # one directory whichever node runs rank 0.
+    progress = Progress(name, run_dir if addrs is None else run_dir / "node0", args.steps,
+                        telemetry_dir=run_dir / "telemetry")
     t0 = time.monotonic()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=launch_env(), start_new_session=True)
-        try:
-            while proc.poll() is None:
-                if time.monotonic() - t0 > args.timeout:
-                    raise RobustPluginsError(f"the {name} job ran past --timeout {args.timeout:g} s; "
-                                             f"it was stopped. Log: {log}")
-                progress.update(t0)
-                time.sleep(0.5)
-        finally:
-            from robust_plugins.launch import _kill_group
-
+    procs: list[subprocess.Popen] = []
+    files = [open(log, "wb") for log in logs]
+    try:
+        for i, (cmd, out) in enumerate(zip(cmds, files)):
+            kw = dict(stdout=out, stderr=subprocess.STDOUT)
+            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=launch_env(), start_new_session=True, **kw)
+                         if cluster is None else cluster.spawn(i, cmd, env=launch_env(), **kw))
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() - t0 > args.timeout:
+                raise RobustPluginsError(f"the {name} job ran past --timeout {args.timeout:g} s; "
+                                         f"it was stopped. Logs: {', '.join(map(str, logs))}")
+            progress.update(t0)
+            time.sleep(0.5)
+    finally:
+        for proc in procs:
             _kill_group(proc)  # no rank outlives the demo, whatever happened
+        for f in files:
+            f.close()
     progress.finish(t0)
     result_path = out_dir / f"{name}.json"
-    if proc.returncode != 0 or not result_path.is_file():
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:])
-        raise RobustPluginsError(f"the {name} job failed (exit code {proc.returncode}). Log: {log}\n{tail}")
+    codes = [p.returncode for p in procs]
+    if any(codes) or not result_path.is_file():
+        bad = next((i for i, c in enumerate(codes) if c), 0)
+        tail = "\n".join(logs[bad].read_text(errors="replace").splitlines()[-25:])
+        raise RobustPluginsError(f"the {name} job failed (exit codes {codes}). Log: {logs[bad]}\n{tail}")
     result = json.loads(result_path.read_text())
     result["job_wall_s"] = time.monotonic() - t0
+    result["faults"] = _read_jsonl(fault_view_path(progress.run_dir))
     return result
 
 
@@ -292,16 +328,28 @@ def run(args: argparse.Namespace) -> int:
     print(f"robust demo: {args.preset} GPT, {args.steps} steps, results in {out_dir}")
     print(f"1. baseline vs plugin (int8) on {where}")
     results = run_comparison(out_dir, args, telemetry, kind)
-    print(f"2. the plugin job with faults under robust run ({args.nproc} ranks over loopback: robust run cannot "
-          f"yet start a job across the simulator's nodes); injected: {', '.join(inject) if inject else 'none'}")
+    where_faults = (f"one robust run agent per simulated node ({args.nproc // 2} ranks each), c10d rendezvous "
+                    f"at node 0" if kind == "sim" else f"{args.nproc} ranks over loopback")
+    print(f"2. the plugin job with faults under robust run ({where_faults}); injected: "
+          f"{', '.join(inject) if inject else 'none'}")
+    run_dir = out_dir / "plugin-faults"
     cfg = _write_config("plugin.json", out_dir / "plugin-faults.ds.json", {
-        "telemetry": telemetry, "checkpoint": {"dir": str(out_dir / "ckpt"), "keep": 2, "verify": "sha256"}})
+        "telemetry": {**telemetry, "dir": str(run_dir / "telemetry")},
+        "checkpoint": {"dir": str(out_dir / "ckpt"), "keep": 2, "verify": "sha256"}})
     plan = out_dir / "plugin-faults.plan.json"
     plan.write_text(json.dumps({"runs": [{"name": "plugin-faults", "config": str(cfg), "save_dir": str(out_dir / "ckpt"),
                                           "save_every": SAVE_EVERY, "resume": True}]}, indent=1) + "\n")
-    faulted = run_job("plugin-faults", plan, out_dir, out_dir / "plugin-faults", args, inject)
+    if kind == "sim":
+        from robust_plugins.sim import SimCluster
+
+        # Entered in the main thread: the agents' PR_SET_PDEATHSIG follows it, and the
+        # simulator's teardown-on-signal handlers live there.
+        with SimCluster(2, args.nproc // 2, args.link_rate) as cluster:
+            faulted = run_job("plugin-faults", plan, out_dir, run_dir, args, inject, cluster)
+    else:
+        faulted = run_job("plugin-faults", plan, out_dir, run_dir, args, inject)
     recs = {n: read_records(d) for n, d in (("baseline", out_dir / "baseline"), ("plugin", out_dir / "plugin"),
-                                              ("plugin-faults", out_dir / "plugin-faults" / "telemetry"))}
+                                              ("plugin-faults", run_dir / "telemetry"))}
     report = build([out_dir / "baseline", out_dir / "plugin", out_dir / "plugin-faults"], out_dir / "report.html")
     print()
     print(render(results["baseline"], results["plugin"], recs["baseline"], recs["plugin"], where=where))
@@ -328,13 +376,15 @@ def _median_of(recs: list[dict[str, Any]], key: str) -> float | None:
 
 
 def render_faults(result: dict, recs: list[dict], fault_free: dict) -> str:
-    """What the fault job went through, and how it ended against the fault-free plugin run."""
-    faults = [r for r in recs if r.get("kind") == "fault"]
+    """What the fault job went through (``result["faults"]``: the job's fault records, each fault
+    once), and how it ended against the fault-free plugin run."""
+    faults = result["faults"]
     lines = [f"plugin job under robust run: {len(faults)} fault(s) detected and recovered, "
              f"{sum(1 for r in recs if r.get('kind') == 'start')} incarnation(s), "
              f"{result['job_wall_s']:.0f} s launch to exit, ETTR {_fmt(_last(recs, 'ettr'), '.3f')}"]
     for f in faults:
-        lines.append(f"  {f.get('fault_kind'):<6} at step {f.get('step')}, rank(s) {f.get('suspect_ranks')}: detected "
+        where = f" on node {f['node']}" if f.get("node") else ""
+        lines.append(f"  {f.get('kind'):<6} at step {f.get('step')}, rank(s) {f.get('suspect_ranks')}{where}: detected "
                      f"after {f.get('detected_after_s') or 0:.1f} s, {f.get('action')}, resumed at step "
                      f"{f.get('resumed_at_step')} ({f.get('lost_steps')} steps redone){_recovery(f)}")
     lines.append(f"  final validation loss {result['val_loss']:.4f} (fault-free plugin run: {fault_free['val_loss']:.4f})")

@@ -324,6 +324,28 @@ class SimCluster:
             "ROBUST_TOPOLOGY_SIM": f"{self.nodes}x{self.ranks_per_node}",
         }
 
+    def spawn(self, node: int, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+              stdout=None, stderr=None) -> subprocess.Popen:
+        """Start one process (e.g. a ``robust run`` agent) inside ``node``'s namespace and return it.
+
+        It gets the current environment, ``env`` and ``GLOO_SOCKET_IFNAME`` (its ranks talk over
+        the node's simulated link), its own session and ``PR_SET_PDEATHSIG`` (which follows the
+        calling *thread*: call it from one that outlives the process); :meth:`down` kills it (and
+        deleting the namespace kills whatever it started there). The caller bounds its run time.
+        """
+        if not self._up:
+            raise SimError(f"cluster {self.name} is not up; use it inside `with SimCluster(...)`.")
+        if not 0 <= node < self.nodes:
+            raise ConfigError(f"node {node} is not a node of this {self.nodes}-node cluster.")
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.node_ns[node], *argv],
+            env={**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": IFNAME},
+            stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_set_pdeathsig,
+        )
+        self._procs.append(proc)
+        return proc
+
     def run(
         self,
         argv: Sequence[str],

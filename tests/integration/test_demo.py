@@ -1,13 +1,18 @@
 """`robust demo` end to end at a reduced size: 2 ranks, 80 steps; the comparison on the simulated
 2-node cluster (as root; loopback otherwise), then a crash, a hang and a NaN injected into the
-plugin job under robust run. The demo must recover all three, print the table, and leave a report
-whose charts all decode in headless Chromium and W&B offline runs in one group."""
+plugin job under robust run (as root: one agent per simulated node, one rank each). The demo must
+recover all three, name each once on the node it hit, print the table, leave a report whose
+charts all decode in headless Chromium and W&B offline runs in one group, and leave none of its
+network namespaces behind, also when it is stopped mid-job."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -15,34 +20,60 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _browser import load  # noqa: E402
+from _netns import need_netns  # noqa: E402
 from _wandb_offline import read_run  # noqa: E402
 
-from robust_plugins.sim.netns import netns_unavailable_reason  # noqa: E402
+from robust_plugins.sim.netns import list_namespaces, netns_unavailable_reason  # noqa: E402
+from robust_plugins.watchdog.jobfaults import fault_view_path  # noqa: E402
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(330)]
 
 
+def _demo(out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "robust_plugins.cli.main", "demo", "--nproc", "2",
+                             "--out-dir", str(out), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _namespaces_of(pid: int) -> list[str]:
+    return [ns for ns in list_namespaces() if ns.startswith(f"rpsim-{pid}-")]
+
+
 def test_demo_recovers_three_faults_and_reports(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "robust_plugins.cli.main", "demo", "--nproc", "2", "--steps", "80",
-                           "--out-dir", str(out), "--timeout", "240"],
-                          capture_output=True, text=True, timeout=320)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = proc.stdout
-    # The demo says where the ranks talk.
-    assert ("simulated 2-node cluster" in text) == (netns_unavailable_reason() is None), text[:600]
-    assert "over loopback: robust run cannot yet" in text
-    for kind in ("crash", "hang", "nan"):
-        assert re.search(rf"! {kind} at step \d+ on rank", text), kind
+    proc = _demo(out, "--steps", "80", "--timeout", "240")
+    try:
+        stdout, stderr = proc.communicate(timeout=320)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    text = stdout
+    sim = netns_unavailable_reason() is None
+    # The demo says where the ranks talk, for both jobs.
+    assert ("simulated 2-node cluster" in text) == sim, text[:600]
+    assert ("one robust run agent per simulated node" in text) == sim, text[:900]
+    assert ("2 ranks over loopback" in text) == (not sim), text[:900]
+    # Each fault once, on the rank (and, on the simulator, the node) it hit: rank 1 runs on node 1.
+    expect = {"crash": 1, "hang": 0, "nan": 1}
+    for kind, rank in expect.items():
+        node = f" \\(node 10\\.213\\.0\\.{rank + 1}\\)" if sim else ""
+        assert len(re.findall(rf"! {kind} at step \d+ on rank\(s\) \[{rank}\]{node}:", text)) == 1, (kind, text)
     assert "3 fault(s) detected and recovered, 4 incarnation(s)" in text, text
     # Each fault's recovery time and how the ranks came back (faults.jsonl detail).
     assert len(re.findall(r"first step \d+\.\d s after detection \((warm standbys|cold start)\)", text)) == 3, text
     ratio = float(re.search(r"gradient bytes sent per step \(rank 0\).*?([0-9.]+)x", text).group(1))
     assert 0.2 < ratio < 0.3
-    faults = [json.loads(line) for line in (out / "plugin-faults" / "faults.jsonl").read_text().splitlines()]
-    assert sorted(f["kind"] for f in faults) == ["crash", "hang", "nan"]
+    view = fault_view_path(out / "plugin-faults" / "node0") if sim else out / "plugin-faults" / "faults.jsonl"
+    assert view.name == ("job_faults.jsonl" if sim else "faults.jsonl")
+    faults = [json.loads(line) for line in view.read_text().splitlines()]
+    assert sorted((f["kind"], f["suspect_ranks"]) for f in faults) == [("crash", [1]), ("hang", [0]), ("nan", [1])]
     assert all(f["resumed_at_step"] is not None for f in faults)
+    if sim:
+        assert {f["kind"]: f["node"] for f in faults} == {"crash": "10.213.0.2", "hang": "10.213.0.1",
+                                                         "nan": "10.213.0.2"}
+        assert (out / "plugin-faults" / "node1" / "job_faults.jsonl").read_text() == view.read_text()
+        assert _namespaces_of(proc.pid) == []
     result = json.loads((out / "plugin-faults.json").read_text())
     assert result["loaded"] and result["steps"] == 80 and result["plugin_active"]
     # The report: every chart decodes, both runs in the table, the three faults listed.
@@ -57,3 +88,37 @@ def test_demo_recovers_three_faults_and_reports(tmp_path):
                                           *out.glob("*/telemetry/wandb/offline-run-*")])]
     assert len(runs) == 2 + 4  # baseline, plugin + the fault job's four incarnations
     assert {(r["project"], r["group"]) for r in runs} == {("robust_plugins-demo", f"demo-{out.name}")}
+
+
+@pytest.mark.timeout(200)
+def test_demo_stopped_during_the_fault_job_leaves_no_namespace_and_no_rank(tmp_path):
+    # SIGTERM while the fault job's agents run in their simulated nodes: the demo unwinds through
+    # the simulator's `with` block (its SIGTERM handler raises SystemExit), stopping the agents
+    # and deleting the namespaces, which also kills anything left inside them.
+    need_netns()
+    out = tmp_path / "demo"
+    proc = _demo(out, "--steps", "40", "--faults", "none", "--timeout", "150")
+    workers = [out / "plugin-faults" / f"node{i}" / "workers.jsonl" for i in (0, 1)]
+    try:
+        deadline = time.monotonic() + 150
+        while not all(w.exists() for w in workers):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the fault job's ranks did not start"
+            time.sleep(0.2)
+        assert len(_namespaces_of(proc.pid)) == 3  # the switch and two nodes
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert _namespaces_of(proc.pid) == []
+    pids = [int(p) for w in workers for line in w.read_text().splitlines() for p in json.loads(line)["pids"].values()]
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            alive.append(pid)
+        except ProcessLookupError:
+            pass
+    assert not alive, f"ranks left running: {alive}"
