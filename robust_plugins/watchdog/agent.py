@@ -100,6 +100,7 @@ def _agent_class():
             self._world: int | None = None
             self.job_store = None  # the raw rendezvous store (c10d with an endpoint), set by launch()
             self.view: JobFaultView | None = None  # the job-wide fault view, set by launch()
+            self._hold_until: float | None = None  # see _hold_for_peer
 
         def _refuse_if_excluded(self) -> None:
             # Before joining: a node that joined and then left would make every other node's
@@ -224,6 +225,7 @@ def _agent_class():
             os.environ.update(self.monitor.worker_env(w.global_rank for w in worker_group.workers))
             os.environ[ENV_LAUNCH_WORLD] = str(self._launch_world or "")
             self._served = []
+            self._hold_until = None
             if self.pool is not None and self.monitor.incarnation >= 0:
                 with torch_elastic.subprocess_handlers(self._from_standby):
                     pids = super()._start_workers(worker_group)
@@ -295,6 +297,8 @@ def _agent_class():
                                      return_values={w.global_rank: None for w in worker_group.workers})
             if not self._monitor_ok:
                 return result
+            if self._hold_until is not None:
+                return self._held(result)
             will_restart = self._remaining_restarts > 0
             try:
                 if result.state == WorkerState.FAILED:
@@ -305,6 +309,8 @@ def _agent_class():
                     fault = self.monitor.check(will_restart)
                     if fault is not None:
                         self._blame(fault)
+                        if self._hold_for_peer(fault):
+                            return result
                         result = RunResult(state=WorkerState.FAILED)
                         if fault.action == "evict" and self.registry is None:
                             # A persistent SDC on a single-node job: every restart would corrupt
@@ -315,6 +321,34 @@ def _agent_class():
                 self._monitor_ok = False
                 log.exception("robust run: the watchdog monitor failed; training goes on without "
                               "fault detection (crashes still restart the ranks).")
+            return result
+
+        def _hold_for_peer(self, fault) -> bool:
+            # A hang whose suspects on this node all wait inside a collective waits for a peer on
+            # another node. That node's monitor sees its stuck rank about when this one saw the
+            # waiting ranks (both timeouts are learned from the same lockstep steps, and the stuck
+            # rank stalled a step earlier), then reads stacks for at most stack_dump_timeout_s
+            # (15 s). Were this node to stop its ranks first, that node would see only a peer's
+            # exit 1 and never record the hang it has the evidence for, and the job-wide view would
+            # name this node. So the restart waits that long, or until the ranks here fail (the
+            # other node restarted) or a node waits in the rendezvous (torch restarts then).
+            workers = self._worker_group.workers
+            if fault.kind != "hang" or not workers or workers[0].world_size <= len(workers):
+                return False
+            if node_blame(fault, {w.global_rank for w in workers}) is not None:
+                return False
+            hold = self.monitor.cfg.stack_dump_timeout_s
+            log.warning("robust run: rank(s) %s wait inside a collective for a peer on another node; "
+                        "this node restarts in %.0f s unless that node restarts first", fault.suspect_ranks, hold)
+            self._hold_until = time.monotonic() + hold
+            return True
+
+        def _held(self, result):
+            # The hang is recorded: its ranks' exits when the other node restarts are its side
+            # effect, not a fault of their own.
+            if result.state == WorkerState.FAILED or time.monotonic() >= self._hold_until:
+                self._hold_until = None
+                return RunResult(state=WorkerState.FAILED)
             return result
 
     return RobustAgent
