@@ -38,24 +38,26 @@ STEPS = 14
 # (a loaded machine, or the standbys' imports, ~7 s of CPU a node) let each node remove the other
 # as dead during a restart's rendezvous, and both trained alone (seen with and without standbys).
 RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=6,join_timeout=60"
-# Cold restarts: the standbys' imports made that starvation likely (1 of 1 runs at 2 s, 1 of 3 at
-# 6 s). Multi-node restarts with standbys are untested.
+# Cold restarts here: the standbys' imports made that starvation likely (1 of 1 runs at 2 s, 1 of 3
+# at 6 s). test_job_fault_view_names_node_b_faults_once_with_warm_standbys runs with standbys and
+# says why it is reliable there.
 NODE_FLAGS = ("--no-standby",)
 
 
 class Node:
     def __init__(self, tmp: Path, name: str, addr: str, port: int, host: bool, *extra: str,
                  step_sleep: float = 0.3, nproc: int = 1, script: list[str] | None = None,
-                 nnodes: str = "1:2", endpoint: str = "127.0.0.1", netns: str | None = None) -> None:
+                 nnodes: str = "1:2", endpoint: str = "127.0.0.1", netns: str | None = None,
+                 rdzv_conf: str = RDZV_CONF, flags: tuple[str, ...] = NODE_FLAGS) -> None:
         self.run_dir = tmp / name
         self.run_dir.mkdir(parents=True)
         script = script or [SCRIPT, "--steps", str(STEPS), "--step-sleep", str(step_sleep)]
         cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(self.run_dir),
                "--nnodes", nnodes, "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"{endpoint}:{port}", "--rdzv-id", "mn-test",
-               "--rdzv-conf", f"{RDZV_CONF},is_host={'true' if host else 'false'}",
+               "--rdzv-conf", f"{rdzv_conf},is_host={'true' if host else 'false'}",
                "--local-addr", addr, "--max-restarts", "4", "--monitor-interval", "0.1",
-               "--watchdog", "straggler_factor=0", *NODE_FLAGS, *extra,
+               "--watchdog", "straggler_factor=0", *flags, *extra,
                *script, "--ckpt-dir", str(tmp / "ckpt"), "--out", str(tmp / "result.json")]
         env = launch_env()
         if netns is not None:
@@ -120,9 +122,10 @@ class Node:
 
 
 def _run_nodes(tmp: Path, b_extra: tuple[str, ...] = (), kill_b_at_step: int | None = None,
-               timeout_s: float = 100.0, both_extra: tuple[str, ...] = (), **node_kw) -> tuple[Node, Node]:
+               timeout_s: float = 100.0, both_extra: tuple[str, ...] = (), a_extra: tuple[str, ...] = (),
+               **node_kw) -> tuple[Node, Node]:
     port = free_port()
-    a = Node(tmp, "node-a", "127.0.0.1", port, True, *both_extra, **node_kw)
+    a = Node(tmp, "node-a", "127.0.0.1", port, True, *both_extra, *a_extra, **node_kw)
     b = None
     try:
         time.sleep(0.5)  # A binds the store first (it is also told is_host)
@@ -147,10 +150,10 @@ def _run_nodes(tmp: Path, b_extra: tuple[str, ...] = (), kill_b_at_step: int | N
     return a, b
 
 
-def _reference(tmp: Path) -> list[list[float]]:
+def _reference(tmp: Path, steps: int = STEPS) -> list[list[float]]:
     """The same training in one process, no process group: 4 samples a step, accumulation 4."""
     out = tmp / "ref.json"
-    subprocess.run([sys.executable, SCRIPT, "--steps", str(STEPS), "--ckpt-dir", str(tmp / "ref-ckpt"),
+    subprocess.run([sys.executable, SCRIPT, "--steps", str(steps), "--ckpt-dir", str(tmp / "ref-ckpt"),
                     "--out", str(out)], check=True, timeout=60, env=launch_env())
     return json.loads(out.read_text())["params"]
 
@@ -266,6 +269,84 @@ def test_persistent_bit_flip_on_one_node_is_replayed_evicted_and_the_other_node_
     assert rounds[0]["world_size"] == 4 and rounds[-1]["world_size"] == 2, rounds
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["world_size"] == 2 and result["steps"] == 16, result
+
+
+#: Why the standby test below is reliable where the others' short keep-alive was not (the 1-of-3
+#: failure above): (1) --nnodes 2:2, so a restart's round waits for both nodes (up to
+#: join_timeout) instead of closing after a 3 s last call with whichever node came first; (2)
+#: torch's default keep-alive, 5 s x 3: a node is dropped only after 15 s without a heartbeat,
+#: a timer thread that needs milliseconds of CPU, while one standby's imports take about 2.5 s of
+#: CPU (2 here, one a node, sharing 2 cores with 2 ranks and 2 agents); (3) standbys import only
+#: while ranks train (spawned once the incarnation reported a step, replenished after the
+#: restart's first step), and the faults come 8 steps (2.4 s of step sleeps) into an incarnation,
+#: so a restart's rendezvous rarely overlaps an import, and the 15 s covers the case when it does.
+STANDBY_RDZV_CONF = "keep_alive_interval=5,keep_alive_max_attempt=3,join_timeout=90"
+
+
+@pytest.mark.timeout(200)
+def test_job_fault_view_names_node_b_faults_once_with_warm_standbys(tmp_path):
+    # B's rank (global rank 1) is killed at step 8, then reports a NaN at step 16. Each time A's
+    # rank only loses its peer and A logs a side effect of its own; the job-wide view, on both
+    # nodes, names each fault once, on B. Warm standbys serve every restart on both nodes.
+    # B waits 3 s before each restart's rendezvous, so A's rank always fails in its next
+    # all-reduce (exit 1) and A records that side effect; without the wait A's agent often saw B
+    # waiting first and restarted its rank with nothing to record.
+    steps = ["--steps", "24", "--step-sleep", "0.3"]
+    backoff = ("--watchdog", "restart_backoff_s=3", "--watchdog", "restart_backoff_max_s=3")
+    a, b = _run_nodes(tmp_path, b_extra=("--inject", "kill:rank=1,step=8;nan:rank=1,step=16", *backoff),
+                      nnodes="2:2", rdzv_conf=STANDBY_RDZV_CONF, flags=(), timeout_s=170,
+                      script=[SCRIPT, *steps])
+    assert a.proc.returncode == 0, a.output[-4000:]
+    assert b.proc.returncode == 0, b.output[-4000:]
+    view = a.jsonl("job_faults.jsonl")
+    assert [(f["kind"], f["step"], f["suspect_ranks"], f["node"], f["source"]) for f in view] == [
+        ("crash", 8, [1], "127.0.0.2", "evidence"), ("nan", 16, [1], "127.0.0.2", "ranks")], view
+    assert b.jsonl("job_faults.jsonl") == view  # every node mirrors the same view
+    # Node A's own faults.jsonl keeps what A saw (its rank losing its peer): folded as echoes.
+    a_own = a.jsonl("faults.jsonl")
+    assert a_own and all(not f["detail"].get("node_blamed") for f in a_own), a_own
+    assert len(a_own) + len(b.jsonl("faults.jsonl")) > len(view)  # three or four lines, two faults
+    echoes = [(e["node"], e["kind"], e["suspect_ranks"]) for f in view for e in f["echoes"]]
+    assert sorted(echoes) == sorted(("127.0.0.1", f["kind"], f["suspect_ranks"]) for f in a_own), (echoes, a_own)
+    assert [f["round"] for f in view] == sorted({f["round"] for f in view})
+    # Warm restarts on both nodes: each restart handed its rank to a standby.
+    for node in (a, b):
+        served = [e for e in node.jsonl("standbys.jsonl") if e["event"] == "served"]
+        restarts = len(node.jsonl("workers.jsonl")) - 1
+        assert restarts >= 2 and len(served) == restarts, (node.run_dir.name, node.jsonl("standbys.jsonl"))
+    assert all(f["detail"]["standby"] for f in b.jsonl("faults.jsonl")), b.jsonl("faults.jsonl")
+    done = _steps_done(tmp_path)
+    assert done[-1]["step"] == 24 and {r["world"] for r in done} == {2}
+    want = _reference(tmp_path, steps=24)
+    _assert_close(json.loads((tmp_path / "result.json").read_text())["params"], want)
+
+
+@pytest.mark.timeout(150)
+def test_a_hang_on_node_b_is_named_on_b_though_node_a_detects_it_first(tmp_path):
+    # B's rank hangs (in Python) at step 6; A's rank waits for it inside the all-reduce. A's hang
+    # timeout (3 s) is shorter than B's (7 s), so A sees a hang first, with no evidence (its rank
+    # is inside a collective): it holds its restart (stack_dump_timeout_s) so that B, which has
+    # the evidence, records the hang. Restarting at once, A would make B restart (a node waiting
+    # in the rendezvous) before B's own detector fired, and the view would name A.
+    hangs = ("--watchdog", "hang_warmup_steps=2", "--watchdog", "hang_factor=2",
+             "--watchdog", "hang_initial_timeout_s=60")
+    a, b = _run_nodes(tmp_path, both_extra=hangs, nnodes="2:2", rdzv_conf=STANDBY_RDZV_CONF, flags=(),
+                      b_extra=("--watchdog", "hang_min_timeout_s=7", "--inject", "hang:rank=1,step=6"),
+                      a_extra=("--watchdog", "hang_min_timeout_s=3"), timeout_s=120)
+    assert a.proc.returncode == 0, a.output[-4000:]
+    assert b.proc.returncode == 0, b.output[-4000:]
+    assert "wait inside a collective for a peer on another node" in a.output
+    a_hangs = [f for f in a.jsonl("faults.jsonl") if f["kind"] == "hang"]
+    assert [(f["suspect_ranks"], f["detail"]["in_collective"]) for f in a_hangs] == [([0], {"0": True})], a_hangs
+    b_hangs = [f for f in b.jsonl("faults.jsonl") if f["kind"] == "hang"]
+    assert [(f["suspect_ranks"], f["detail"]["in_collective"]) for f in b_hangs] == [([1], {"1": False})], b_hangs
+    assert a_hangs[0]["time"] < b_hangs[0]["time"]  # A saw it first
+    view = a.jsonl("job_faults.jsonl")
+    assert [(f["kind"], f["suspect_ranks"], f["node"], f["source"]) for f in view] == [
+        ("hang", [1], "127.0.0.2", "evidence")], view
+    assert ("127.0.0.1", "hang", [0]) in [(e["node"], e["kind"], e["suspect_ranks"]) for e in view[0]["echoes"]]
+    assert b.jsonl("job_faults.jsonl") == view
+    _assert_close(json.loads((tmp_path / "result.json").read_text())["params"], _reference(tmp_path))
 
 
 def _steps_done(tmp: Path) -> list[dict]:
