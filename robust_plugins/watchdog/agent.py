@@ -39,7 +39,7 @@ from robust_plugins.watchdog.detect import restart_delay
 from robust_plugins.watchdog.client import ENV_LAUNCH_WORLD
 from robust_plugins.watchdog.jobfaults_sync import STORE_TIMEOUT_S, JobFaultView
 from robust_plugins.watchdog.monitor import Monitor
-from robust_plugins.watchdog.nodes import NodeExcluded, NodeRegistry, node_blame
+from robust_plugins.watchdog.nodes import NodeExcluded, NodeRegistry, exiting_ranks, node_blame
 from robust_plugins.watchdog.standby import StandbyPool, target_of
 
 log = get_logger(__name__)
@@ -149,6 +149,11 @@ def _agent_class():
             self._world = world
 
         def _blame(self, fault) -> None:
+            if fault is not None and fault.kind == "hang":
+                # Read before any blame or hold: a suspect caught exiting is no evidence (nodes.py).
+                exiting = exiting_ranks(fault.suspect_ranks, fault.evidence)
+                if exiting:
+                    fault.detail["exiting"] = exiting
             if self.registry is None or fault is None or not self._worker_group.workers:
                 return
             local = {w.global_rank for w in self._worker_group.workers}

@@ -20,7 +20,11 @@ peer"), and their agents each see a crash. Only evidence that points at the loca
 - a silent-data-corruption verdict whose minority ranks run on this node (every replica computes
   the same verdict from the all-gathered hashes);
 - a hang whose suspects on this node were stuck outside any collective (their stacks were read):
-  its peers elsewhere wait inside a collective, for it, and are not blamed.
+  its peers elsewhere wait inside a collective, for it, and are not blamed. A suspect whose stack
+  shows its interpreter exiting (no frame of the program left, only an exception hook, atexit or
+  finalizers: ``exiting_ranks``) was failing when its stack was read, not stuck: when two nodes'
+  hang timeouts run out together and the node of the stuck rank restarts first, the other node
+  reads the stacks of ranks that are just dying of the lost peer.
 
 A plain non-zero exit code, a hang without readable stacks or with the suspects inside a
 collective, NaN and spikes (data, not hardware) blame no node. So a real Python exception on a faulty node is not counted:
@@ -37,6 +41,7 @@ from typing import Any
 
 from robust_plugins._logging import get_logger
 from robust_plugins.errors import RobustPluginsError
+from robust_plugins.watchdog.detect import parse_faulthandler, parse_pyspy
 
 log = get_logger(__name__)
 
@@ -54,6 +59,10 @@ _EXCLUDED_ENTRY = "robust_run/excluded/{index}"
 
 #: Signals an agent (or torch's elastic agent) sends to ranks itself: no evidence against a node.
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+
+#: Frames at the bottom of a main thread that still runs the program (a script, ``-m`` module, or
+#: a standby running either); a stack with none of them belongs to an interpreter that is exiting.
+_PROGRAM_FRAMES = ("<module>", "_run_module_as_main", "_run_code")
 
 
 class NodeExcluded(RobustPluginsError):
@@ -93,10 +102,27 @@ def blame_reason(kind: str, step: int | None, suspects: set[int], detail: dict[s
         # Each node sees only its own ranks' stacks. A rank waiting inside a collective waits for
         # a peer (perhaps on another node); one stuck outside any collective is the evidence.
         where = detail.get("in_collective") or {}
-        if all(where.get(str(r)) is False for r in suspects):
+        exiting = set(detail.get("exiting") or [])
+        if all(where.get(str(r)) is False and r not in exiting for r in suspects):
             return f"rank(s) {sorted(suspects)} hung outside any collective at step {step}"
         return None
     return None
+
+
+def exiting_ranks(suspects: list[int], evidence: list[str]) -> list[int]:
+    """The ``suspects`` of a hang whose stack dump (a path in ``evidence``, named ``...-rank<R>.``)
+    shows their main thread exiting: no frame of the program left (see the module docstring)."""
+    out = []
+    for rank in suspects:
+        path = next((p for p in evidence if f"-rank{rank}." in os.path.basename(p)), None)
+        try:
+            text = Path(path).read_text(errors="replace") if path else ""
+        except OSError:
+            continue  # no dump to read: no claim either way
+        frames = (parse_pyspy if path.endswith(".pyspy.txt") else parse_faulthandler)(text) if text else []
+        if frames and not any(func in _PROGRAM_FRAMES for func, _, _ in frames):
+            out.append(rank)
+    return out
 
 
 def _now() -> str:

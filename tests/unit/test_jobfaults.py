@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from robust_plugins.watchdog.jobfaults import JOB_FAULTS, ViewBook, fault_view_path, merge_round
 from robust_plugins.watchdog.jobfaults_sync import JobFaultView
+from robust_plugins.watchdog.nodes import exiting_ranks
 
 A, B = "10.0.0.1", "10.0.0.2"
 
@@ -42,6 +43,42 @@ def test_a_hang_outside_a_collective_beats_the_peers_waiting_inside_one():
     (fault,) = merge_round([waiting, stuck, peer])
     assert (fault["kind"], fault["node"], fault["suspect_ranks"]) == ("hang", B, [2])
     assert sorted(e["node"] for e in fault["echoes"]) == [A, B]
+
+
+_STUCK = """Process 11: /venv/bin/python -u train.py
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 11 (idle): "MainThread"
+    _sleep (robust_plugins/watchdog/inject_rank.py:40)
+    step_end (robust_plugins/watchdog/client.py:300)
+    main (train.py:90)
+    <module> (train.py:116)
+"""
+# A rank whose peer on another node died while its stack was read: an exception hook, then atexit.
+_EXITING = """Process 12: /venv/bin/python -u -m robust_plugins.watchdog.standby_worker
+Python v3.11.7 (/usr/bin/python3.11)
+
+Thread 12 (active+gil): "MainThread"
+    _del_library (torch/library.py:665)
+    finalize.__call__ (weakref.py:590)
+    finalize._exitfunc (weakref.py:666)
+Thread 13 (idle): "wandb-AsyncioManager-main"
+    select (selectors.py:468)
+"""
+
+
+def test_a_rank_caught_exiting_is_no_evidence_of_a_hang(tmp_path):
+    (tmp_path / "hang-inc1-rank1.pyspy.txt").write_text(_STUCK)
+    (tmp_path / "hang-inc1-rank0.pyspy.txt").write_text(_EXITING)
+    evidence = sorted(str(p) for p in tmp_path.iterdir())
+    assert exiting_ranks([0, 1], evidence) == [0]
+    assert exiting_ranks([2], evidence) == []          # no dump: no claim
+    # Both nodes' timeouts ran out together; B (rank 2 stuck) restarted first and A read the
+    # stack of its rank 0 dying of the lost peer, outside any collective.
+    dying = rec(A, "hang", [0], 1.3, [0, 1], in_collective={"0": False}, exiting=[0])
+    stuck = rec(B, "hang", [2], 1.0, [2, 3], in_collective={"2": False})
+    (fault,) = merge_round([dying, stuck])
+    assert (fault["node"], fault["suspect_ranks"]) == (B, [2]) and fault["echoes"][0]["node"] == A
 
 
 def test_a_nan_seen_on_two_nodes_is_one_fault_with_every_rank():
