@@ -1,19 +1,22 @@
-"""A warm standby rank of ``robust run``: imports the job's libraries, then becomes a rank.
+"""A warm standby rank of ``robust run``: a process that imported the job's libraries and becomes
+a rank when the agent hands it one.
 
-Started by the node's agent (:mod:`robust_plugins.watchdog.standby`) as
-``python -u -m robust_plugins.watchdog.standby_worker``, with two pipes: it writes one JSON line
-per event to the agent (``ready``, ``pong``, ``go``, ``refused``) and reads JSON lines from it
-(``ping`` while it waits, then the hand-off: argv, environment, working directory, output files). Then it runs the user's
-script as ``python -u script.py ...`` or ``python -u -m module ...`` would: a fresh ``__main__``
-module with the same ``__file__``, ``__spec__``, ``__loader__``, ``sys.argv`` and ``sys.path[0]``.
+A standby is either forked from the node's fork server (:mod:`.standby_zygote`, the default: one
+import per node) or, where that server found forking unsafe, spawned by the agent
+(:mod:`.standby`) as ``python -u -m robust_plugins.watchdog.standby_worker``, which imports by
+itself (:func:`main`). Either way :func:`become_rank` runs in it, with two pipes: it writes one
+JSON line per event to the agent (``ready``, ``pong``, ``go``, ``refused``) and reads JSON lines
+from it (``ping`` while it waits, then the hand-off: argv, environment, working directory, output
+files). Then it runs the user's script as ``python -u script.py ...`` or ``python -u -m module
+...`` would: a fresh ``__main__`` module with the same ``__file__``, ``__spec__``, ``__loader__``,
+``sys.argv`` and ``sys.path[0]``.
 
 What it must not do before the hand-off (why it is safe on GPUs): create a CUDA context. It
 imports only libraries (never the user's script or its own modules), and before it says
 ``ready`` it checks ``torch.cuda.is_initialized()`` is False; otherwise it refuses and exits, and
-the agent starts that rank cold. DeepSpeed's accelerator probe (``torch.cuda.is_available()``)
-loads the CUDA driver without a context, exactly as the script's own ``import deepspeed`` would.
-It is a spawned interpreter (``subprocess``), never a fork of the agent: nothing of the agent's
-threads, sockets or CUDA state is inherited.
+the agent starts that rank cold. A spawned standby is a fresh interpreter (``subprocess``), never
+a fork of the agent: nothing of the agent's threads, sockets or CUDA state is inherited; where a
+forked one is safe and why: :mod:`.standby_zygote`.
 """
 
 from __future__ import annotations
@@ -40,17 +43,20 @@ STANDBY_ENV = (ENV_STATUS_FD, ENV_HANDOFF_FD, ENV_PARENT, ENV_PREIMPORT)
 EXIT_REFUSED = 3
 
 
-def _die_with_agent(parent: int) -> None:
-    # PR_SET_PDEATHSIG (1): SIGKILL when the thread that spawned us exits; the agent spawns
-    # standbys from its main thread, which lives as long as the agent. Set before the imports
-    # (seconds), and checked against the agent's pid in case it died before the prctl.
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when ``parent`` ends (``PR_SET_PDEATHSIG``); exit now if it already did."""
+    # PR_SET_PDEATHSIG (1): SIGKILL when the thread that started us exits. The agent starts
+    # standbys and the fork server from its main thread, which lives as long as the agent; the
+    # fork server is single-threaded. Set first (imports take seconds), then checked against the
+    # parent's pid in case it died before the prctl (we would have been re-parented already).
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent:
         os._exit(0)
 
 
-def _preimport(names: list[str]) -> tuple[list[str], dict[str, str]]:
+def preimport(names: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Import ``names`` in order; the imported ones and, per failed one, why."""
     done, failed = [], {}
     for name in names:
         try:
@@ -61,7 +67,7 @@ def _preimport(names: list[str]) -> tuple[list[str], dict[str, str]]:
     return done, failed
 
 
-def _cuda_touched() -> bool:
+def cuda_touched() -> bool:
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     return bool(cuda is not None and cuda.is_initialized())
@@ -119,23 +125,17 @@ def _read_line(fd: int) -> bytes:
             return b"".join(chunks)
 
 
-def main() -> None:
-    """Import, report ready, wait for the hand-off, become the rank."""
-    status, handoff = int(os.environ[ENV_STATUS_FD]), int(os.environ[ENV_HANDOFF_FD])
-    _die_with_agent(int(os.environ[ENV_PARENT]))
-    t0 = time.monotonic()
-    names = [n for n in os.environ.get(ENV_PREIMPORT, "").split(",") if n]
-    done, failed = _preimport(names)
-
+def become_rank(status: int, handoff: int, report: dict) -> None:
+    """Say ``ready`` (with ``report``) unless CUDA was touched, answer pings, and at the hand-off
+    run the user's script in this process; returns when the script does."""
     def say(event: dict) -> None:
         os.write(status, (json.dumps(event) + "\n").encode())
 
-    if _cuda_touched():
-        say({"k": "refused", "why": f"torch.cuda was initialized while importing {done} (before the "
-                                    f"rank and its device are known)"})
+    if cuda_touched():
+        say({"k": "refused", "why": f"torch.cuda was initialized while importing {report.get('modules')} "
+                                    f"(before the rank and its device are known)"})
         os._exit(EXIT_REFUSED)
-    say({"k": "ready", "pid": os.getpid(), "import_s": round(time.monotonic() - t0, 3),
-         "modules": done, "failed": failed})
+    say({"k": "ready", "pid": os.getpid(), **report})
     while True:
         line = _read_line(handoff)
         if not line:
@@ -156,6 +156,15 @@ def main() -> None:
         _run_module(job["module"], job["args"])
     else:
         _run_script(job["script"], job["args"])
+
+
+def main() -> None:
+    """A spawned standby: import, then :func:`become_rank`."""
+    status, handoff = int(os.environ[ENV_STATUS_FD]), int(os.environ[ENV_HANDOFF_FD])
+    die_with_parent(int(os.environ[ENV_PARENT]))
+    t0 = time.monotonic()
+    done, failed = preimport([n for n in os.environ.get(ENV_PREIMPORT, "").split(",") if n])
+    become_rank(status, handoff, {"import_s": round(time.monotonic() - t0, 3), "modules": done, "failed": failed})
 
 
 if __name__ == "__main__":
