@@ -10,20 +10,29 @@ while the previous incarnation trained. The pool lives in the node's agent:
   :data:`PREIMPORT_ROOTS` (DeepSpeed, megatron-core, transformers, ...), read from the script's
   source without running it. Never the script itself nor any other module of the user's: their
   module-level code must run once per incarnation, at the hand-off, with the rank known.
+- **where from** (:mod:`.standby_zygote`): one fork server per node imports them once and forks
+  a standby per local rank on request (copy-on-write: one import's CPU and mostly one import's
+  memory for the node). It forks only after checking that nothing makes a fork unsafe (other
+  threads, CUDA); otherwise it says why, the pool logs a warning, records ``zygote_unsafe`` and
+  spawns one interpreter per standby instead, each importing by itself (``fork=False`` too).
 - **when** (:meth:`StandbyPool.tick`, called from the agent's monitor loop): once the current
   incarnation reported a step (so imports never compete with the ranks' own start), up to one
-  standby per local rank; a standby that dies, refuses (CUDA touched) or is not ready within
-  ``ready_timeout_s`` is killed and replaced.
+  standby per local rank; a standby or fork server that dies, refuses (CUDA touched) or is not
+  ready within ``ready_timeout_s`` or does not answer a ping is killed and replaced.
 - **the hand-off** (:meth:`StandbyPool.hand`): the rank's full environment, argv, working
   directory and output files go down a pipe; the standby answers ``go`` within
   ``ack_timeout_s`` (else it is killed, and the rank starts cold). Only variables that name the
   rank and incarnation may differ from the environment the standby was started with
   (:func:`import_env_mismatch`); anything else (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES``, a
-  path) could have changed what the imports did, so such a standby is retired, not used.
-- **no orphans**: standbys are spawned (never forked) from the agent's main thread, in their own
-  session, with ``PR_SET_PDEATHSIG`` (SIGKILL when the agent dies, set before they import); the
-  pool kills every unused one when the agent ends. ``standbys.jsonl`` in the run directory
-  records every standby's life.
+  path) could have changed what the imports did, so such a standby is retired, not used (and a
+  fork server whose environment differs from the agent's is replaced before it forks again).
+- **no orphans**: the fork server and spawned standbys are started from the agent's main thread,
+  never forked from the agent, in their own sessions, with ``PR_SET_PDEATHSIG`` (SIGKILL when the
+  agent dies, set before they import); a forked standby sets it towards the fork server, so the
+  agent's death takes the server and the server's takes its children. The pool therefore never
+  kills a fork server while a rank it forked runs (it drains: unused, then killed once those
+  ranks ended), and kills every unused standby when the agent ends. ``standbys.jsonl`` in the run
+  directory records every standby's and fork server's life.
 """
 
 from __future__ import annotations
@@ -37,12 +46,13 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from robust_plugins._logging import get_logger
 from robust_plugins.watchdog import standby_worker as _worker
+from robust_plugins.watchdog.standby_fork import ForkedProc, Zygote
 
 log = get_logger(__name__)
 
@@ -163,9 +173,9 @@ def _now() -> str:
 
 @dataclass
 class Standby:
-    """One pre-started interpreter."""
+    """One pre-started standby: forked from the node's zygote or spawned."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProc
     status: int
     handoff: int
     env: dict[str, str]
@@ -175,15 +185,19 @@ class Standby:
     """When the unanswered ping was sent (None: none outstanding)."""
     answered: float = 0.0
     buf: bytes = b""
-    events: list[dict] = field(default_factory=list)
+    zygote: Zygote | None = None
+    """The fork server it came from (None: spawned)."""
+    announced: bool = False
+    """``spawned`` is in standbys.jsonl (a fork's pid is known only once the zygote forked)."""
 
 
 class StandbyPool:
     """The node's standbys (see the module docstring); every method runs on the agent's main
-    thread (PR_SET_PDEATHSIG follows the spawning thread)."""
+    thread (PR_SET_PDEATHSIG follows the spawning thread). ``fork=False``: spawn every standby."""
 
     def __init__(self, size: int, target: Target, run_dir: Path, per_rank: Callable[[str], bool],
-                 ready_timeout_s: float = READY_TIMEOUT_S, ack_timeout_s: float = ACK_TIMEOUT_S) -> None:
+                 ready_timeout_s: float = READY_TIMEOUT_S, ack_timeout_s: float = ACK_TIMEOUT_S,
+                 fork: bool = True) -> None:
         self.size = size
         self.target = target
         self.cwd = os.getcwd()
@@ -191,34 +205,68 @@ class StandbyPool:
         self.per_rank = per_rank
         self.ready_timeout_s = ready_timeout_s
         self.ack_timeout_s = ack_timeout_s
+        self.fork = fork
         self.log_path = Path(run_dir) / "standbys.jsonl"
         self.standbys: list[Standby] = []
+        self.zygote: Zygote | None = None
+        self.draining: list[Zygote] = []
+        """Retired fork servers that ranks they forked still run in (their death would kill them)."""
         self.closed = False
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def _note(self, sb: Standby | None, event: str, **extra: Any) -> None:
-        rec = {"time": _now(), "event": event, "pid": sb.proc.pid if sb else None, **extra}
+    def _note(self, who: Standby | Zygote | None, event: str, **extra: Any) -> None:
+        rec = {"time": _now(), "event": event, "pid": who.proc.pid if who else None, **extra}
         with open(self.log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    def _spawn(self) -> Standby:
+    def _import_env(self) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if not self.per_rank(k)}
+
+    def _spawn(self) -> bool:
         status_r, status_w = os.pipe()
         handoff_r, handoff_w = os.pipe()
-        env = {k: v for k, v in os.environ.items() if not self.per_rank(k)}
-        env.update({_worker.ENV_STATUS_FD: str(status_w), _worker.ENV_HANDOFF_FD: str(handoff_r),
-                    _worker.ENV_PARENT: str(os.getpid()), _worker.ENV_PREIMPORT: ",".join(self.modules)})
-        proc = subprocess.Popen([sys.executable, "-u", "-m", _worker.__name__], env=env, cwd=self.cwd,
-                                pass_fds=(status_w, handoff_r), start_new_session=True)
-        # stdin, stdout, stderr: the agent's, inherited as torch's own Popen of a rank does.
-        os.close(status_w)
-        os.close(handoff_r)
+        env = self._import_env()
+        spawn_env = {**env, _worker.ENV_STATUS_FD: str(status_w), _worker.ENV_HANDOFF_FD: str(handoff_r),
+                     _worker.ENV_PARENT: str(os.getpid()), _worker.ENV_PREIMPORT: ",".join(self.modules)}
+        try:
+            proc = subprocess.Popen([sys.executable, "-u", "-m", _worker.__name__], env=spawn_env, cwd=self.cwd,
+                                    pass_fds=(status_w, handoff_r), start_new_session=True)
+        finally:
+            # stdin, stdout, stderr: the agent's, inherited as torch's own Popen of a rank does.
+            os.close(status_w)
+            os.close(handoff_r)
         os.set_blocking(status_r, False)
-        for k in _worker.STANDBY_ENV:
-            env.pop(k)
-        sb = Standby(proc, status_r, handoff_w, env, time.monotonic())
+        sb = Standby(proc, status_r, handoff_w, env, time.monotonic(), announced=True)
         self.standbys.append(sb)
         self._note(sb, "spawned", modules=self.modules)
-        return sb
+        return True
+
+    def _fork(self) -> bool:
+        # A fork request: the standby exists (take() may wait for it) before the zygote forks it.
+        env = self._import_env()
+        z = self.zygote
+        if z is not None and z.env != env:
+            changed = import_env_mismatch(z.env, env, lambda _: False)
+            self._drop_zygote(z, "zygote_retired", why=f"environment changed since it imported: {changed[:5]}")
+            z = None
+        if z is None:
+            z = self.zygote = Zygote(env, self.cwd, self.modules)
+            self._note(z, "zygote_spawned", modules=self.modules)
+        status_r, status_w = os.pipe()
+        handoff_r, handoff_w = os.pipe()
+        try:
+            proc = z.fork(status_w, handoff_r)
+        except OSError as exc:
+            os.close(status_r)
+            os.close(handoff_w)
+            self._drop_zygote(z, "zygote_died", why=f"fork request failed: {exc!r}")
+            return False
+        finally:
+            os.close(status_w)
+            os.close(handoff_r)
+        os.set_blocking(status_r, False)
+        self.standbys.append(Standby(proc, status_r, handoff_w, env, time.monotonic(), zygote=z))
+        return True
 
     def _read(self, sb: Standby) -> list[dict]:
         try:
@@ -236,10 +284,13 @@ class StandbyPool:
         if sb in self.standbys:
             self.standbys.remove(sb)
         if sb.proc.poll() is None:
-            try:
-                os.killpg(sb.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            if isinstance(sb.proc, ForkedProc):
+                sb.proc.kill()  # through its pidfd; unused, it has started no process of its own
+            else:
+                try:
+                    os.killpg(sb.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             sb.proc.wait(timeout=10)
         for fd in (sb.status, sb.handoff):
             try:
@@ -248,21 +299,92 @@ class StandbyPool:
                 pass
         self._note(sb, event, exitcode=sb.proc.returncode, **extra)
 
+    def _drop_zygote(self, z: Zygote, event: str, **extra: Any) -> None:
+        # Its unused standbys go; the server itself too, unless ranks it forked still run.
+        if self.zygote is z:
+            self.zygote = None
+        served = z.live_served()
+        if not served:
+            z.stop()
+        for sb in [sb for sb in self.standbys if sb.zygote is z]:
+            self._retire(sb, "stopped", why=f"its fork server {z.pid}: {event}")
+        if served:
+            self.draining.append(z)
+            extra["draining"] = [c.pid for c in served]
+        self._note(z, event, exitcode=z.proc.returncode, **extra)
+
+    def _liveness(self, who: Standby | Zygote, alive: bool, ping: Callable[[], object],
+                  now: float) -> tuple[str, dict[str, str]] | None:
+        """("died" or "hung", the note's extra fields) for a standby or fork server that must go,
+        else None; sends it a ping when one is due."""
+        if not alive:
+            return "died", {}
+        if who.ready is None and now - who.spawned > self.ready_timeout_s:
+            return "hung", {"why": f"not ready within {self.ready_timeout_s:.0f} s"}
+        if who.pinged is not None and now - who.pinged > PING_TIMEOUT_S:
+            return "hung", {"why": f"no answer to a ping within {PING_TIMEOUT_S:.0f} s"}
+        if who.ready is not None and who.pinged is None and now - who.answered > PING_EVERY_S:
+            try:
+                ping()
+            except OSError as exc:
+                return "died", {"why": f"ping failed: {exc!r}"}
+            who.pinged = now
+        return None
+
+    def _tick_zygotes(self, now: float) -> None:
+        z = self.zygote
+        if z is not None:
+            z.pump()
+            for msg in z.news:
+                if msg["k"] == "ready":
+                    self._note(z, "zygote_ready", after_s=round(now - z.spawned, 3), import_s=msg["import_s"],
+                               failed=msg["failed"], threads_before_probe=msg["threads_before_probe"])
+                elif msg["k"] == "refused":
+                    log.warning("robust run: the standby fork server refused to serve: %s; restarts start "
+                                "cold.", msg["why"])
+                    self._drop_zygote(z, "refused", why=msg["why"])
+                    self.size = 0  # the same imports would touch CUDA in every standby
+                else:
+                    log.warning("robust run: forking standbys is unsafe here: %s. Standbys are spawned "
+                                "instead, one interpreter and one import per rank (more CPU and memory "
+                                "a node; restarts stay warm).", msg["why"])
+                    asked = sum(sb.zygote is z for sb in self.standbys)
+                    self._drop_zygote(z, "zygote_unsafe", why=msg["why"])
+                    self.fork = False
+                    for _ in range(asked):  # already asked for: a restart may be waiting on them
+                        self._spawn()
+            z.news.clear()
+        if z is not None and self.zygote is z:
+            verdict = self._liveness(z, z.alive(), z.ping, now)
+            if verdict is not None:
+                self._drop_zygote(z, f"zygote_{verdict[0]}", **verdict[1])
+        for old in list(self.draining):
+            if not old.live_served():
+                self.draining.remove(old)
+                self._note(old, "zygote_stopped", exitcode=old.stop(), why="the ranks it forked ended")
+
     # -- the agent's calls -------------------------------------------------------------------
     def tick(self, spawn: bool) -> None:
-        """Read the standbys' news, replace the dead, refused and hung; with ``spawn``, start
-        standbys up to ``size``."""
+        """Read the standbys' and fork server's news, replace the dead, refused and hung; with
+        ``spawn``, start standbys up to ``size``."""
         if self.closed:
             return
         now = time.monotonic()
+        self._tick_zygotes(now)
         for sb in list(self.standbys):
+            if not sb.announced:
+                if sb.proc.pid is None:
+                    continue  # not forked yet: its fork server's liveness (above) is its own
+                sb.announced = True
+                self._note(sb, "spawned", zygote=sb.zygote.pid, fork_s=round(now - sb.spawned, 3))
             for msg in self._read(sb):
                 if msg.get("k") == "pong":
                     sb.pinged, sb.answered = None, now
                 elif msg.get("k") == "ready":
                     sb.ready, sb.answered = msg, now
                     self._note(sb, "ready", after_s=round(now - sb.spawned, 3),
-                               import_s=msg.get("import_s"), failed=msg.get("failed"))
+                               import_s=msg.get("import_s"), failed=msg.get("failed"),
+                               **({"zygote": msg["zygote"]} if "zygote" in msg else {}))
                 elif msg.get("k") == "refused":
                     log.warning("robust run: a standby refused to serve: %s; restarts start cold.",
                                 msg.get("why"))
@@ -270,20 +392,13 @@ class StandbyPool:
                     self.size = 0  # the same imports would touch CUDA again in every standby
             if sb not in self.standbys:
                 continue
-            if sb.proc.poll() is not None:
-                self._retire(sb, "died")
-            elif sb.ready is None and now - sb.spawned > self.ready_timeout_s:
-                self._retire(sb, "hung", why=f"not ready within {self.ready_timeout_s:.0f} s")
-            elif sb.pinged is not None and now - sb.pinged > PING_TIMEOUT_S:
-                self._retire(sb, "hung", why=f"no answer to a ping within {PING_TIMEOUT_S:.0f} s")
-            elif sb.ready is not None and sb.pinged is None and now - sb.answered > PING_EVERY_S:
-                try:
-                    os.write(sb.handoff, b'{"k": "ping"}\n')
-                    sb.pinged = now
-                except OSError:
-                    self._retire(sb, "died", why="its hand-off pipe is closed")
+            verdict = self._liveness(sb, sb.proc.poll() is None,
+                                     lambda fd=sb.handoff: os.write(fd, b'{"k": "ping"}\n'), now)
+            if verdict is not None:
+                self._retire(sb, verdict[0], **verdict[1])
         while spawn and len(self.standbys) < self.size:
-            self._spawn()
+            if not (self._fork() if self.fork else self._spawn()):
+                break
 
     def take(self, wait_s: float) -> Standby | None:
         """A ready standby; else wait up to ``wait_s`` for one still importing (it started
@@ -322,6 +437,8 @@ class StandbyPool:
             if any(m.get("k") == "go" for m in self._read(sb)):  # a pong may come before it
                 os.close(sb.status)
                 os.close(sb.handoff)
+                if isinstance(sb.proc, ForkedProc):
+                    sb.proc.served = True  # its fork server now outlives it (see _drop_zygote)
                 self._note(sb, "served", rank=int(rank))
                 return True
             time.sleep(0.005)
@@ -329,7 +446,12 @@ class StandbyPool:
         return False
 
     def close(self) -> None:
-        """Kill every unused standby (the agent is ending)."""
+        """Kill every unused standby and every fork server no rank runs in (the agent is ending,
+        or the pool failed: a server with running ranks then ends with the agent)."""
         self.closed = True
         for sb in list(self.standbys):
             self._retire(sb, "stopped")
+        for z in [self.zygote, *self.draining]:
+            if z is not None and not z.live_served():
+                self._note(z, "zygote_stopped", exitcode=z.stop())
+        self.zygote, self.draining = None, []

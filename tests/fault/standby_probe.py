@@ -14,6 +14,12 @@ import time
 
 #: True in a warm standby (it imported torch before the hand-off), False in a fresh process.
 TORCH_AT_START = "torch" in sys.modules
+#: OS threads when the script starts: 1 in a fresh process (OMP_NUM_THREADS=1) and in a standby.
+THREADS_AT_START = len(os.listdir("/proc/self/task"))
+
+import numpy.random  # noqa: E402  (imported before the hand-off: its global RNG must still differ per process)
+
+NUMPY_DRAW = float(numpy.random.random())
 
 _ARGS = argparse.ArgumentParser()
 _ARGS.add_argument("--steps", type=int, default=20)
@@ -45,7 +51,7 @@ def _record() -> dict:
         "loader": type(__loader__).__name__, "path0": sys.path[0],
         "main_is_me": main.__dict__ is globals(),
         "pickle": pickle.loads(pickle.dumps(Picklable(3))).x,
-        "torch_at_start": TORCH_AT_START,
+        "torch_at_start": TORCH_AT_START, "threads_at_start": THREADS_AT_START, "numpy_draw": NUMPY_DRAW,
         "pid": os.getpid(), "ppid": os.getppid(),
     }
 

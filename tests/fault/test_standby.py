@@ -1,6 +1,7 @@
-"""Warm standby workers of ``robust run`` (on by default): a restart hands each rank to an
-interpreter that imported torch and the plugin already, and the script runs there exactly as in
-a fresh process; dead or hung standbys are replaced; none outlives a SIGKILLed launcher."""
+"""Warm standby workers of ``robust run`` (on by default): a restart hands each rank to a process
+forked from the node's fork server, which imported torch and the plugin once, and the script runs
+there exactly as in a fresh process; dead or hung standbys and fork servers are replaced; none
+outlives a SIGKILLed launcher; where forking is unsafe, standbys are spawned instead, loudly."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ PER_INCARNATION = {"TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE", "MAS
                    "ROBUST_INCARNATION", "ROBUST_WATCHDOG_RING", "ROBUST_INJECT"}
 
 #: Fields of the probe's record that must be the same in a cold and a warm incarnation.
-SAME = ("argv", "cwd", "name", "file", "package", "spec", "loader", "path0", "main_is_me", "pickle", "ppid")
+#: Not ``ppid``: a forked rank's parent is the fork server (``_forked_by``), a cold one's the agent.
+SAME = ("argv", "cwd", "name", "file", "package", "spec", "loader", "path0", "main_is_me", "pickle",
+        "threads_at_start")
 
 
 def _probes(probe_dir: Path) -> dict[tuple[int, int], dict]:
@@ -49,6 +52,13 @@ def _same_start(cold: dict, warm: dict) -> None:
     assert changed <= PER_INCARNATION, changed - PER_INCARNATION
 
 
+def _forked_by(run_dir: Path, probe: dict) -> int:
+    """The fork server that forked the warm rank of ``probe`` (its parent), from standbys.jsonl."""
+    (spawned,) = [e for e in _events(run_dir) if e["event"] == "spawned" and e["pid"] == probe["pid"]]
+    assert spawned["zygote"] == probe["ppid"], (spawned, probe["ppid"])
+    return spawned["zygote"]
+
+
 def test_a_restart_is_served_by_standbys_running_the_script_as_a_fresh_process(tmp_path):
     probe = tmp_path / "probe"
     job = robust_run(tmp_path, 2, "--inject", "kill:rank=1,step=6",
@@ -65,6 +75,11 @@ def test_a_restart_is_served_by_standbys_running_the_script_as_a_fresh_process(t
         _same_start(probes[(0, rank)], probes[(1, rank)])
     served = {e["rank"]: e["pid"] for e in _events(tmp_path) if e["event"] == "served"}
     assert served == {r: probes[(1, r)]["pid"] for r in (0, 1)}
+    # Both warm ranks came from one fork server that imported once and never ran the script;
+    # numpy's global RNG, seeded at its import there, was reseeded in each child.
+    (zygote,) = {_forked_by(tmp_path, probes[(1, r)]) for r in (0, 1)}
+    assert [e["pid"] for e in _events(tmp_path) if e["event"] == "zygote_ready"][0] == zygote
+    assert probes[(1, 0)]["numpy_draw"] != probes[(1, 1)]["numpy_draw"]
     # Module-level side effects ran once per incarnation and rank: the standbys that were
     # started after the restart (and stopped unused at the end) ran nothing of the script.
     lines = sorted((probe / "side_effects.txt").read_text().split("\n")[:-1])
@@ -84,10 +99,12 @@ def _wait(what, predicate, timeout_s: float, proc: subprocess.Popen, log: Path):
     raise AssertionError(f"timed out waiting for {what}:\n{log.read_text(errors='replace')[-3000:]}")
 
 
-def test_dead_and_hung_standbys_are_replaced_and_none_outlives_a_sigkilled_launcher(tmp_path):
+def test_dead_and_hung_standbys_and_fork_servers_are_replaced_and_none_outlives_a_sigkilled_launcher(tmp_path):
     """Also the ``-m module`` form. One standby is SIGKILLed, the other SIGSTOPped (it stops
-    answering pings); both are replaced, the replacements serve the restart after a rank dies,
-    then the launcher is SIGKILLed with fresh standbys importing: nothing is left."""
+    answering pings); both are replaced. Then the fork server is SIGSTOPped (replaced, its
+    standbys with it), and its successor SIGKILLed (replaced too). The third one's standbys serve
+    the restart after a rank dies; then the launcher is SIGKILLed: nothing is left, fork servers
+    and the ranks they forked included."""
     probe, run_dir = tmp_path / "probe", tmp_path / "run"
     cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(run_dir), "--standalone",
            "--nproc-per-node", "2", "--monitor-interval", "0.1", "--watchdog", "straggler_factor=0",
@@ -100,10 +117,14 @@ def test_dead_and_hung_standbys_are_replaced_and_none_outlives_a_sigkilled_launc
                                 env=env, start_new_session=True)
     pids: set[int] = set()
     try:
-        def ready() -> list[int]:
+        def ready(zygote: int | None = None) -> list[int]:
             ev = _events(run_dir)
             gone = {e["pid"] for e in ev if e["event"] in ("died", "hung", "served", "stopped")}
-            return [e["pid"] for e in ev if e["event"] == "ready" and e["pid"] not in gone]
+            return [e["pid"] for e in ev if e["event"] == "ready" and e["pid"] not in gone
+                    and (zygote is None or e.get("zygote") == zygote)]
+
+        def zygotes(event: str) -> list[int]:
+            return [e["pid"] for e in _events(run_dir) if e["event"] == event]
 
         first = _wait("two ready standbys", lambda: len(ready()) == 2 and ready(), 150, proc, log)
         pids.update(first)
@@ -114,14 +135,34 @@ def test_dead_and_hung_standbys_are_replaced_and_none_outlives_a_sigkilled_launc
         fate = {e["pid"]: e for e in events if e["pid"] in first and e["event"] in ("died", "hung")}
         assert fate[first[0]]["event"] == "died"
         assert fate[first[1]]["event"] == "hung" and "ping" in fate[first[1]]["why"]
+        (z1,) = zygotes("zygote_ready")
+        assert all(e.get("zygote") == z1 for e in events if e["event"] == "ready")
+        os.kill(z1, signal.SIGSTOP)  # a hung fork server: replaced, its idle standbys with it
+        z2 = _wait("a second fork server", lambda: len(zygotes("zygote_ready")) == 2 and zygotes("zygote_ready")[1],
+                   150, proc, log)
+        _wait("its two standbys", lambda: len(ready(z2)) == 2, 60, proc, log)
+        (hung,) = [e for e in _events(run_dir) if e["event"] == "zygote_hung"]
+        assert hung["pid"] == z1 and "ping" in hung["why"] and not _alive(z1)
+        os.kill(z2, signal.SIGKILL)  # a dead one: replaced
+        z3 = _wait("a third fork server", lambda: len(zygotes("zygote_ready")) == 3 and zygotes("zygote_ready")[2],
+                   150, proc, log)
+        _wait("its two standbys", lambda: len(ready(z3)) == 2, 60, proc, log)
+        assert zygotes("zygote_died") == [z2]
         workers = [json.loads(x) for x in (run_dir / "workers.jsonl").read_text().splitlines()]
         os.kill(workers[0]["pids"]["1"], signal.SIGKILL)  # a real crash of rank 1
         _wait("the warm incarnation's first steps", lambda: (run_dir / "faults.jsonl").exists(), 60, proc, log)
-        _wait("standbys started after the restart",
-              lambda: sum(e["event"] == "spawned" for e in _events(run_dir)) >= 6, 60, proc, log)
+
+        def forked_after_the_restart() -> bool:
+            ev = [e["event"] for e in _events(run_dir)]
+            return "served" in ev and ev[ev.index("served"):].count("spawned") >= 2
+
+        _wait("standbys forked after the restart", forked_after_the_restart, 60, proc, log)
         workers = [json.loads(x) for x in (run_dir / "workers.jsonl").read_text().splitlines()]
         pids.update(p for w in workers for p in w["pids"].values())
-        pids.update(e["pid"] for e in _events(run_dir))
+        pids.update(e["pid"] for e in _events(run_dir) if e["pid"] is not None)
+        assert _alive(z3) and {z1, z2, z3} <= pids
+        # A stopped standby cannot notice its closed hand-off pipe: only PR_SET_PDEATHSIG ends it.
+        os.kill(ready(z3)[0], signal.SIGSTOP)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 5
@@ -140,7 +181,39 @@ def test_dead_and_hung_standbys_are_replaced_and_none_outlives_a_sigkilled_launc
     probes = _probes(probe)
     for rank in (0, 1):
         _same_start(probes[(0, rank)], probes[(1, rank)])
+        assert _forked_by(run_dir, probes[(1, rank)]) == z3
         assert probes[(1, rank)]["spec"] == "standby_probe" and probes[(1, rank)]["argv"][0].endswith("standby_probe.py")
+
+
+FORK_UNSAFE = """\
+# A stand-in for a site hook that starts a thread in every interpreter (a telemetry agent, say).
+import threading, time
+threading.Thread(target=time.sleep, args=(3600,), daemon=True, name="site-hook").start()
+"""
+
+
+def test_where_forking_is_unsafe_standbys_are_spawned_and_say_why(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FORK_UNSAFE)
+    probe = tmp_path / "probe"
+    job = robust_run(tmp_path / "run", 2, "--inject", "kill:rank=0,step=6",
+                     env={"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])},
+                     script=[PROBE, "--steps", "12", "--step-sleep", "0.05", "--probe-dir", str(probe)])
+    assert job.returncode == 0, job.output[-3000:]
+    (fault,) = job.faults
+    assert fault["detail"]["standby"] is True and fault["detail"]["standby_ranks"] == [0, 1]
+    events = _events(tmp_path / "run")
+    (unsafe,) = [e for e in events if e["event"] == "zygote_unsafe"]
+    assert "site-hook" in unsafe["why"] and "2 Python threads" in unsafe["why"]
+    assert "forking standbys is unsafe here" in job.output and "site-hook" in job.output
+    served = {e["pid"] for e in events if e["event"] == "served"}
+    spawned = {e["pid"]: e for e in events if e["event"] == "spawned"}
+    assert served and all("zygote" not in spawned[p] for p in served)  # spawned, not forked
+    probes = _probes(probe)
+    for rank in (0, 1):
+        _same_start(probes[(0, rank)], probes[(1, rank)])
+        assert probes[(1, rank)]["ppid"] == probes[(0, rank)]["ppid"]  # the agent's children both
 
 
 def test_no_standby_restarts_cold(tmp_path):
