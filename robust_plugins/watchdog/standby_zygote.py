@@ -70,6 +70,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 
 from robust_plugins.watchdog import standby_worker as _worker
 
@@ -116,7 +117,10 @@ def cuda_driver_initialized() -> bool:
 
 def _probe_fork() -> None:
     # The child exits at once (nothing it could deadlock on): only the parent's threads matter.
-    pid = os.fork()
+    # Python 3.12+ warns about any fork with threads running; for this one it does not apply.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)
