@@ -333,6 +333,7 @@ class StandbyPool:
 
     def _tick_zygotes(self, now: float) -> None:
         z = self.zygote
+        alive = z is not None and z.alive()  # first: what it said before it exited is read next
         if z is not None:
             z.pump()
             for msg in z.news:
@@ -347,7 +348,9 @@ class StandbyPool:
                 else:
                     log.warning("robust run: forking standbys is unsafe here: %s. Standbys are spawned "
                                 "instead, one interpreter and one import per rank (more CPU and memory "
-                                "a node; restarts stay warm).", msg["why"])
+                                "a node; restarts stay warm). To fork them, let nothing imported start a "
+                                "thread or call CUDA (robust_plugins/watchdog/standby_zygote.py says "
+                                "why).", msg["why"])
                     asked = sum(sb.zygote is z for sb in self.standbys)
                     self._drop_zygote(z, "zygote_unsafe", why=msg["why"])
                     self.fork = False
@@ -355,7 +358,7 @@ class StandbyPool:
                         self._spawn()
             z.news.clear()
         if z is not None and self.zygote is z:
-            verdict = self._liveness(z, z.alive(), z.ping, now)
+            verdict = self._liveness(z, alive, z.ping, now)
             if verdict is not None:
                 self._drop_zygote(z, f"zygote_{verdict[0]}", **verdict[1])
         for old in list(self.draining):
@@ -377,6 +380,7 @@ class StandbyPool:
                     continue  # not forked yet: its fork server's liveness (above) is its own
                 sb.announced = True
                 self._note(sb, "spawned", zygote=sb.zygote.pid, fork_s=round(now - sb.spawned, 3))
+            alive = sb.proc.poll() is None  # first, as for the fork server
             for msg in self._read(sb):
                 if msg.get("k") == "pong":
                     sb.pinged, sb.answered = None, now
@@ -392,8 +396,7 @@ class StandbyPool:
                     self.size = 0  # the same imports would touch CUDA again in every standby
             if sb not in self.standbys:
                 continue
-            verdict = self._liveness(sb, sb.proc.poll() is None,
-                                     lambda fd=sb.handoff: os.write(fd, b'{"k": "ping"}\n'), now)
+            verdict = self._liveness(sb, alive, lambda fd=sb.handoff: os.write(fd, b'{"k": "ping"}\n'), now)
             if verdict is not None:
                 self._retire(sb, verdict[0], **verdict[1])
         while spawn and len(self.standbys) < self.size:
