@@ -14,13 +14,23 @@ The same script runs under ``robust run``, ``torchrun --max-restarts`` and NVIDI
   the first incarnation only, after logging ``{"kill": S, "t": ...}``;
 - ``--seconds T``: instead of a step count, train until T seconds after the first start (the ETTR
   run: a wall-clock budget shared by every incarnation through ``<step-log-dir>/t0``);
+- every rank appends one line per incarnation to ``<step-log-dir>/phases-rank<R>.jsonl``:
+  ``{"inc", "script" (time.time() when the module began), "imported", "dist" (process group
+  formed), "engine" (``deepspeed.initialize`` returned, the resume from memory included)}``: where
+  a restart's time goes between the hand-off and the first step;
 - ``--memory``: the plugin's checkpoint block (a snapshot every ``--memory-every`` steps, persisted
   every ``--save-every``) instead of the script's own saves.
 """
 
 from __future__ import annotations
 
-import robust_plugins  # noqa: F401,I001  (installs the DeepSpeed patch before deepspeed is used)
+import time as _time
+
+#: When this module began to run: a fresh interpreter's imports come after it; a warm standby
+#: imported them before it was handed its rank, so here its hand-off has just happened.
+SCRIPT_T0 = _time.time()
+
+import robust_plugins  # noqa: E402,F401,I001  (installs the DeepSpeed patch before deepspeed is used)
 
 import argparse
 import hashlib
@@ -72,8 +82,10 @@ def main() -> None:
         p.error(f"--memory-every {args.memory_every}: an interval of 1 or more steps, and only with --memory")
     if args.memory and args.emergency:
         p.error("--memory and --emergency are two different checkpoint setups: pick one")
+    phases = {"script": SCRIPT_T0, "imported": time.time()}
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
+    phases["dist"] = time.time()
     rank, world = dist.get_rank(), dist.get_world_size()
     logs = Path(args.step_log_dir)
     logs.mkdir(parents=True, exist_ok=True)
@@ -102,6 +114,9 @@ def main() -> None:
         config["robust_plugins"] = {"checkpoint": {"dir": args.ckpt_dir, "memory_every": args.memory_every,
                                                    "persist_every": args.save_every}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    phases["engine"] = time.time()
+    with open(logs / f"phases-rank{rank}.jsonl", "a") as f:
+        f.write(json.dumps({"inc": inc, **phases}) + "\n")
     # With --memory the engine has already resumed (memory -> peer -> disk) inside initialize.
     if not args.memory and (Path(args.ckpt_dir) / "latest").exists():
         engine.load_checkpoint(args.ckpt_dir)

@@ -105,6 +105,25 @@ def _iso(t: str) -> float:
     return datetime.datetime.fromisoformat(t).timestamp()
 
 
+#: The restart's phases, from the detection to the first step (``phases`` of a row): the agent
+#: (stopping the old ranks, rendezvous, hand-off or spawn) up to the script's first line; the
+#: script's own imports (nearly none for a warm standby); the process group; the engine
+#: (``deepspeed.initialize`` with the resume from memory); the first step.
+PHASES = ("to_script", "imports", "process_group", "engine", "first_step")
+
+
+def phases_of(work: Path, inc: int, detected: float, steps: list[dict]) -> dict | None:
+    """Seconds of each :data:`PHASES` of incarnation ``inc`` (each boundary: the slowest rank's)."""
+    marks = []
+    for f in (work / "steps").glob("phases-rank*.jsonl"):
+        marks += [json.loads(x) for x in f.read_text().splitlines() if json.loads(x)["inc"] == inc]
+    first = [s["t"] for s in steps if s["inc"] == inc]
+    if not marks or not first:
+        return None
+    edge = [detected] + [max(m[k] for m in marks) for k in ("script", "imported", "dist", "engine")] + [min(first)]
+    return {name: round(b - a, 3) for name, a, b in zip(PHASES, edge, edge[1:])}
+
+
 def recovery(steps: list[dict], onset: float, inc_before: int) -> tuple[float | None, int | None, int | None]:
     """(seconds from onset to the first step of a later incarnation, steps lost, resumed step)."""
     before = [s["step"] for s in steps if s["inc"] <= inc_before]
@@ -162,7 +181,8 @@ def robust_row(name: str, spec: str, work: Path, args, watchdog: list[str], scri
         row.update(recovered_after_s=0.0, lost_steps=0, note="report only: training went on")
     else:
         rec_s, lost, resumed = recovery(steps, onset, fault["incarnation"])
-        row.update(recovered_after_s=rec_s, lost_steps=lost, resumed_at=resumed)
+        row.update(recovered_after_s=rec_s, lost_steps=lost, resumed_at=resumed,
+                   phases=phases_of(work, fault["incarnation"] + 1, detected, steps))
     return row
 
 
@@ -351,8 +371,22 @@ def main() -> None:
               f"{f' ({failed} of {len(group)} never recovered)' if failed else ''} | "
               f"{_spread(group, 'lost_steps')} | {_spread(group, 'resumed_at')} | {len(group)} |")
     _warm_vs_cold(rows)
+    _phase_table(rows, args.rows)
     if not args.keep:
         subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+def _phase_table(rows: list[dict], names: list[str]) -> None:
+    """Where each row's restart went, detection to first step (medians over its jobs)."""
+    have = [n for n in names if any(r.get("fault") == n and r.get("phases") for r in rows)]
+    if not have:
+        return
+    print("\nrestart phases, detection -> first step, seconds (median over the jobs; each boundary is the slowest rank's)")
+    print("| fault | " + " | ".join(PHASES) + " |")
+    print("|---|" + "---|" * len(PHASES))
+    for name in have:
+        group = [r["phases"] for r in rows if r.get("fault") == name and r.get("phases")]
+        print(f"| {name} | " + " | ".join(f"{statistics.median(g[k] for g in group):.3f}" for k in PHASES) + " |")
 
 
 def _warm_vs_cold(rows: list[dict]) -> None:
