@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from robust_plugins.checkpoint import coord
 from robust_plugins.checkpoint.slot import Slot
+from robust_plugins.device import collective_device
 from robust_plugins.errors import CheckpointError
 
 #: crc32 in 64 MiB pieces (zlib releases the GIL for each), as the slot's own checksum.
@@ -120,12 +121,13 @@ class ReplicaCheck:
         """None when every replica has ``digest``; else every replica's digest by global rank."""
         if self.size < 2:
             return None
-        both = torch.tensor([digest, -digest], dtype=torch.int64)
+        dev = collective_device(self.group)  # the group is gloo: CPU, whatever the job's backend
+        both = torch.tensor([digest, -digest], dtype=torch.int64, device=dev)
         coord._wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True),
                     self.timeout_s, "replica check: agreeing on the snapshot's parameter hash")
         if int(both[0]) == -int(both[1]):  # max == min: all the same
             return None
-        mine = torch.tensor([digest], dtype=torch.int64)
+        mine = torch.tensor([digest], dtype=torch.int64, device=dev)
         every = [torch.empty_like(mine) for _ in range(self.size)]
         coord._wait(dist.all_gather(every, mine, group=self.group, async_op=True), self.timeout_s,
                     "replica check: gathering every replica's parameter hash")
