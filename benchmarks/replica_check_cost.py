@@ -61,6 +61,9 @@ def worker() -> None:
     Path(out, f"rank{rank}.json").write_text(json.dumps({"blk": mem.blocking_s, "wait": mem.wait_s, "dts": dts,
                                                          "checked": checked}))
     dist.barrier()
+    # Freed here, not at interpreter exit: a gloo group destroyed during shutdown with its threads
+    # still running sometimes aborts the rank after its work is done (exit -6; docs/megatron.md).
+    dist.destroy_process_group()
 
 
 def summarize(run_dir: Path, warmup: int) -> dict:

@@ -356,6 +356,9 @@ def main() -> None:
     if rank == 0:
         (out / "results.json").write_text(json.dumps(res, indent=1))
     dist.barrier()
+    # Freed here, not at interpreter exit: a gloo group destroyed during shutdown with its threads
+    # still running sometimes aborts the rank after its work is done (exit -6; docs/megatron.md).
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

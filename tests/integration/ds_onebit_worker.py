@@ -132,6 +132,10 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(results, f)
+    dist.barrier()
+    # Freed here, not at interpreter exit: a gloo group destroyed during shutdown with its threads
+    # still running sometimes aborts the rank after its work is done (exit -6; docs/megatron.md).
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
