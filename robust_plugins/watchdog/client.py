@@ -532,29 +532,37 @@ def on_emergency(save: Any) -> None:
         previous = sys.excepthook
 
         def hook(kind, exc, tb):
-            if _is_collective_failure(exc):
-                _emergency_save(client)
+            stopped = _is_collective_failure(exc) and _emergency_save(client)
             previous(kind, exc, tb)
+            if stopped:
+                # The agent's SIGTERM came during the save and was held: act on it now that the
+                # exception is reported. Lost, it would leave the agent waiting out its grace
+                # period (30 s, seen in the demo) for a rank that has nothing left to do.
+                os.kill(os.getpid(), signal.SIGTERM)
 
         sys.excepthook = hook
     _emergency["save"] = save
     client.send({"k": "emerg", "phase": "registered"}, wait=True)
 
 
-def _emergency_save(client: _Client) -> None:
+def _emergency_save(client: _Client) -> bool:
+    """Run the registered save (bounded); True when a SIGTERM arrived meanwhile (held, for the
+    caller to deliver once the exception is reported)."""
     import threading
 
     save = _emergency.get("save")
     step = client.last_step
     if save is None or step is None or _emergency.get("done"):
-        return
+        return False
     _emergency["done"] = True
     timeout = float(os.environ.get(ENV_EMERGENCY_TIMEOUT, "30") or 30)
     if timeout <= 0:
-        return  # emergency_save_timeout_s = 0: turned off
+        return False  # emergency_save_timeout_s = 0: turned off
     # The agent stops the node's ranks with SIGTERM once it sees the dead one: not during the save
-    # (it waits for our "done", bounded, and SIGKILLs after its own timeout anyway).
-    old = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # (it waits for our "done", bounded, and SIGKILLs after its own timeout anyway). Held, not
+    # ignored: a SIGTERM ignored here is gone, and the rank then outlives its stop.
+    held: list[int] = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
     client.send({"k": "emerg", "phase": "start", "s": step}, wait=True)
     t0 = time.monotonic()
     outcome: dict[str, Any] = {}
@@ -587,3 +595,4 @@ def _emergency_save(client: _Client) -> None:
     client.send({"k": "emerg", "phase": "done", "s": step, "ok": ok, "sec": seconds,
                  "error": outcome.get("error")}, wait=True)
     signal.signal(signal.SIGTERM, old)
+    return bool(held)

@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -79,3 +80,45 @@ def test_collective_failures_are_recognised():
     assert _is_collective_failure(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
     assert not _is_collective_failure(RuntimeError("shape mismatch"))
     assert not _is_collective_failure(ValueError("Connection closed by peer"))
+
+
+RANK_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+from robust_plugins.watchdog import client
+
+out = Path(sys.argv[1])
+
+def save(step):
+    # The agent's stop, arriving while the save runs (as it does when the agent sees the dead
+    # peer as soon as this rank does).
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.3)
+    (out / "saved").write_text(str(step))
+
+client.on_emergency(save)
+client.step_end(5)
+raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+"""
+
+
+def test_a_sigterm_during_the_emergency_save_is_held_then_acted_on(tmp_path):
+    # A SIGTERM that arrives during the save must neither cut it short nor be lost: lost, the rank
+    # outlived its stop and the agent waited out torch's 30 s grace (seen in the demo).
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    addr = str(tmp_path / "monitor.sock")
+    sock.bind(addr)
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {**os.environ, "ROBUST_WATCHDOG_SOCKET": addr, "RANK": "0", "ROBUST_EMERGENCY_TIMEOUT_S": "10"}
+    env.pop("ROBUST_RUN_DIR", None)
+    env.pop("ROBUST_WATCHDOG_RING", None)
+    try:
+        proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True,
+                              text=True, timeout=120)
+    finally:
+        sock.close()
+    assert (tmp_path / "saved").read_text() == "5"  # the save ran to its end
+    assert "emergency save of step 5 done" in proc.stderr, proc.stderr
+    assert "Connection reset by peer" in proc.stderr  # the exception was reported first
+    assert proc.returncode == -15, (proc.returncode, proc.stderr[-2000:])  # then the held SIGTERM ended it
