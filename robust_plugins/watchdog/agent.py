@@ -283,6 +283,9 @@ def _agent_class():
                     self._standby_ready_s.append(time.monotonic() - sb.spawned)
 
         def _monitor_workers(self, worker_group):
+            # torch's poll stops the other ranks (SIGTERM, up to its grace) as soon as one has
+            # failed, before it returns: time the detection to the poll's start, not its end.
+            seen = (time.time(), time.monotonic())
             result = super()._monitor_workers(worker_group)
             try:
                 self._tick_standbys()
@@ -307,7 +310,7 @@ def _agent_class():
             will_restart = self._remaining_restarts > 0
             try:
                 if result.state == WorkerState.FAILED:
-                    self._blame(self.monitor.on_crash(result.failures, will_restart))
+                    self._blame(self.monitor.on_crash(result.failures, will_restart, seen=seen))
                 elif result.state in (WorkerState.HEALTHY, WorkerState.SUCCEEDED):
                     # Also when every rank exited 0: a NaN, spike or SDC report of the last steps
                     # may still be queued, and the job must then roll back, not end.

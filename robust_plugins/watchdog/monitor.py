@@ -201,10 +201,15 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         except OSError:
             pass
 
-    def on_crash(self, failures: dict[int, Any], will_restart: bool) -> Fault:
-        """Ranks exited badly: ``{global_rank: ProcessFailure}`` from the elastic agent."""
+    def on_crash(self, failures: dict[int, Any], will_restart: bool,
+                 seen: tuple[float, float] | None = None) -> Fault:
+        """Ranks exited badly: ``{global_rank: ProcessFailure}`` from the elastic agent.
+
+        ``seen``: (wall, monotonic) time when the agent's poll that found the exit began. torch
+        stops the other ranks inside that poll, before it returns, so detection is timed to its
+        start and the stop counts in the restart (``detail.stop_s``: how long the stop took)."""
         self._drain()
-        now_wall = time.time()
+        now_wall = time.time() if seen is None else seen[0]
         with self._lock:
             states = {r: self.ranks.get(r, _RankState()) for r in failures}
         # When one rank fails, the elastic agent stops its peers with SIGTERM, and they appear in
@@ -238,7 +243,10 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
                     "reason": f"rank {first} exited with {sig or exitcode}",
                     "emergency_save": emergency},
         )
-        return self._record(fault)
+        if seen is None:
+            return self._record(fault)
+        fault.detail["stop_s"] = round(time.monotonic() - seen[1], 3)
+        return self._record(fault, detected_at=seen[1])
 
     def check(self, will_restart: bool) -> Fault | None:
         """Look for faults (SDC, NaN/Inf, spike, hang); returns the fault if the ranks must be

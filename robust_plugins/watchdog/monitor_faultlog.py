@@ -108,11 +108,12 @@ class _MonitorFaultLog:
         steps = [st.progress.last_step for st in self.ranks.values() if st.progress.last_step is not None]
         return max(steps) if steps else None
 
-    def _record(self, fault: Fault) -> Fault:
+    def _record(self, fault: Fault, detected_at: float | None = None) -> Fault:
+        """Record ``fault``, detected at ``detected_at`` (monotonic; now if None)."""
         self._flush_pending()
         with self._lock:
             self._max_step_before_fault = self._max_step()
-            self._detected_at = time.monotonic()
+            self._detected_at = time.monotonic() if detected_at is None else detected_at
             fault.incarnation = self.incarnation
             self.all_faults.append(fault)
             # Ranks run on for a few steps between a fault and their stop; injections they fired

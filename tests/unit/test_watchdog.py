@@ -344,6 +344,35 @@ def test_crash_is_judged_after_the_ranks_last_datagrams_even_if_the_receiver_lag
     assert fault.detail["onset"] == "injected"
 
 
+
+def test_a_crash_is_timed_to_the_poll_that_found_it_and_the_slow_stop_counts_in_the_restart(tmp_path):
+    """torch stops the surviving ranks inside the poll that found the exit (SIGTERM, up to a 30 s
+    grace): detection is timed to that poll's start, and the stop shows in stop_s and restart_s
+    instead of inflating the detection (the demo once reported 'detected after 30.2 s')."""
+    import time
+    from types import SimpleNamespace
+
+    from robust_plugins.watchdog.monitor import Monitor
+
+    mon = Monitor(WatchdogConfig(), tmp_path, host="h")
+    try:
+        mon.begin_incarnation({0: 100, 1: 101})
+        tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        now = time.time()
+        tx.sendto(json.dumps({"k": "inject", "r": 1, "i": 0, "s": 12, "t": now - 8.2,
+                              "spec": "kill:rank=1,step=12,signal=KILL"}).encode(), mon.address)
+        tx.close()
+        time.sleep(0.3)  # the receiver thread takes the datagram
+        failures = {0: SimpleNamespace(exitcode=-9, timestamp=0), 1: SimpleNamespace(exitcode=-9, timestamp=0)}
+        seen = (now - 8.0, time.monotonic() - 8.0)  # the poll began 8 s ago; the stop took the rest
+        fault = mon.on_crash(failures, will_restart=True, seen=seen)
+        mon.note_restart([], 2)
+    finally:
+        mon.close()
+    assert 0.15 <= fault.detected_after_s <= 0.25, fault.detected_after_s
+    assert fault.detail["stop_s"] >= 8.0
+    assert fault.detail["restart_s"] >= 8.0  # detection to the new ranks: the stop is inside it
+
 # -- silent data corruption ------------------------------------------------------------------------
 def test_minority_ranks_names_the_odd_replicas_or_everyone_without_a_majority():
     assert client.minority_ranks({0: 7, 1: 7, 2: 7}) == ([], "")
