@@ -22,7 +22,8 @@ class WatchdogConfig(Section):
 
     Hang timeouts are learned: before ``hang_warmup_steps`` steps every rank has
     ``hang_initial_timeout_s`` to make progress (imports, JIT builds and the first step are slow);
-    after it, the timeout is ``hang_factor`` x the p99 step time seen so far, clamped to
+    after it, the timeout is ``hang_factor`` x the p99 step time seen so far (each incarnation's
+    first step interval left out: it carries one-off work), clamped to
     ``[hang_min_timeout_s, hang_max_timeout_s]``.
     """
 

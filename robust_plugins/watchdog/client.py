@@ -38,6 +38,7 @@ from robust_plugins._logging import get_logger, warn_once
 from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import hold as _hold
 from robust_plugins.watchdog import inject_rank as _inject_rank
+from robust_plugins.watchdog.detect import WARM_INTERVALS
 from robust_plugins.watchdog.inject_rank import (  # noqa: F401  (re-exported: tests and stack dumps name them)
     HANG_INJECT_MAX_S,
     _flip_bit,
@@ -92,6 +93,7 @@ class _Client:
         self.skip_steps = parse_skip_steps(os.environ.get(ENV_SKIP, ""))
         self.spikes = _hold.SpikeWatch(os.environ.get(_hold.ENV_SPIKE, ""))
         self.step_times: list[float] = []
+        self.intervals = 0
         """This rank's latest step times (the learned hang timeout's input), for checkpoints."""
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         # An abstract address of the kernel's choosing (Linux autobind) so the monitor can answer
@@ -186,8 +188,10 @@ class _Client:
         wall = comm = None
         if self.last_end is not None:
             wall = now - self.last_end  # since the previous step's end
-            self.step_times.append(wall)
-            del self.step_times[:-STEP_TIMES_KEPT]
+            self.intervals += 1
+            if self.intervals > WARM_INTERVALS:  # as the monitor learns (detect.WARM_INTERVALS)
+                self.step_times.append(wall)
+                del self.step_times[:-STEP_TIMES_KEPT]
             if self.comm is not None:
                 comm = self.comm.seconds - self.last_comm_s  # of which inside collectives
         self.last_end = now

@@ -18,6 +18,12 @@ from robust_plugins.config import WatchdogConfig
 #: Step times a rank keeps for the p99 (the newest ones; old ones describe an older regime).
 STEP_WINDOW = 512
 
+#: Step intervals at the start of each incarnation left out of the learned hang timeout. The
+#: first one carries one-off work (the telemetry heat map's link probe, first-use allocations):
+#: in the demo it took 3.5 s against a 0.1 s median, once per incarnation, and four of them made
+#: the p99 and so a 35 s hang timeout instead of the 10 s floor.
+WARM_INTERVALS = 1
+
 
 def p99(values: Sequence[float]) -> float:
     """The 99th percentile (nearest rank) of a non-empty sequence."""
@@ -39,7 +45,7 @@ class RankProgress:
 
     def on_step(self, step: int, now: float) -> None:
         """Record a step end at monotonic time ``now``."""
-        if self.last_step is not None:
+        if self.last_step is not None and self.steps_seen > WARM_INTERVALS:
             self.step_times.append(now - self.last_progress)
             del self.step_times[:-STEP_WINDOW]
         self.last_step = step

@@ -63,7 +63,7 @@ def test_a_monitor_that_measured_steps_itself_ignores_saved_times(tmp_path):
     tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         mon.begin_incarnation({0: 100})
-        for step in (1, 2):
+        for step in (1, 2, 3):  # two intervals: the first is left out (detect.WARM_INTERVALS)
             tx.sendto(json.dumps({"k": "end", "r": 0, "i": 0, "s": step, "t": 0.0}).encode(), mon.address)
         assert _wait_for(lambda: mon.ranks[0].progress.step_times)
         tx.sendto(json.dumps({"k": "history", "r": 0, "i": 0, "t": 0.0, "times": [9.0] * 5}).encode(),
