@@ -539,9 +539,7 @@ def on_emergency(save: Any) -> None:
             stopped = _is_collective_failure(exc) and _emergency_save(client)
             previous(kind, exc, tb)
             if stopped:
-                # The agent's SIGTERM came during the save and was held: act on it now that the
-                # exception is reported. Lost, it would leave the agent waiting out its grace
-                # period (30 s, seen in the demo) for a rank that has nothing left to do.
+                # A SIGTERM held during the save: act on it (lost, the agent waited out 30 s).
                 os.kill(os.getpid(), signal.SIGTERM)
 
         sys.excepthook = hook
@@ -550,8 +548,7 @@ def on_emergency(save: Any) -> None:
 
 
 def _emergency_save(client: _Client) -> bool:
-    """Run the registered save (bounded); True when a SIGTERM arrived meanwhile (held, for the
-    caller to deliver once the exception is reported)."""
+    """Run the registered save (bounded); True if a SIGTERM came meanwhile (held for the caller)."""
     import threading
 
     save = _emergency.get("save")
@@ -563,8 +560,8 @@ def _emergency_save(client: _Client) -> bool:
     if timeout <= 0:
         return False  # emergency_save_timeout_s = 0: turned off
     # The agent stops the node's ranks with SIGTERM once it sees the dead one: not during the save
-    # (it waits for our "done", bounded, and SIGKILLs after its own timeout anyway). Held, not
-    # ignored: a SIGTERM ignored here is gone, and the rank then outlives its stop.
+    # (it waits for our "done", bounded, and SIGKILLs after its own timeout anyway). Held: an
+    # ignored one is gone, and the rank outlives its stop.
     held: list[int] = []
     old = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
     client.send({"k": "emerg", "phase": "start", "s": step}, wait=True)
