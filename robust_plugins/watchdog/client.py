@@ -93,8 +93,8 @@ class _Client:
         self.skip_steps = parse_skip_steps(os.environ.get(ENV_SKIP, ""))
         self.spikes = _hold.SpikeWatch(os.environ.get(_hold.ENV_SPIKE, ""))
         self.step_times: list[float] = []
-        self.intervals = 0
         """This rank's latest step times (the learned hang timeout's input), for checkpoints."""
+        self.intervals = 0
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         # An abstract address of the kernel's choosing (Linux autobind) so the monitor can answer
         # ok_to_save; elsewhere the socket stays unbound and ok_to_save cannot ask.

@@ -19,9 +19,9 @@ from robust_plugins.config import WatchdogConfig
 STEP_WINDOW = 512
 
 #: Step intervals at the start of each incarnation left out of the learned hang timeout. The
-#: first one carries one-off work (most likely the telemetry heat map's link probe; first-use allocations):
-#: in the demo it took 3.5 s against a 0.1 s median, once per incarnation, and four of them made
-#: the p99 and so a 35 s hang timeout instead of the 10 s floor.
+#: first one carries one-off work (most likely the telemetry heat map's link probe): in the demo
+#: it took 3.5 s against a 0.1 s median, once per incarnation, and four of them made the p99 and
+#: so a 35 s hang timeout instead of the 10 s floor.
 WARM_INTERVALS = 1
 
 

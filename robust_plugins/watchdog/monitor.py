@@ -243,10 +243,9 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
                     "reason": f"rank {first} exited with {sig or exitcode}",
                     "emergency_save": emergency},
         )
-        if seen is None:
-            return self._record(fault)
-        fault.detail["stop_s"] = round(time.monotonic() - seen[1], 3)
-        return self._record(fault, detected_at=seen[1])
+        if seen is not None:
+            fault.detail["stop_s"] = round(time.monotonic() - seen[1], 3)
+        return self._record(fault, detected_at=None if seen is None else seen[1])
 
     def check(self, will_restart: bool) -> Fault | None:
         """Look for faults (SDC, NaN/Inf, spike, hang); returns the fault if the ranks must be
