@@ -3,8 +3,9 @@
 ``robust_plugins/watchdog/agent.py`` subclasses torchrun's ``LocalElasticAgent`` and overrides
 three private methods (``_rendezvous``, ``_start_workers``, ``_monitor_workers``), reads the
 private counter ``_remaining_restarts`` and the ``WorkerGroup`` fields the rendezvous fills
-(``store``, ``group_rank``, ``master_addr``, ``master_port``), and for warm standbys swaps the
-per-rank process factory ``get_subprocess_handler`` while ranks start. None of that is public API: a
+(``store``, ``group_rank``, ``master_addr``, ``master_port``), for warm standbys swaps the
+per-rank process factory ``get_subprocess_handler`` while ranks start, and holds the process
+context's ``close`` (``_pcontext``) while it polls, for emergency saves. None of that is public API: a
 torch release may rename or re-sign any of it, and an override that no longer matches would be
 skipped or called wrongly without an error. This module is the check, in the style of every host
 patch here (``_guard.py``): a supported version range, then the parameter names of each
@@ -46,6 +47,11 @@ WORKER_GROUP_FIELDS = ("spec", "workers", "store", "group_rank", "master_addr", 
 
 #: Attributes ``SimpleElasticAgent.__init__`` sets that the agent reads.
 AGENT_FIELDS = ("_remaining_restarts", "_worker_group")
+
+#: The process context ``LocalElasticAgent`` keeps (``_pcontext``), and the parameters of its
+#: ``close``, which the context's poll calls with no signal the moment one rank has failed.
+PCONTEXT_FIELD = "_pcontext"
+PCONTEXT_CLOSE = ["self", "death_sig", "timeout"]
 
 #: ``torch.distributed.run`` functions ``robust run`` calls with torchrun's parsed arguments.
 RUN_FUNCTIONS = {"config_from_args": ["args"], "get_args_parser": []}
@@ -148,6 +154,33 @@ def subprocess_handlers(factory: Callable[..., Any]) -> Iterator[None]:
         api.get_subprocess_handler = original
 
 
+@contextlib.contextmanager
+def before_failure_stop(agent: Any, hold: Callable[[], None]) -> Iterator[None]:
+    """Within the block (one ``_monitor_workers`` poll), ``hold()`` runs before torch stops the
+    ranks because one of them exited: the poll's own ``close()``, which SIGTERMs the others.
+
+    Why: torch stops the survivors inside the poll, before it returns a failure to the agent.
+    A survivor that had not yet reached its failing collective then dies before its emergency
+    save starts; ``hold`` is where the monitor waits for those saves (bounded). Only the
+    poll's close is held: the agent's own stops pass a signal and go through at once."""
+    pcontext = getattr(agent, PCONTEXT_FIELD, None)
+    if pcontext is None:
+        yield
+        return
+    original = pcontext.close
+
+    def close(death_sig: signal.Signals | None = None, timeout: int = 30) -> None:
+        if death_sig is None:
+            hold()
+        original(death_sig, timeout)
+
+    _guard.bind_instance(pcontext, "close", close)
+    try:
+        yield
+    finally:
+        _guard.unbind_instance(pcontext, "close")
+
+
 def check(torch_version: str | None = None) -> None:
     """Raise :class:`HostVersionError` unless the installed torch elastic agent has every private
     member ``robust run`` relies on, with the expected signature. ``torch_version`` overrides the
@@ -186,6 +219,10 @@ def check(torch_version: str | None = None) -> None:
     # WorkerSpec (that needs a rendezvous handler).
     _check_fields("WorkerGroup", WorkerGroup.__init__, WORKER_GROUP_FIELDS)
     _check_fields("SimpleElasticAgent", SimpleElasticAgent.__init__, AGENT_FIELDS)
+    _check_fields("LocalElasticAgent", LocalElasticAgent.__init__, (PCONTEXT_FIELD,))
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    _guard.check_signature("torch", PContext.close, PCONTEXT_CLOSE, SUPPORTED)
     _check_bootstrap_switch()
     from torch.distributed.elastic.multiprocessing import api
 

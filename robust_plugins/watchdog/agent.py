@@ -286,7 +286,9 @@ def _agent_class():
             # torch's poll stops the other ranks (SIGTERM, up to its grace) as soon as one has
             # failed, before it returns: time the detection to the poll's start, not its end.
             seen = (time.time(), time.monotonic())
-            result = super()._monitor_workers(worker_group)
+            # ... and that stop would kill a survivor whose emergency save has not started yet.
+            with torch_elastic.before_failure_stop(self, self._hold_for_saves):
+                result = super()._monitor_workers(worker_group)
             try:
                 self._tick_standbys()
             except Exception:
@@ -325,11 +327,22 @@ def _agent_class():
                             # the same step again. (Multi-node: the node's blames exclude it.)
                             self._remaining_restarts = 0
             except Exception:
-                # The watchdog must never take training down with it.
-                self._monitor_ok = False
-                log.exception("robust run: the watchdog monitor failed; training goes on without "
-                              "fault detection (crashes still restart the ranks).")
+                self._monitor_failed()
             return result
+
+        def _hold_for_saves(self) -> None:
+            if not self._monitor_ok:
+                return
+            try:
+                self.monitor.hold_for_emergency_saves()
+            except Exception:
+                self._monitor_failed()  # and torch's stop goes ahead
+
+        def _monitor_failed(self) -> None:
+            # The watchdog must never take training down with it.
+            self._monitor_ok = False
+            log.exception("robust run: the watchdog monitor failed; training goes on without "
+                          "fault detection (crashes still restart the ranks).")
 
         def _hold_for_peer(self, fault) -> bool:
             # A hang whose suspects on this node all wait inside a collective waits for a peer on

@@ -92,6 +92,8 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         """(step, reply address) of ``ok_to_save`` questions not answered yet."""
         self._stopping = -1
         """The incarnation whose fault ``check`` returned: its ranks are being stopped."""
+        self.emergency_hold_s: float | None = None
+        """How long torch's stop after the latest crash waited for emergency saves (None: no wait)."""
         self._fired: list[tuple[int, int, _inject.Injection]] = []
         """(incarnation, step, injection) of every injected fault the ranks announced."""
         self._lock = threading.Lock()
@@ -245,6 +247,8 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         )
         if seen is not None:
             fault.detail["stop_s"] = round(time.monotonic() - seen[1], 3)
+        if self.emergency_hold_s is not None:  # part of stop_s: the stop waited for the saves
+            fault.detail["emergency_hold_s"], self.emergency_hold_s = self.emergency_hold_s, None
         return self._record(fault, detected_at=None if seen is None else seen[1])
 
     def check(self, will_restart: bool) -> Fault | None:

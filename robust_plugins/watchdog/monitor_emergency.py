@@ -17,19 +17,44 @@ def _pid_alive(pid: int | None) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
+#: The least time a live rank gets to start its emergency save before the agent stops it.
+EMERGENCY_START_MIN_S = 1.0
+
+
 class _MonitorEmergency:
     """Part of :class:`~robust_plugins.watchdog.monitor.Monitor`: waiting, bounded, for the live ranks'
     emergency saves (``watchdog.on_emergency``) before the agent stops them. The state it uses is set
     up in ``Monitor.__init__``."""
 
-    def _await_emergency_saves(self) -> dict[str, Any] | None:
+    def hold_for_emergency_saves(self) -> None:
+        """Before torch's agent stops the ranks after a crash (``patches.torch_elastic.
+        before_failure_stop``): wait, bounded, while a live rank's emergency save runs or may
+        still start. Without it a survivor that had not reached its failing collective yet was
+        SIGTERMed 40 ms after the death, its save "not started"."""
+        t0 = time.monotonic()
+        if self._await_emergency_saves(start_grace_s=self._emergency_start_grace_s()) is not None:
+            self.emergency_hold_s = round(time.monotonic() - t0, 3)
+
+    def _emergency_start_grace_s(self) -> float:
+        # A live rank meets a collective at least once a step (the gradient reduction), so it
+        # sees the dead peer within about a step; two median steps for the noise, at least
+        # EMERGENCY_START_MIN_S. A rank that has not started by then is not waiting on a failed
+        # collective (NCCL, say, blocks until its own timeout): the agent stops it.
+        with self._lock:
+            times = sorted([*self._history, *(t for st in self.ranks.values() for t in st.progress.step_times)])
+        typical = times[len(times) // 2] if times else 0.0
+        return min(self.cfg.emergency_save_timeout_s, max(EMERGENCY_START_MIN_S, 2 * typical))
+
+    def _await_emergency_saves(self, start_grace_s: float | None = None) -> dict[str, Any] | None:
         """Give the live ranks that registered an emergency saver a bounded chance to finish it
         (they start when their collective fails, a moment after the peer died); return what each
-        reported, or None when no rank registered one. Called before the agent stops the ranks."""
+        reported, or None when no rank registered one. ``start_grace_s``: how long a live rank
+        that has not started is waited for (default: the whole ``emergency_save_timeout_s``)."""
         timeout = self.cfg.emergency_save_timeout_s
         if timeout <= 0:
             return None
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline = t0 + timeout
         while True:
             self._drain()
             with self._lock:
@@ -37,8 +62,9 @@ class _MonitorEmergency:
             if not savers:
                 return None
             # Waiting for: a save under way, or a live rank that may still hit the failed collective.
+            may_start = start_grace_s is None or time.monotonic() - t0 < start_grace_s
             pending = [r for r, (e, pid) in savers.items()
-                       if e["phase"] == "start" or (e["phase"] == "registered" and _pid_alive(pid))]
+                       if e["phase"] == "start" or (e["phase"] == "registered" and may_start and _pid_alive(pid))]
             if not pending or timeout <= 0 or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)

@@ -32,12 +32,17 @@ def _params(run_dir: Path):
 
 @pytest.mark.timeout(200)
 def test_live_rank_saves_before_the_restart_and_the_job_resumes_there(tmp_path):
-    job = _job(tmp_path / "emergency", "--emergency")
+    # Rank 0 sleeps 0.5 s after each step, so it is still asleep, before its failing all-reduce,
+    # when torch's poll sees rank 1 die: the stop must wait for its save to start (it once
+    # SIGTERMed the survivor 40 ms after the death, its save "not started").
+    job = _job(tmp_path / "emergency", "--emergency", "--step-sleep", "0.5")
     assert job.returncode == 0, job.output[-4000:]
     (crash,) = [f for f in job.faults if f["kind"] == "crash"]
     assert crash["suspect_ranks"] == [1]
     saves = crash["detail"]["emergency_save"]
     assert saves["0"]["ok"] is True and saves["0"]["step"] == 6, saves
+    # The stop waited for the save, and no longer than it took (well under the 30 s bound).
+    assert 0 < crash["detail"]["emergency_hold_s"] <= crash["detail"]["stop_s"] < 15, crash["detail"]
     assert saves["1"]["ok"] is False  # the dead rank saved nothing
     assert crash["resumed_at_step"] == 7 and crash["lost_steps"] == 0, crash
     assert "rank 0 emergency save of step 6 done" in job.output
@@ -46,6 +51,7 @@ def test_live_rank_saves_before_the_restart_and_the_job_resumes_there(tmp_path):
     assert plain.returncode == 0, plain.output[-4000:]
     (crash2,) = [f for f in plain.faults if f["kind"] == "crash"]
     assert crash2["detail"]["emergency_save"] is None
+    assert "emergency_hold_s" not in crash2["detail"]  # no saver registered: no wait
     assert crash2["resumed_at_step"] == 1, crash2
     # Both end with the same parameters (float64, same sums in the same order).
     for g, w in zip(_params(tmp_path / "emergency"), _params(tmp_path / "plain"), strict=True):

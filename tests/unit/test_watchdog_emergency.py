@@ -122,3 +122,68 @@ def test_a_sigterm_during_the_emergency_save_is_held_then_acted_on(tmp_path):
     assert "emergency save of step 5 done" in proc.stderr, proc.stderr
     assert "Connection reset by peer" in proc.stderr  # the exception was reported first
     assert proc.returncode == -15, (proc.returncode, proc.stderr[-2000:])  # then the held SIGTERM ended it
+
+
+def test_the_stop_waits_for_a_save_that_starts_within_the_grace(monitor):
+    # torch's stop after a crash first calls hold_for_emergency_saves: a live rank that reaches
+    # its failing collective a moment later still saves, and the stop waits only as long as that.
+    import threading
+
+    monitor.send(0, phase="registered")
+
+    def late_rank():
+        time.sleep(0.3)
+        monitor.send(0, phase="start", s=6)
+        time.sleep(0.3)
+        monitor.send(0, phase="done", s=6, ok=True, sec=0.3)
+
+    threading.Thread(target=late_rank).start()
+    t0 = time.monotonic()
+    monitor.hold_for_emergency_saves()
+    held = time.monotonic() - t0
+    assert 0.5 <= held < TIMEOUT_S, held
+    fault = _crash(monitor)
+    assert fault.detail["emergency_save"]["0"]["ok"] is True
+    assert fault.detail["emergency_hold_s"] == pytest.approx(held, abs=0.05)
+
+
+def test_a_rank_that_never_starts_holds_the_stop_only_for_the_grace(tmp_path):
+    # Rank 0 is alive and registered but never fails a collective (NCCL blocks until its own
+    # timeout): the stop waits EMERGENCY_START_MIN_S, not the 10 s emergency_save_timeout_s.
+    from robust_plugins.watchdog.monitor_emergency import EMERGENCY_START_MIN_S
+
+    mon = Monitor(WatchdogConfig(emergency_save_timeout_s=10.0), tmp_path / "run")
+    try:
+        mon.begin_incarnation({0: os.getpid()})
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.sendto(json.dumps({"k": "emerg", "r": 0, "i": 0, "t": time.time(),
+                                "phase": "registered"}).encode(), mon.address)
+        sock.close()
+        t0 = time.monotonic()
+        mon.hold_for_emergency_saves()
+        held = time.monotonic() - t0
+        assert EMERGENCY_START_MIN_S * 0.9 <= held < EMERGENCY_START_MIN_S + SLACK_S, held
+    finally:
+        mon.close()
+
+
+def test_only_torchs_stop_after_a_failure_is_held():
+    # patches.torch_elastic.before_failure_stop: the poll's close() (no signal) runs the hold
+    # first; a stop that names a signal (the agent's own) does not; the block's end undoes it.
+    import signal
+
+    from robust_plugins.patches import torch_elastic
+
+    calls = []
+
+    class Context:
+        def close(self, death_sig=None, timeout=30):
+            calls.append(("close", death_sig))
+
+    agent = SimpleNamespace(_pcontext=Context())
+    with torch_elastic.before_failure_stop(agent, lambda: calls.append(("hold", None))):
+        agent._pcontext.close()
+        agent._pcontext.close(signal.SIGKILL)
+    agent._pcontext.close()
+    assert calls == [("hold", None), ("close", None), ("close", signal.SIGKILL), ("close", None)]
+    assert "close" not in vars(agent._pcontext)
