@@ -173,9 +173,19 @@ class Zygote:
 
     def pump(self) -> None:
         """Read what the zygote said, without blocking."""
+        reset = False
         while not self._eof:
             try:
                 got = _zygote.receive(self.sock, 1)
+            except ConnectionResetError:
+                # A zygote that exits with our fork request unread (it found forking unsafe)
+                # resets the socket: Linux reports that once, before the messages it sent last
+                # ("unsafe" among them). Read on: taking it for the end lost them, and the pool
+                # took a refusal for a death (no standby at all, seen in CI).
+                if not reset:
+                    reset = True
+                    continue
+                got = (b"", [])
             except OSError:
                 got = (b"", [])
             if got is None:

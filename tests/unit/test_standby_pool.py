@@ -290,3 +290,22 @@ def test_a_dead_fork_server_is_replaced_and_its_standbys_counted_killed(tmp_path
         assert again.proc.wait(timeout=30) == 7  # reported by the server that reaped it
     finally:
         pool.close()
+
+
+def test_a_zygote_that_exits_with_a_fork_request_unread_still_says_why():
+    # A fork server that finds forking unsafe exits without reading the fork request queued for
+    # it. Linux then resets our end of the socket once, before the "unsafe" message it sent last:
+    # read as the end, the message was lost and the pool took a refusal for a death (no standby;
+    # CI). The real kernel behaviour, on a socket pair; the zygote object without its process.
+    import socket
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    z = object.__new__(standby_fork.Zygote)
+    z.sock, z.news, z.children, z._by_pid, z._eof, z.ready, z.pinged = ours, [], {}, {}, False, None, None
+    ours.setblocking(False)
+    ours.send(json.dumps({"k": "fork", "id": 0}).encode())  # never read
+    theirs.send(json.dumps({"k": "unsafe", "why": "2 Python threads run"}).encode())
+    theirs.close()
+    z.pump()
+    assert [m["k"] for m in z.news] == ["unsafe"] and z._eof
+    ours.close()
