@@ -3,8 +3,7 @@
 A DeepSpeed+gloo rank sometimes aborts in interpreter teardown after its work is done
 (``terminate called without an active exception``, exit -6, no traceback; with or without the
 plugin, docs/hf_trainer.md). CI saw it in ``ds_worker.py`` and, after ``destroy_process_group``
-had run, in ``ds_checkpoint_worker.py`` (once in about 2 000 worker launches; not reproduced in 51
-local runs). The tests judge the results file each worker writes before it calls this; an abort
+had run, in ``ds_checkpoint_worker.py`` (once in CI; not reproduced in 51 local runs). The tests judge the results file each worker writes before it calls this; an abort
 during the work still fails the launch, with each rank's last lines in the error.
 """
 
