@@ -314,8 +314,10 @@ class MemorySnapshots(SnapshotBinding):
                                  layout={**disk.layout, "format": PERSIST_FORMAT}, versions=disk.versions,
                                  group=group),
                 cfg.dir)
+        # A third slot with a peer backup: the snapshot whose copy every rank holds stays while
+        # newer copies are in flight (checkpoint/peer.py).
         self.store = memory.SnapshotStore(self.job, self.rank, self.world, allowed=_allowed(),
-                                          after_commit=self._after_commit)
+                                          after_commit=self._after_commit, n_slots=3 if self.peers is not None else 2)
         self.sdc = snapshot_check.build(self.store, cfg.verify_replicas, _replica_ranks(engine, self.world),
                                         self.every, self.timeout_s)
         """The replica check of every snapshot under robust run (``verify_replicas``), or None."""
@@ -452,7 +454,7 @@ class MemorySnapshots(SnapshotBinding):
         # On the snapshot thread, in step order on every rank: peer copy, then (every
         # persist_every steps) the disk checkpoint written from the same committed slot.
         if self.peers is not None:
-            self.peers.exchange(slot)
+            self.store.keep_step = self.peers.exchange(slot)
         step = slot.header().step
         # A second snapshot of one step (save_checkpoint's client_state) is not persisted twice.
         if self.persister is not None and step % self.persist_every == 0 and step != self._persisted_step:

@@ -91,8 +91,11 @@ class MegatronMemory(SnapshotBinding):
             self.peers = PeerBackup(self.job, self.rank, holders, group, timeout_s=self.timeout_s)
             if self.rank == 0:
                 log.info("robust_plugins: peer backup holders %s (hosts %s)", holders, sorted(set(hosts)))
+        # A third slot with a peer backup: the snapshot whose copy every rank holds stays while
+        # newer copies are in flight (checkpoint/peer.py).
         self.store = memory.SnapshotStore(self.job, self.rank, self.world, allowed=_allowed(),
-                                          after_commit=self._after_commit if self.peers is not None else None)
+                                          after_commit=self._after_commit if self.peers is not None else None,
+                                          n_slots=3 if self.peers is not None else 2)
         self.sdc = snapshot_check.build(self.store, config.verify_replicas, _replica_ranks(), self.every,
                                         self.timeout_s)
         """The replica check of every snapshot under robust run (``verify_replicas``), or None."""
@@ -158,7 +161,7 @@ class MegatronMemory(SnapshotBinding):
 
     # ---------------------------------------------------------------------------------- hooks
     def _after_commit(self, _index: int, slot) -> None:
-        self.peers.exchange(slot)
+        self.store.keep_step = self.peers.exchange(slot)
 
     def on_step(self, step: int) -> None:
         """After the optimizer step ``step`` (every rank): snapshot every ``memory_every``-th."""

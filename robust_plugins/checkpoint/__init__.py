@@ -14,8 +14,8 @@
 In-memory snapshots (``memory_every``), for any host:
 
 * :mod:`~robust_plugins.checkpoint.flat`: nested state <-> tensors + JSON schema (never unpickles).
-* :mod:`~robust_plugins.checkpoint.memory`: :class:`SnapshotStore`, double-buffered ``/dev/shm``
-  slots; ``store.save(step, state)`` blocks for the copy only.
+* :mod:`~robust_plugins.checkpoint.memory`: :class:`SnapshotStore`, ``/dev/shm`` slots written in
+  turn (two; three with a peer backup); ``store.save(step, state)`` blocks for the copy only.
 * :mod:`~robust_plugins.checkpoint.peer`: :func:`plan_peers` (pure) and :class:`PeerBackup`.
 * :mod:`~robust_plugins.checkpoint.restore`: :func:`plan_restore` (pure) and
   :func:`restore_from_memory` (own memory -> peer copy; None means "load from disk").
@@ -23,7 +23,9 @@ In-memory snapshots (``memory_every``), for any host:
 
 A host binding (``patches/deepspeed_memory.py``; a megatron-core one would look the same) does::
 
-    store = SnapshotStore(job_key(), rank, world, allowed=flat.allow(...))   # + PeerBackup
+    store = SnapshotStore(job_key(), rank, world, allowed=flat.allow(...))
+    # with a peer backup: n_slots=3, and after_commit=lambda i, slot: setattr(
+    #     store, "keep_step", peers.exchange(slot))   (PeerBackup on its own gloo group)
     store.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), ...})  # every N steps
     found = restore_from_memory(store, peers, timeout_s, disk_step=..., max_step=rollback_bound())
     if found: step, state, source = found; ...load state into the live objects...

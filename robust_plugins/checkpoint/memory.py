@@ -1,9 +1,10 @@
 """In-memory snapshots in POSIX shared memory that outlive the training process.
 
-Each rank keeps two *slots* (a double buffer), each one file in ``/dev/shm``::
+Each rank keeps two *slots* (a double buffer; three with a peer backup, below), each one file
+in ``/dev/shm``::
 
-    robust_plugins.<job>.r<rank>.s<0|1>              this rank's own snapshots
-    robust_plugins.<job>.r<src>.at<holder>.s<0|1>    rank <src>'s snapshot kept by rank <holder>
+    robust_plugins.<job>.r<rank>.s<i>              this rank's own snapshots
+    robust_plugins.<job>.r<src>.at<holder>.s<i>    rank <src>'s snapshot kept by rank <holder>
 
 ``<job>`` comes from :func:`job_key` (the same for every incarnation of one job, different for
 two jobs). The file's layout: :mod:`~robust_plugins.checkpoint.slot`.
@@ -23,6 +24,14 @@ asynchronously on a side stream into the pinned mapping, the commit after an eve
 Shared memory is the kernel's page cache: whatever the process stored before it died is there
 for the next process to read; no flush is needed (a *node* reboot loses it, which is what the
 peer copy of :mod:`~robust_plugins.checkpoint.peer` is for).
+
+With a peer backup the copy of step N is sent in the background and may still be in flight when
+this rank commits N+1 and N+2: the peer send never delays training. After a node loss the restore
+needs one step that the survivors still hold themselves and the peers hold for the lost ranks.
+So a store made with ``n_slots=3`` never overwrites the slot of :attr:`SnapshotStore.keep_step`,
+the newest step every rank's peer copy is known to hold (:attr:`PeerBackup.agreed_step
+<robust_plugins.checkpoint.peer.PeerBackup.agreed_step>`), and ``save(N)`` waits only when the
+slot it would overwrite is still being handed off (the copy of N-2 not yet agreed).
 
 Files are removed by :meth:`SnapshotStore.close` with ``remove=True`` (the host calls it at a
 normal end of training) and by ``robust run`` when a job completes (:func:`remove_job`); never
@@ -106,7 +115,7 @@ def held_name(job: str, src: int, holder: int, slot: int) -> str:
     return f"{PREFIX}.{job}.r{src:05d}.at{holder:05d}.s{slot}"
 
 
-_NAME = re.compile(rf"^{PREFIX}\.([0-9A-Za-z_-]+)\.r(\d+)(?:\.at(\d+))?\.s([01])$")
+_NAME = re.compile(rf"^{PREFIX}\.([0-9A-Za-z_-]+)\.r(\d+)(?:\.at(\d+))?\.s(\d)$")
 
 
 def job_files(job: str, root: str = SHM_ROOT) -> list[str]:
@@ -131,6 +140,21 @@ def remove_job(job: str, root: str = SHM_ROOT) -> int:
 
 
 
+def committed_step_of(slot: Slot) -> int:
+    """The step of a slot's committed snapshot, -1 when it holds none (checks the header only)."""
+    h = slot.header()
+    return h.step if h is not None and h.committed else -1
+
+
+def retire_duplicates(slots: list[Slot], newest: Slot, step: int) -> None:
+    """Uncommit every slot but ``newest`` that holds a committed ``step``: a second snapshot of
+    a step (``replace_newest``) written into another slot supersedes the first once committed."""
+    for other in slots:
+        h = other.header() if other is not newest else None
+        if h is not None and h.committed and h.step == step:
+            other.set_committed(False)
+
+
 @dataclass(frozen=True)
 class SnapshotInfo:
     """A committed, verified snapshot found in shared memory."""
@@ -141,7 +165,7 @@ class SnapshotInfo:
 
 
 class SnapshotStore:
-    """This rank's double-buffered snapshots, plus the copies it keeps for a peer.
+    """This rank's snapshots: ``n_slots`` of them in turn (2: a double buffer; 3 with a peer backup).
 
     ``save(step, state)`` blocks only for the copy of what is not deferred; the deferred copy,
     checksum and commit run on one background thread, in order, and ``after_commit(slot)`` (the
@@ -157,7 +181,11 @@ class SnapshotStore:
     def __init__(self, job: str, rank: int, world_size: int, root: str = SHM_ROOT,
                  allowed: Mapping[str, type] | None = None,
                  after_commit: Callable[[int, Slot], None] | None = None,
-                 verify: Callable[[Slot, int, list[tuple[int, int]]], bool] | None = None) -> None:
+                 verify: Callable[[Slot, int, list[tuple[int, int]]], bool] | None = None,
+                 n_slots: int = 2) -> None:
+        if n_slots < 2:
+            raise ValueError(f"n_slots={n_slots}: a snapshot store needs at least 2 slots (one may be "
+                             f"half-written when the process dies)")
         self.job, self.rank, self.world_size, self.root = job, rank, world_size, root
         self.allowed = dict(allowed or {})
         self.after_commit = after_commit
@@ -165,13 +193,23 @@ class SnapshotStore:
         self._verified: threading.Event | None = None
         self.bad_step: int | None = None
         """Step of a snapshot whose replicas disagreed (``verify`` returned False), or None."""
-        self.slots = [Slot(os.path.join(root, own_name(job, rank, i))) for i in range(2)]
+        self.slots = [Slot(os.path.join(root, own_name(job, rank, i))) for i in range(n_slots)]
         for s in self.slots:
             s.open_existing()
-        # Overwrite the older slot first: the newest snapshot of a previous incarnation stays
-        # restorable until a newer one is committed.
-        steps = [(s.header().step if s.header() and s.header().committed else -1) for s in self.slots]
-        self._next = 0 if steps[0] <= steps[1] else 1
+        # Write order (oldest first is overwritten first). A new store starts from the steps
+        # the slots hold, so the newest snapshot of a previous incarnation stays restorable until
+        # a newer one is committed; then the order of this process's writes, so a slot left by
+        # another run (another world size) is overwritten in turn, not kept forever.
+        ages = [committed_step_of(s) for s in self.slots]
+        order = sorted(range(n_slots), key=lambda i: (ages[i], i))
+        self._stamp = [0] * n_slots
+        for k, i in enumerate(order):
+            self._stamp[i] = k - n_slots
+        self._writes = 0
+        self.keep_step: int | None = None
+        """A step whose snapshot no save overwrites (the newest one every peer copy holds; set
+        by the host after each :meth:`PeerBackup.exchange
+        <robust_plugins.checkpoint.peer.PeerBackup.exchange>`), or None."""
         self._queue: queue.Queue = queue.Queue()
         self._after_queue: queue.Queue = queue.Queue()
         self._after: threading.Thread | None = None
@@ -231,9 +269,8 @@ class SnapshotStore:
         offsets, data_len = self._layout
         schema["offsets"] = offsets
         schema_bytes = json.dumps(schema, separators=(",", ":")).encode()
-        index = 1 - self._next if replace_newest else self._next
+        index = self._pick(replace_newest, timeout_s)
         slot = self.slots[index]
-        self._wait_idle(slot)
         # Room for the schema to grow (step counters, scheduler values) without a re-layout.
         schema_cap = _align(max(len(schema_bytes) * 2, 64 << 10), 4096)
         h = slot.header()
@@ -263,7 +300,6 @@ class SnapshotStore:
         buf[HEADER_SIZE:HEADER_SIZE + len(schema_bytes)] = torch.frombuffer(bytearray(schema_bytes), dtype=torch.uint8)
         slot.write_header(Header(False, step, self.rank, self.world_size, len(schema_bytes), data_off,
                                  data_len, 0, self.job))
-        self._next = 1 - index
         slot.busy.set()
         self._settled = settled = threading.Event()
         self._verified = verified = threading.Event() if ranges is not None else None
@@ -343,6 +379,7 @@ class SnapshotStore:
                     crc = _crc(slot.buf, HEADER_SIZE, h.total)
                     struct.pack_into("<I", slot.buf, 56, crc)
                     slot.set_committed(True)
+                    retire_duplicates(self.slots, slot, step)
                     self.committed_step = step
                     # The next optimizer step may change the tensors now; the replicas' verdict
                     # is waited for only before the next snapshot (:meth:`verdict`).
@@ -396,6 +433,30 @@ class SnapshotStore:
                 self._fail(step, exc)
             finally:
                 slot.busy.clear()
+
+    def _pick(self, replace_newest: bool, timeout_s: float) -> int:
+        """The slot a save writes: the oldest, never the one of :attr:`keep_step`; with
+        ``replace_newest`` the newest, unless it is the one kept (then the oldest, and the
+        commit retires the kept slot's copy of the same step). A chosen slot still being handed
+        off (peer send, disk save) is waited for, and the choice made again: the hand-off may
+        move :attr:`keep_step`."""
+        if replace_newest:
+            self.flush(timeout_s)  # the newest snapshot's own hand-off reads the slot
+        deadline = time.monotonic() + timeout_s
+        while True:
+            keep = self.keep_step
+            free = [i for i, s in enumerate(self.slots) if keep is None or committed_step_of(s) != keep]
+            newest = max(range(len(self.slots)), key=lambda i: self._stamp[i])
+            index = newest if replace_newest and newest in free else min(free, key=lambda i: self._stamp[i])
+            if not self.slots[index].busy.is_set():
+                self._raise_if_failed()
+                self._writes += 1
+                self._stamp[index] = self._writes
+                return index
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"snapshot slot {self.slots[index].path} still busy after {timeout_s:g} s "
+                                      f"(checksum or peer send stuck)")
+            time.sleep(0.0005)
 
     def _wait_idle(self, slot: Slot, timeout_s: float = 600.0) -> None:
         deadline = time.monotonic() + timeout_s

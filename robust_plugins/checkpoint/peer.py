@@ -7,8 +7,15 @@ shared memory use is the same on every node.
 
 :class:`PeerBackup` moves bytes: after each snapshot commits, every rank sends its slot to its
 holder and receives its source's slot, as raw uint8 tensors over a dedicated gloo group
-(``isend``/``irecv``; never a pickled object), into a double-buffered ``held`` slot whose
+(``isend``/``irecv``; never a pickled object), into one of three ``held`` slots whose
 ``committed`` word is written after the last byte arrived. Every wait is bounded.
+
+After each exchange the ranks agree (a MIN all-reduce of one integer) on :attr:`PeerBackup.agreed_step`:
+every rank then holds its source's copy of that step, and neither that copy nor the rank's own
+snapshot of it is overwritten until a newer step is agreed (``SnapshotStore.keep_step``). A node
+lost while a copy is in flight thus still leaves one step that every rank has, the agreed one,
+at most two steps old (the sender overwrites its slot of step N only once the copy of N is
+agreed, with three own slots).
 """
 
 from __future__ import annotations
@@ -21,7 +28,16 @@ import torch
 import torch.distributed as dist
 
 from robust_plugins._logging import get_logger
-from robust_plugins.checkpoint.memory import HEADER_SIZE, SHM_ROOT, Header, SnapshotInfo, Slot, held_name
+from robust_plugins.checkpoint.memory import (
+    HEADER_SIZE,
+    SHM_ROOT,
+    Header,
+    SnapshotInfo,
+    Slot,
+    committed_step_of,
+    held_name,
+    retire_duplicates,
+)
 from robust_plugins.device import collective_device
 from robust_plugins.errors import CheckpointError
 
@@ -141,7 +157,7 @@ class PeerBackup:
     """This rank's side of the peer backup: sends its snapshots, keeps its source's."""
 
     def __init__(self, job: str, rank: int, holders: Sequence[int], group: Any,
-                 root: str = SHM_ROOT, timeout_s: float = 300.0) -> None:
+                 root: str = SHM_ROOT, timeout_s: float = 300.0, n_slots: int = 3) -> None:
         self.job, self.rank, self.group, self.timeout_s = job, rank, group, timeout_s
         _host_group(group)  # refused here, not later on the snapshot thread
         self.holders = list(holders)
@@ -149,16 +165,19 @@ class PeerBackup:
         """The rank that keeps this rank's copy."""
         self.source = self.holders.index(rank)
         """The rank whose copy this rank keeps."""
-        self.held = [Slot(os.path.join(root, held_name(job, self.source, rank, i))) for i in range(2)]
+        self.held = [Slot(os.path.join(root, held_name(job, self.source, rank, i))) for i in range(n_slots)]
         for s in self.held:
             s.open_existing()
-        steps = [(s.header().step if s.header() and s.header().committed else -1) for s in self.held]
-        self._next = 0 if steps[0] <= steps[1] else 1
         self.sent_step: int | None = None
         """Step of the last snapshot this rank's holder acknowledged receiving (by completion)."""
+        self.agreed_step: int | None = None
+        """The newest step whose copy every rank holds (agreed after each exchange), or None
+        before the first. Its held copy is not overwritten; the host passes it on as the own
+        store's ``keep_step``."""
 
-    def exchange(self, own: Slot) -> None:
-        """Send ``own`` (just committed) to the holder and receive the source's newest snapshot.
+    def exchange(self, own: Slot) -> int:
+        """Send ``own`` (just committed) to the holder, receive the source's newest snapshot, and
+        agree with every rank on the step all copies hold; returns :attr:`agreed_step`.
 
         Called on the snapshot thread of every rank for every snapshot, in step order, so the
         pairs match. Sends and receives are posted together (a ring would deadlock otherwise).
@@ -171,12 +190,11 @@ class PeerBackup:
                dist.irecv(meta_in, src=self.source, group=self.group)], self.timeout_s, what)
         step, rank, world, slen, doff, dlen, crc, _ = (int(x) for x in meta_in.tolist())
         got = Header(False, step, rank, world, slen, doff, dlen, crc, self.job)
-        # A second snapshot of the step held last (save_checkpoint's client_state, see
-        # SnapshotStore.save(replace_newest=True)) replaces that copy: the other held slot keeps
-        # the previous step, as on the source.
-        last = self.held[1 - self._next].header()
-        same = last is not None and last.committed and last.step == step
-        slot = self.held[1 - self._next if same else self._next]
+        # The oldest copy goes, never the agreed one. A second snapshot of a step held already
+        # (save_checkpoint's client_state, SnapshotStore.save(replace_newest=True)) lands in
+        # another slot and retires the first once committed, as on the source.
+        free = [s for s in self.held if self.agreed_step is None or committed_step_of(s) != self.agreed_step]
+        slot = min(free, key=committed_step_of)
         slot.ensure(got.total)
         if slot.header() is not None:
             slot.set_committed(False)
@@ -188,9 +206,15 @@ class PeerBackup:
         _wait(works, self.timeout_s, what)
         slot.write_header(got)
         slot.set_committed(True)
-        if not same:
-            self._next = 1 - self._next
+        retire_duplicates(self.held, slot, step)
         self.sent_step = h.step
+        # Every rank has finished this exchange once the all-reduce returns anywhere: the
+        # minimum step is held by every rank's holder, and every rank still has its own.
+        agreed = torch.tensor([h.step], dtype=torch.int64, device=device)
+        _wait([dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group, async_op=True)],
+              self.timeout_s, f"{what}: agreeing on the step every copy holds")
+        self.agreed_step = int(agreed.item())
+        return self.agreed_step
 
     def held_snapshots(self, world_size: int, why: dict[str, str] | None = None) -> list[SnapshotInfo]:
         """Verified copies of the source's snapshots this rank keeps, newest first."""

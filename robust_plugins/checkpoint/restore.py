@@ -147,9 +147,9 @@ def restore_from_memory(store: SnapshotStore, peers: PeerBackup | None, timeout_
         return None
     group = peers.group if peers is not None else None
     # A copy coming from a peer lands in one of this rank's own slots: one that holds nothing
-    # usable if there is one, else the older of the two.
+    # usable if there is one, else the oldest.
     mine = {s.slot: s.step for s in own}
-    target = min((0, 1), key=lambda i: mine.get(i, -1))
+    target = min(range(len(store.slots)), key=lambda i: mine.get(i, -1))
     for r, (kind, holder, slot) in enumerate(plan.sources):
         if kind != PEER:
             continue

@@ -64,7 +64,8 @@ class CheckpointConfig(Section):
     peer_backup: bool = False
     """With ``memory_every``: also copy each rank's snapshot into the shared memory of a rank on
     another node (outside its model-parallel groups when the layout allows), so a restart after
-    losing a whole node restores from the peers."""
+    losing a whole node restores from the peers (at most two steps back). Shared memory: three
+    own snapshots and three of a peer's a rank, instead of two."""
 
     verify_replicas: bool = True
     """With ``memory_every``, under ``robust run`` (unless its watchdog's ``sdc_every_steps`` is 0):

@@ -1,7 +1,7 @@
 """A rank that reported a NaN/Inf or a spike waits to be stopped instead of training on.
 
 Why: ``robust run`` rolls a NaN back to the step before it (that step's update is the bad one),
-and each rank keeps two in-memory snapshots (a double buffer). Ranks that trained on while the
+and each rank keeps its two newest in-memory snapshots. Ranks that trained on while the
 agent stopped them took the snapshot of the next step, which evicted the last good one: the
 rollback then found only bad steps in memory and fell back to disk, or without a disk
 checkpoint to step 0 (the HF Trainer test saw it: memory held steps [46, 45] for a rollback to

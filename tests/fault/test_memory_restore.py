@@ -62,7 +62,9 @@ def test_random_sigkill_resumes_from_memory_bitwise(tmp_path, nproc, draw):
 
 def test_a_lost_node_restores_from_the_peers_on_the_other_node(tmp_path, draw):
     """4 ranks on 2 simulated nodes (2x2): a rank of node 0 is SIGKILLed and, on restart, both
-    node-0 ranks find their shared memory empty; their state comes from node 1's copies."""
+    node-0 ranks find their shared memory empty; their state comes from node 1's copies.
+    ``ROBUST_TEST_SEED=520057743`` (step 14) once resumed at step 1: node 1 had overwritten the
+    step whose copies it held (tests/distributed/test_peer_backup_lag.py)."""
     pytest.importorskip("deepspeed")
     rank, step = draw.randrange(2), draw.randrange(3, STEPS)
     where = f"(kill:rank={rank},step={step}, ROBUST_TEST_SEED={draw.seed_value})"
@@ -77,7 +79,9 @@ def test_a_lost_node_restores_from_the_peers_on_the_other_node(tmp_path, draw):
     # plan_peers on 2x2: node 0's ranks 0, 1 are kept by node 1's ranks 2, 3 and vice versa
     assert {r: restores[r]["source"] for r in range(4)} == {0: "peer:2", 1: "peer:3", 2: "memory", 3: "memory"}, where
     (resumed,) = {r["step"] for r in restores.values()}
-    assert resumed in (step - 1, step), where
+    # At most two steps: the peer copy of the step before the kill may still have been in flight
+    # (the send never delays training); the agreed one before it is kept (checkpoint/peer.py).
+    assert step - 2 <= resumed <= step, where
     assert job.result["params_hash"] == clean.result["params_hash"], where
     assert job.result["fp32_hashes"] == clean.result["fp32_hashes"], where
     assert _shm_files(job) == []

@@ -57,10 +57,11 @@ def test_snapshots_leave_training_unchanged_and_live_in_shared_memory(run):
     ref = r["reference"]["losses"]
     assert r["main"]["losses"] == ref[:5]
     key = r["job_key"]
-    # two own slots and two held slots per rank, named per job, rank and slot
+    # with the peer backup three own slots and three held slots per rank (the agreed step stays
+    # while newer copies are in flight), named per job, rank and slot
     assert r["main"]["files"] == sorted(
-        [f"robust_plugins.{key}.r0000{i}.s{s}" for i in (0, 1) for s in (0, 1)]
-        + [f"robust_plugins.{key}.r0000{i}.at0000{1 - i}.s{s}" for i in (0, 1) for s in (0, 1)])
+        [f"robust_plugins.{key}.r0000{i}.s{s}" for i in (0, 1) for s in (0, 1, 2)]
+        + [f"robust_plugins.{key}.r0000{i}.at0000{1 - i}.s{s}" for i in (0, 1) for s in (0, 1, 2)])
     assert r["main"]["holders"] == [1, 0]
     # one a step, plus step 4's again with save_checkpoint's client_state
     assert len(r["main"]["blocking_s"]) == 6 and all(b > 0 for b in r["main"]["blocking_s"])
@@ -167,8 +168,8 @@ CLIENT_STATE = {"epoch": 3, "sampler": {"position": ["torch.int64", [0, 7, 14, 2
 def test_client_state_survives_a_restore_from_memory_as_from_disk(run):
     _, _, r = run
     snap = r["client_state_snapshot"]
-    # save_checkpoint at step 4 re-took step 4's snapshot in place: step 3 is still beside it, in
-    # each rank's own slots and in the peer's copies
+    # save_checkpoint at step 4 re-took step 4's snapshot (into another slot, retiring the
+    # first): step 3 is still beside it, in each rank's own slots and in the peer's copies
     assert snap["own_steps"] == [[3, 4], [3, 4]] and snap["held_steps"] == [[3, 4], [3, 4]]
     assert snap["in_newest"] == {"step": 4, "state": CLIENT_STATE}
     # memory (own, peer), the background saver's disk checkpoint and DeepSpeed's own disk

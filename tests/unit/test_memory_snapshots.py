@@ -303,6 +303,70 @@ def test_replace_newest_rewrites_the_newest_slot_and_keeps_the_older(tmp_path):
         st.close(remove=True)
 
 
+def _steps(st) -> list[int]:
+    st.flush()
+    return sorted(s.step for s in st.own_snapshots())
+
+
+def test_three_slots_never_overwrite_the_kept_step(tmp_path):
+    """With a peer backup the step every peer copy holds (keep_step) stays while newer snapshots
+    rotate through the other two slots; a newer agreed step releases the old one."""
+    st = memory.SnapshotStore("keep", 0, 1, root=str(tmp_path), n_slots=3)
+    try:
+        for step in (1, 2, 3):
+            st.save(step, {"x": torch.full((3,), float(step))})
+        assert _steps(st) == [1, 2, 3]
+        st.keep_step = 1  # the copies of 2 and 3 still in flight
+        st.save(4, {"x": torch.full((3,), 4.0)})
+        assert _steps(st) == [1, 3, 4]
+        st.save(5, {"x": torch.full((3,), 5.0)})
+        assert _steps(st) == [1, 4, 5]
+        st.keep_step = 4
+        st.save(6, {"x": torch.full((3,), 6.0)})
+        assert _steps(st) == [4, 5, 6]
+        with pytest.raises(ValueError, match="at least 2 slots"):
+            memory.SnapshotStore("keep", 0, 1, root=str(tmp_path), n_slots=1)
+    finally:
+        st.close(remove=True)
+
+
+def test_replacing_the_kept_step_goes_to_another_slot_and_retires_the_first(tmp_path):
+    """save_checkpoint's second snapshot of a step whose copies are agreed: the kept slot is not
+    rewritten in place (a crash mid-write would lose the agreed step); the new one, once
+    committed, is the only snapshot of that step."""
+    st = memory.SnapshotStore("keep2", 0, 1, root=str(tmp_path), n_slots=3)
+    try:
+        for step in (1, 2, 3):
+            st.save(step, {"x": torch.full((3,), float(step))})
+        st.flush()
+        kept = {s.step: s.slot for s in st.own_snapshots()}[3]
+        st.keep_step = 3
+        st.save(3, {"x": torch.full((3,), 7.0), "cs": "given"}, replace_newest=True)
+        assert _steps(st) == [2, 3]
+        (new,) = [s for s in st.own_snapshots() if s.step == 3]
+        assert new.slot != kept and st.load(new.slot)[1]["cs"] == "given"
+    finally:
+        st.close(remove=True)
+
+
+def test_a_leftover_snapshot_of_the_same_step_is_retired(tmp_path):
+    """A restarted incarnation that snapshots a step an earlier one had snapshotted too (after a
+    rollback) leaves only its own: a restore must never pick the old one."""
+    old = memory.SnapshotStore("again", 0, 1, root=str(tmp_path))
+    old.save(4, {"x": torch.full((3,), 4.0)})
+    old.save(5, {"x": torch.full((3,), 5.0)})
+    old.flush()
+    old.close()
+    st = memory.SnapshotStore("again", 0, 1, root=str(tmp_path))
+    try:
+        st.save(5, {"x": torch.full((3,), -5.0)})
+        assert _steps(st) == [5]
+        (snap,) = st.own_snapshots()
+        assert st.load(snap.slot)[1]["x"].tolist() == [-5.0] * 3
+    finally:
+        st.close(remove=True)
+
+
 # -------------------------------------------------------- background copy (memory_copy: background)
 def _gate(step_to_hold: int):
     """A before_deferred_copy hook that holds the copy of one step until released."""
