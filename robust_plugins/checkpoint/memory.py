@@ -445,7 +445,9 @@ class SnapshotStore:
         deadline = time.monotonic() + timeout_s
         while True:
             keep = self.keep_step
-            free = [i for i, s in enumerate(self.slots) if keep is None or committed_step_of(s) != keep]
+            kept = [i for i, s in enumerate(self.slots) if keep is not None and committed_step_of(s) == keep]
+            # All slots holding the kept step (one a leftover of the same step): one stays.
+            free = [i for i in range(len(self.slots)) if i not in kept] or kept[1:]
             newest = max(range(len(self.slots)), key=lambda i: self._stamp[i])
             index = newest if replace_newest and newest in free else min(free, key=lambda i: self._stamp[i])
             if not self.slots[index].busy.is_set():

@@ -193,7 +193,8 @@ class PeerBackup:
         # The oldest copy goes, never the agreed one. A second snapshot of a step held already
         # (save_checkpoint's client_state, SnapshotStore.save(replace_newest=True)) lands in
         # another slot and retires the first once committed, as on the source.
-        free = [s for s in self.held if self.agreed_step is None or committed_step_of(s) != self.agreed_step]
+        kept = [s for s in self.held if self.agreed_step is not None and committed_step_of(s) == self.agreed_step]
+        free = [s for s in self.held if s not in kept] or kept[1:]  # all of one step: one stays
         slot = min(free, key=committed_step_of)
         slot.ensure(got.total)
         if slot.header() is not None:
