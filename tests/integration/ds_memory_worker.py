@@ -228,8 +228,8 @@ def main() -> None:
     persist._write = real_write
     res["failed_persist"] = {"log": records.take(), "dirs": sorted(os.listdir(root)) if os.path.isdir(root) else [],
                              "failures": gather(len(eng.robust_plugins.memory.persister.failures))}
-    # The save's client_state goes into the snapshots: step 4's snapshot is taken again (same
-    # slot) with it; the double buffer and the peer's copies still hold step 3 beside it.
+    # The save's client_state goes into the snapshots: step 4's snapshot is taken again with it
+    # (into another slot, which retires the first); own slots and peer copies still hold step 3.
     eng.save_checkpoint(root, client_state=CLIENT_STATE)
     eng.robust_plugins.memory.store.flush()
     mem = eng.robust_plugins.memory
