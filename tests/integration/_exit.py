@@ -5,6 +5,11 @@ A DeepSpeed+gloo rank sometimes aborts in interpreter teardown after its work is
 plugin, docs/hf_trainer.md). CI saw it in ``ds_worker.py`` and, after ``destroy_process_group``
 had run, in ``ds_checkpoint_worker.py`` (once in CI; not reproduced in 51 local runs). The tests judge the results file each worker writes before it calls this; an abort
 during the work still fails the launch, with each rank's last lines in the error.
+
+Skipping the teardown also skips the plugin's exit handler, which outside ``robust run`` removes
+the job's in-memory snapshot files: every `make test` left 40 files in ``/dev/shm`` (12 for each
+ZeRO stage of ``test_deepspeed_memory.py``, 4 from ``test_deepspeed_onebit.py``; 2.5 MB each here,
+GBs for a real model). They are removed here instead.
 """
 
 from __future__ import annotations
@@ -20,6 +25,23 @@ def leave_without_teardown() -> NoReturn:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
+    _remove_snapshots()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _remove_snapshots() -> None:
+    """What the plugin's exit handler does on a normal end outside ``robust run`` (under it, the
+    launcher removes them when the job completes): every rank removes the job's files, after the
+    barrier, so no rank still reads one."""
+    if os.environ.get("ROBUST_RUN_DIR"):
+        return
+    from robust_plugins.checkpoint import memory
+    from robust_plugins.errors import RobustPluginsError
+
+    try:
+        key = memory.job_key()
+    except RobustPluginsError:  # no stable job id: this run had no snapshots
+        return
+    memory.remove_job(key)
