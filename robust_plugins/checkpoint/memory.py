@@ -146,6 +146,14 @@ def committed_step_of(slot: Slot) -> int:
     return h.step if h is not None and h.committed else -1
 
 
+def overwritable(slots: list[Slot], keep: int | None) -> list[int]:
+    """Indices of the slots a new snapshot (or copy) may overwrite: all but the one holding
+    ``keep``, the step every peer copy holds. If every slot holds it (one a leftover of the same
+    step), all but one."""
+    kept = [i for i, s in enumerate(slots) if keep is not None and committed_step_of(s) == keep]
+    return [i for i in range(len(slots)) if i not in kept] or kept[1:]
+
+
 def retire_duplicates(slots: list[Slot], newest: Slot, step: int) -> None:
     """Uncommit every slot but ``newest`` that holds a committed ``step``: a second snapshot of
     a step (``replace_newest``) written into another slot supersedes the first once committed."""
@@ -444,10 +452,7 @@ class SnapshotStore:
             self.flush(timeout_s)  # the newest snapshot's own hand-off reads the slot
         deadline = time.monotonic() + timeout_s
         while True:
-            keep = self.keep_step
-            kept = [i for i, s in enumerate(self.slots) if keep is not None and committed_step_of(s) == keep]
-            # All slots holding the kept step (one a leftover of the same step): one stays.
-            free = [i for i in range(len(self.slots)) if i not in kept] or kept[1:]
+            free = overwritable(self.slots, self.keep_step)
             newest = max(range(len(self.slots)), key=lambda i: self._stamp[i])
             index = newest if replace_newest and newest in free else min(free, key=lambda i: self._stamp[i])
             if not self.slots[index].busy.is_set():

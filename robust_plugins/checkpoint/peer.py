@@ -10,8 +10,8 @@ holder and receives its source's slot, as raw uint8 tensors over a dedicated glo
 (``isend``/``irecv``; never a pickled object), into one of three ``held`` slots whose
 ``committed`` word is written after the last byte arrived. Every wait is bounded.
 
-After each exchange the ranks agree (a MIN all-reduce of one integer) on :attr:`PeerBackup.agreed_step`:
-every rank then holds its source's copy of that step, and neither that copy nor the rank's own
+After each exchange the ranks agree (a MIN all-reduce of one integer) on
+:attr:`PeerBackup.agreed_step`: every rank then holds its source's copy of that step, and neither that copy nor the rank's own
 snapshot of it is overwritten until a newer step is agreed (``SnapshotStore.keep_step``). A node
 lost while a copy is in flight thus still leaves one step that every rank has, the agreed one,
 at most two steps old (the sender overwrites its slot of step N only once the copy of N is
@@ -36,6 +36,7 @@ from robust_plugins.checkpoint.memory import (
     Slot,
     committed_step_of,
     held_name,
+    overwritable,
     retire_duplicates,
 )
 from robust_plugins.device import collective_device
@@ -193,9 +194,7 @@ class PeerBackup:
         # The oldest copy goes, never the agreed one. A second snapshot of a step held already
         # (save_checkpoint's client_state, SnapshotStore.save(replace_newest=True)) lands in
         # another slot and retires the first once committed, as on the source.
-        kept = [s for s in self.held if self.agreed_step is not None and committed_step_of(s) == self.agreed_step]
-        free = [s for s in self.held if s not in kept] or kept[1:]  # all of one step: one stays
-        slot = min(free, key=committed_step_of)
+        slot = min((self.held[i] for i in overwritable(self.held, self.agreed_step)), key=committed_step_of)
         slot.ensure(got.total)
         if slot.header() is not None:
             slot.set_committed(False)
