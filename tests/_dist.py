@@ -71,6 +71,8 @@ def _context():
     preload = ["torch", "torch.distributed"]
     if importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None:
         preload.append("megatron.core")
+    if importlib.util.find_spec("deepspeed") is not None:
+        preload.append("deepspeed")
     # Takes effect when the server starts (the first run_ranks of the session); later calls
     # set the same list.
     ctx.set_forkserver_preload(preload)
@@ -117,7 +119,8 @@ def run_ranks(
             try:
                 rank, ok, payload = results.get(timeout=min(left, 1.0))
             except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                # A rank gone without a report (os._exit, a signal) never reports: fail now.
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None]
                 dead = [r for r in dead if r not in values and r not in errors]
                 for r in dead:
                     errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
@@ -142,3 +145,48 @@ def run_ranks(
                 p.join(timeout=5.0)
         results.close()
         results.cancel_join_thread()
+def _script_rank(rank, world_size, script, argv, log_path):
+    """One rank of :func:`run_script`: ``script`` as ``__main__`` with torchrun's environment."""
+    import runpy
+    import sys
+
+    os.environ.update(LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", ROLE_RANK=str(rank),
+                      ROLE_WORLD_SIZE=str(world_size), ROBUST_TEST_FORKED_RANK="1")
+    if log_path:
+        # One file for every rank, as torchrun's log: C-level output (gloo, DeepSpeed's ops) too.
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    is_path = script.endswith(".py")
+    sys.argv = [script, *argv]
+    if is_path:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        if is_path:
+            runpy.run_path(script, run_name="__main__")
+        else:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise RuntimeError(f"{script} exited with {exc.code!r} on rank {rank}") from None
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def run_script(script: str, argv=(), nproc: int = 2, timeout_s: float = 300.0, env=None, log_path=None):
+    """Run a torchrun-style ``script`` (a ``.py`` path or a module name) on ``nproc`` forked ranks.
+
+    What ``torchrun --nproc-per-node N script argv...`` would run, without N fresh interpreters
+    importing torch, DeepSpeed and megatron-core: each rank is forked from the preloaded server,
+    gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT``, and runs the script as ``__main__`` with ``sys.argv`` set; the script forms
+    its own process group (``deepspeed.init_distributed``, ``dist.init_process_group``). Every
+    rank's output is appended to ``log_path``. A non-zero exit or an exception on any rank raises
+    ``RuntimeError`` with the ranks' tracebacks; past ``timeout_s``, ``TimeoutError``.
+    """
+    return run_ranks(_script_rank, nproc, timeout_s, str(script), [str(a) for a in argv],
+                     str(log_path) if log_path else None, env=env, init=False)
