@@ -37,7 +37,7 @@ def train_variants(rank, world, variants, steps, tp=1, bucket_size=None):
     out = []
     for v in variants:
         parts = build(preset, tp=tp, seed=0, codec=v["codec"], overlap=v["overlap"], distopt=False,
-                      bucket_size=bucket_size)
+                      bucket_size=bucket_size, optimizer="torch-adamw")
         losses = [train_step(parts, preset, corpus, 0, 1)]
         grad1 = main_grads(parts["ddp"])
         losses += [train_step(parts, preset, corpus, 0, s) for s in range(2, steps + 1)]
@@ -148,7 +148,7 @@ def overlap_events(rank, world, steps, gate_step):
     corpus = load_corpus()
     out = {}
     for overlap in (False, True):
-        parts = build(preset, tp=1, seed=0, codec="int8", overlap=True, distopt=False)
+        parts = build(preset, tp=1, seed=0, codec="int8", overlap=True, distopt=False, optimizer="torch-adamw")
         plugin, ddp = parts["plugin"], parts["ddp"]
         if not overlap:
             plugin.close()
@@ -197,7 +197,8 @@ def block_variants(rank, world, variants, steps):
     corpus = load_corpus()
     out = []
     for v in variants:
-        parts = build(preset, tp=1, seed=0, codec=None, overlap=v["overlap"], distopt=False, block=v["block"])
+        parts = build(preset, tp=1, seed=0, codec=None, overlap=v["overlap"], distopt=False, block=v["block"],
+                      optimizer="torch-adamw")
         plugin = parts["plugin"]
         losses, grad1 = [], None
         for s in range(1, steps + 1):
@@ -232,7 +233,7 @@ def rank_order_tp2(rank, world, topology_file, steps):
     info = rpm.apply_rank_order(tp=2, topology_file=topology_file)
     assert dist.get_rank() == info["rank"]
     preset = _preset()
-    parts = build(preset, tp=2, seed=0, codec="int8", overlap=False, distopt=False)
+    parts = build(preset, tp=2, seed=0, codec="int8", overlap=False, distopt=False, optimizer="torch-adamw")
     losses = [train_step(parts, preset, load_corpus(), 0, s) for s in range(1, steps + 1)]
     tp_group = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
     dp_group = dist.get_process_group_ranks(ps.get_data_parallel_group())
