@@ -77,6 +77,43 @@ def pipeline_scenarios(rank, world, scenarios, steps):
     for sc in scenarios:
         out[sc["name"]] = {str(c): _variant(sc, c, steps) for c in sc["codecs"]}
     out["refusal"] = _interleaved_batch_p2p_refusal()
+    out["refusals"] = _refusals()
+    return out
+
+
+def _refused(fn) -> str | None:
+    from robust_plugins.errors import RobustPluginsError
+
+    try:
+        fn()
+    except RobustPluginsError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _refusals() -> dict:
+    """What the checkpointer and telemetry refuse, each tried on a real build (no collective runs
+    before the refusal, so every rank raises at the same place)."""
+    import robust_plugins.megatron as rpm
+    from robust_plugins.recipes.megatron_gpt.train import PRESETS, build
+
+    preset = PRESETS["cpu-3d"]
+    out = {}
+    vpp = build(preset, tp=1, seed=0, codec=None, overlap=False, distopt=None, pp=2, vpp=2)
+    out["checkpointer_vpp"] = _refused(lambda: rpm.MegatronCheckpointer(vpp["model"][0], vpp["optimizer"],
+                                                                          {"dir": "unused"}, emergency_save=False))
+    out["telemetry_vpp"] = _refused(lambda: rpm.enable(vpp["model"][1], {"telemetry": {"log_every": 1}}))
+    parts = build(preset, tp=1, seed=0, codec=None, overlap=False, distopt=True, pp=2)
+    (distopt,) = parts["optimizer"].chained_optimizers
+    ckpt = {"dir": "unused", "memory_every": 1}
+    distopt.config.use_precision_aware_optimizer = True
+    out["precision_aware"] = _refused(lambda: rpm.MegatronCheckpointer(parts["ddp"], parts["optimizer"], ckpt,
+                                                                         emergency_save=False))
+    distopt.config.use_precision_aware_optimizer = False
+    distopt.ddp_config.num_distributed_optimizer_instances = 2
+    out["instances"] = _refused(lambda: rpm.MegatronCheckpointer(parts["ddp"], parts["optimizer"], ckpt,
+                                                                   emergency_save=False))
+    distopt.ddp_config.num_distributed_optimizer_instances = 1
     return out
 
 

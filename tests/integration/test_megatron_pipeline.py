@@ -121,3 +121,21 @@ def test_interleaved_pp2_with_batch_p2p_comm_on_gloo_is_refused(two):
         msg = r["refusal"]
         assert msg is not None and "batch_p2p_comm = True" in msg and "pipeline_model_parallel_size = 2" in msg
         assert "overlap_p2p_comm = True" in msg
+
+
+REFUSALS = {  # what is refused: (error class, the key, its value, what is allowed)
+    "checkpointer_vpp": ("UnsupportedError", "virtual_pipeline_model_parallel_size", "= 2", "Allowed: None"),
+    "telemetry_vpp": ("UnsupportedError", "virtual_pipeline_model_parallel_size", "= 2", "Allowed: None"),
+    "precision_aware": ("UnsupportedError", "use_precision_aware_optimizer", "= True", "set it to False"),
+    "instances": ("UnsupportedError", "num_distributed_optimizer_instances", "= 2", "allowed: 1"),
+}
+
+
+@pytest.mark.timeout(250)
+@pytest.mark.parametrize("what", sorted(REFUSALS))
+def test_what_is_not_served_is_refused_naming_key_value_and_allowed(two, what):
+    for r in two:
+        msg = r["refusals"][what]
+        assert msg is not None, f"{what} was not refused"
+        cls, key, value, allowed = REFUSALS[what]
+        assert msg.startswith(cls) and f"{key} {value}" in msg and allowed in msg, msg
