@@ -370,8 +370,8 @@ def _attach_telemetry(ddp, plugin: MegatronPlugin) -> None:
     """Feed a telemetry recorder from megatron's DDP (public ``torch.nn.Module`` hooks only).
 
     Tokens: a forward hook on ``ddp.module`` counts the first integer tensor argument (token
-    ids) of each training forward, on tensor-parallel rank 0 (TP peers see the same tokens; later
-    pipeline stages get no token ids). Gradient bytes and time: a hook on the model output opens
+    ids; a boolean attention mask is not one) of each training forward, on the first pipeline
+    stage's tensor-parallel rank 0 (TP peers see the same tokens; later stages get hidden states). Gradient bytes and time: a hook on the model output opens
     :meth:`Telemetry.grad_window` when backward reaches it, and ``finish_grad_sync`` closes it;
     every collective issued in between (bucket syncs during backward, on the sync thread too, and
     the final waits) is counted, except those on megatron's model-parallel groups (TP, PP and
@@ -399,7 +399,8 @@ def _attach_telemetry(ddp, plugin: MegatronPlugin) -> None:
     whole = torch.tensor([float(trainable)])
     if dist.get_world_size(ps.get_model_parallel_group()) > 1:  # every stage and TP shard: the whole model
         dist.all_reduce(whole, group=ps.get_model_parallel_group())
-    count_tokens = ps.get_tensor_model_parallel_rank() == 0
+    # Token ids enter the first stage only; its TP peers see the same ones.
+    count_tokens = ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_first_stage()
     c = ddp.ddp_config
     grad_dtype = torch.float32 if c.grad_reduce_in_fp32 else next(ddp.module.parameters()).dtype
     dp = ps.get_data_parallel_world_size()
@@ -434,7 +435,7 @@ def _attach_telemetry(ddp, plugin: MegatronPlugin) -> None:
     def on_forward(module, args, kwargs, output):
         if module.training and torch.is_grad_enabled():
             ids = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)
-                        and not v.is_floating_point() and not v.is_complex()), None)
+                        and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool), None)
             if ids is not None and count_tokens:
                 tel.count_tokens(ids.numel())
             if isinstance(output, torch.Tensor) and output.requires_grad:

@@ -274,10 +274,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tp_launcher = [order[r] for r in dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())]
     digests: list = [None] * dist.get_world_size()
     dist.all_gather_object(digests, param_digest(parts["model"]))
+    # gradient elements this rank's data-parallel sync reduces (bucket sizes, padding included)
+    grad_elements: list = [None] * dist.get_world_size()
+    dist.all_gather_object(grad_elements, sum(b.grad_data.numel() for m in parts["model"]
+                                              for g in m.bucket_groups for b in g.buckets))
     return {"preset": args.preset, "codec": args.codec, "start": start, "gradient_accumulation_steps": gas,
             "global_losses": global_losses, "resharded": ckpt.resharded if ckpt is not None else None,
             "tp_group_launcher_ranks": tp_launcher, "steps": args.steps, "losses": losses,
             "train_s": time.perf_counter() - t0, "digest": digests[dist.get_rank()], "digests": digests,
+            "grad_elements_by_rank": grad_elements,
             "param_sums": [float(p.detach().double().sum()) for p in parts["ddp"].parameters()],
             **parts["layout"].as_dict()}
 
@@ -300,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         timeout=datetime.timedelta(seconds=600))
         result = run(args)
         if dist.get_rank() == 0:
-            line = json.dumps({k: v for k, v in result.items() if k not in ("losses", "global_losses", "param_sums", "digests")} |
+            long = ("losses", "global_losses", "param_sums", "digests", "grad_elements_by_rank")
+            line = json.dumps({k: v for k, v in result.items() if k not in long} |
                               {"first_loss": result["losses"][:1], "last_loss": result["losses"][-1:]})
             print(line, flush=True)
             if args.out:
