@@ -155,6 +155,14 @@ def _accumulation(global_batch: Any, micro_batch: Any, dp: int) -> int | None:
     return global_batch // (micro_batch * dp)
 
 
+def _optimizer_kind(opt) -> str | None:
+    """``DistributedOptimizer``, ``FP32Optimizer+FP32Optimizer`` (chained), ``AdamW``...; None."""
+    if opt is None:
+        return None
+    chain = getattr(opt, "chained_optimizers", None)
+    return "+".join(type(p).__name__ for p in chain) if chain is not None else type(opt).__name__
+
+
 def _layout() -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
@@ -232,6 +240,10 @@ class MegatronCheckpointer:
         self.gradient_accumulation_steps: int | None = _accumulation(global_batch, micro_batch, layout["dp"])
         """Micro-batches per rank and optimizer step that make ``global_batch`` (None without it).
         :meth:`load` changes it when it reshards a checkpoint of another data-parallel size."""
+        # The optimizer's kind must match on load: megatron's optimizers save different formats
+        # (the distributed optimizer's vs Float16Optimizer's), and the recipe's default changes
+        # with the data-parallel size.
+        layout["optimizer"] = _optimizer_kind(optimizer)
         if global_batch is not None:
             layout.update(global_batch=global_batch, micro_batch=micro_batch,
                           gradient_accumulation_steps=self.gradient_accumulation_steps)
