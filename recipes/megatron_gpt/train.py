@@ -244,10 +244,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         start = ckpt.load() or 0
     dp = parts["layout"].dp
     gas = _accumulation(args, preset, dp, ckpt)
-    losses, global_losses = [], []
+    losses, global_losses, step_s = [], [], []
     t0 = time.perf_counter()
     try:
         for step in range(start + 1, args.steps + 1):
+            t_step = time.perf_counter()
             slices = torch.zeros(dp * gas, dtype=torch.float64) if args.global_batch else None
             loss = train_step(parts, preset, corpus, args.seed, step, gas=gas, slice_losses=slices)
             losses.append(loss)
@@ -263,6 +264,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 parts["plugin"].step_end(step, loss=loss)
             else:
                 watchdog.step_end(step, loss=loss)
+            step_s.append(time.perf_counter() - t_step)
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -270,6 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             plugin.close()
     from megatron.core import parallel_state as ps
 
+    memory = ckpt.memory if ckpt is not None else None
     order = getattr(args, "rank_order_info", {}).get("order") or list(range(dist.get_world_size()))
     tp_launcher = [order[r] for r in dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())]
     digests: list = [None] * dist.get_world_size()
@@ -281,7 +284,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"preset": args.preset, "codec": args.codec, "start": start, "gradient_accumulation_steps": gas,
             "global_losses": global_losses, "resharded": ckpt.resharded if ckpt is not None else None,
             "tp_group_launcher_ranks": tp_launcher, "steps": args.steps, "losses": losses,
-            "train_s": time.perf_counter() - t0, "digest": digests[dist.get_rank()], "digests": digests,
+            "train_s": time.perf_counter() - t0, "step_s": step_s,
+            "snapshot_blocking_s": list(memory.blocking_s) if memory is not None else None, "digest": digests[dist.get_rank()], "digests": digests,
             "grad_elements_by_rank": grad_elements,
             "param_sums": [float(p.detach().double().sum()) for p in parts["ddp"].parameters()],
             **parts["layout"].as_dict()}
@@ -305,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         timeout=datetime.timedelta(seconds=600))
         result = run(args)
         if dist.get_rank() == 0:
-            long = ("losses", "global_losses", "param_sums", "digests", "grad_elements_by_rank")
+            long = ("losses", "global_losses", "param_sums", "digests", "grad_elements_by_rank", "step_s",
+                    "snapshot_blocking_s")
             line = json.dumps({k: v for k, v in result.items() if k not in long} |
                               {"first_loss": result["losses"][:1], "last_loss": result["losses"][-1:]})
             print(line, flush=True)
