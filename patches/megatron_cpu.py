@@ -252,7 +252,7 @@ def install() -> None:
     for owner, name, replacement in _targets():
         original = getattr(owner, name)
         own = vars(owner).get(name, _ABSENT) if isinstance(owner, type) else original
-        if callable(replacement) and not isinstance(replacement, (_TorchOnCpu, _TorchWithCpuRng)):
+        if not isinstance(replacement, (_TorchOnCpu, _TorchWithCpuRng)):  # functions; module views as they are
             replacement = _guard.wrap(original, replacement)
         setattr(owner, name, replacement)
         _installed.append((owner, name, own))

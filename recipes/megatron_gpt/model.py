@@ -101,7 +101,7 @@ class Layout:
         return dataclasses.asdict(self)
 
 
-def _model_chunks(preset: Preset, config, vpp: int | None, seed: int) -> list[torch.nn.Module]:
+def _model_chunks(preset: Preset, config, vpp: int | None) -> list[torch.nn.Module]:
     """One ``GPTModel`` per virtual pipeline stage of this rank (``Float16Module`` for bf16)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -210,7 +210,7 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
         # the same peer (interleaved, pp = 2) is matched in posting order: silently wrong.
         overlap_p2p_comm=vpp is not None, batch_p2p_comm=vpp is None,
     )
-    chunks = _model_chunks(preset, config, vpp, seed)
+    chunks = _model_chunks(preset, config, vpp)
     size = bucket_size if bucket_size is not None else preset.bucket_size
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=overlap, use_distributed_optimizer=distopt, grad_reduce_in_fp32=True,

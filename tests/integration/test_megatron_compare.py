@@ -1,8 +1,9 @@
 """``robust recipe compare megatron_gpt --preset cpu-tiny``: baseline and plugin runs, then the report.
 
-Two torchrun launches of 2 CPU ranks, 10 steps each (and of 4 ranks for ``--preset cpu-3d``). The report page names both runs; the plugin
-run's telemetry shows int8's gradient bytes (~0.25x of the baseline's, counted on the wire), both
-runs learn, and an unknown recipe is refused with the allowed names.
+Two torchrun launches of 2 CPU ranks, 10 steps each (and of 4 ranks for ``--preset cpu-3d``). The
+report page names both runs; the plugin run's telemetry shows int8's gradient bytes (~0.25x of the
+baseline's, counted on the wire), both runs learn, and an unknown recipe is refused with the allowed
+names.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def test_compare_refuses_an_unknown_recipe():
     assert proc.returncode == 2 and "unknown recipe 'nope'; allowed: megatron_gpt" in proc.stderr
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(250)
 def test_compare_cpu_3d_counts_only_the_data_parallel_sync(tmp_path):
     """``--preset cpu-3d``: 4 ranks by default (PP 2 x DP 2, bf16, megatron's DistributedOptimizer,
     tied embeddings). The telemetry's gradient bytes are each rank's reduce-scatter alone, checked

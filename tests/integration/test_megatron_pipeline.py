@@ -50,19 +50,19 @@ def _scenarios(rank, world, scenarios, steps):
 
 @pytest.fixture(scope="module")
 def four():
-    return run_ranks(_scenarios, 4, 400, FOUR, STEPS)
+    return run_ranks(_scenarios, 4, 140, FOUR, STEPS)
 
 
 @pytest.fixture(scope="module")
 def two():
-    return run_ranks(_scenarios, 2, 200, TWO, STEPS)
+    return run_ranks(_scenarios, 2, 50, TWO, STEPS)
 
 
 def _results(request, name):
     return request.getfixturevalue("four" if any(s["name"] == name for s in FOUR) else "two")
 
 
-@pytest.mark.timeout(450)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", [s["name"] for s in FOUR + TWO])
 def test_codec_none_is_bitwise_vanilla(request, name):
     for rank, res in enumerate(_results(request, name)):
@@ -78,7 +78,7 @@ def test_codec_none_is_bitwise_vanilla(request, name):
         assert set(vanilla["inner"]) == want, vanilla["inner"]
 
 
-@pytest.mark.timeout(450)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", [s["name"] for s in FOUR if "int8" in s["codecs"]])
 def test_int8_step1_gradients_of_every_stage_within_the_codec_bound(request, name):
     res = _results(request, name)
@@ -105,7 +105,7 @@ def test_int8_step1_gradients_of_every_stage_within_the_codec_bound(request, nam
     assert stages == {0, 1}
 
 
-@pytest.mark.timeout(450)
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("name", [s["name"] for s in FOUR if s["tp"] == 1])
 def test_data_parallel_replicas_of_each_stage_stay_identical(request, name):
     res = _results(request, name)
@@ -115,7 +115,7 @@ def test_data_parallel_replicas_of_each_stage_stay_identical(request, name):
             assert len(peers) == 1, (name, codec, v["dp_ranks"])
 
 
-@pytest.mark.timeout(250)
+@pytest.mark.timeout(60)
 def test_interleaved_pp2_with_batch_p2p_comm_on_gloo_is_refused(two):
     for r in two:
         msg = r["refusal"]
@@ -131,7 +131,7 @@ REFUSALS = {  # what is refused: (error class, the key, its value, what is allow
 }
 
 
-@pytest.mark.timeout(250)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("what", sorted(REFUSALS))
 def test_what_is_not_served_is_refused_naming_key_value_and_allowed(two, what):
     for r in two:
