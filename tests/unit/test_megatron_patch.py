@@ -122,3 +122,28 @@ def test_enable_refuses_all_reduce_only_features_with_the_distributed_optimizer(
         patch._refuse_config(patch._as_plugin_config(block), distopt)
     plain = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=False))
     patch._refuse_config(patch._as_plugin_config(block), plain)  # served on the all-reduce path
+
+
+def test_distributed_optimizer_checkpoint_fixes_install_once_and_undo(monkeypatch):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from robust_plugins.patches import megatron_optim
+
+    names = ("_set_main_param_and_optimizer_states", "load_state_dict")
+    before = {n: vars(DistributedOptimizer)[n] for n in names}
+    megatron_optim.install()
+    try:
+        megatron_optim.install()  # idempotent
+        for n in names:
+            assert getattr(DistributedOptimizer, n).__wrapped__ is before[n]
+    finally:
+        megatron_optim.undo()
+    assert {n: vars(DistributedOptimizer)[n] for n in names} == before
+
+    def changed(self, model_param, tensors, extra):  # a future megatron-core's new parameter
+        pass
+
+    monkeypatch.setattr(DistributedOptimizer, "_set_main_param_and_optimizer_states", changed)
+    with pytest.raises(HostVersionError, match=r"written for \(self, model_param, tensors\)"):
+        megatron_optim.install()
+    assert vars(DistributedOptimizer)["load_state_dict"] is before["load_state_dict"]  # nothing half-installed
