@@ -143,6 +143,47 @@ def _optimizer(kind: str, preset: Preset, config, chunks: list, distopt: bool, b
     return torch.optim.AdamW(chunks[0].parameters(), lr=preset.lr, weight_decay=0.0)
 
 
+def _check_layout(preset: Preset, tp: int, pp: int, vpp: int | None, bf16: bool, optimizer: str) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer {optimizer!r}: allowed {', '.join(OPTIMIZERS)}.")
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ConfigError(f"tp {tp} x pp {pp} does not divide the world size {world}.")
+    if vpp is not None and (pp < 2 or vpp < 2 or preset.num_layers % (pp * vpp)):
+        raise ConfigError(f"--vpp {vpp}: needs pp >= 2, vpp >= 2 and num_layers ({preset.num_layers}) divisible "
+                          f"by pp x vpp ({pp} x {vpp}).")
+    if bf16 and optimizer != "megatron":
+        raise ConfigError(f"--bf16 keeps fp32 main parameters in megatron's optimizer; --optimizer {optimizer} "
+                          f"would step the bf16 parameters themselves. Use --optimizer megatron.")
+
+
+def _check_optimizer(optimizer: str, distopt: bool) -> None:
+    if optimizer == "sharded-adamw" and not distopt:
+        raise ConfigError("--optimizer sharded-adamw steps the distributed optimizer's shards; it needs "
+                          "--distributed-optimizer.")
+    if optimizer == "torch-adamw" and distopt:
+        raise ConfigError("--optimizer torch-adamw steps whole parameters on all-reduced gradients; with "
+                          "--distributed-optimizer only this rank's shard is reduced. Use --optimizer megatron "
+                          "or sharded-adamw with it.")
+
+
+def _transformer_config(preset: Preset, tp: int, pp: int, vpp: int | None, bf16: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=preset.num_layers, hidden_size=preset.hidden_size,
+        num_attention_heads=preset.num_attention_heads, use_cpu_initialization=preset.device == "cpu",
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        # Megatron-LM's choice with virtual stages (--overlap-p2p-communication, on by default):
+        # separate isend/irecv, not one batch_isend_irecv. On gloo a batch holding two sends to
+        # the same peer (interleaved, pp = 2) is matched in posting order: silently wrong.
+        overlap_p2p_comm=vpp is not None, batch_p2p_comm=vpp is None,
+    )
+
+
 def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: bool, distopt: bool | None,
           bucket_size: int | None = None, block: dict | None = None, pp: int | None = None,
           vpp: int | None = None, bf16: bool | None = None, optimizer: str = "megatron") -> dict[str, Any]:
@@ -155,8 +196,7 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     ``optimizer``, ``plugins`` (one per chunk; None without a block), ``plugin`` (the first),
     ``config`` and ``layout`` (:class:`Layout`).
     """
-    cpu = preset.device == "cpu"
-    if cpu:
+    if preset.device == "cpu":
         from robust_plugins.patches import megatron_cpu
 
         megatron_cpu.install()
@@ -164,24 +204,13 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     import robust_plugins.megatron as rpm
 
     pp = preset.pp if pp is None else pp
     vpp = preset.vpp if vpp is None else vpp
     bf16 = preset.bf16 if bf16 is None else bf16
-    if optimizer not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer {optimizer!r}: allowed {', '.join(OPTIMIZERS)}.")
-    world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ConfigError(f"tp {tp} x pp {pp} does not divide the world size {world}.")
-    if vpp is not None and (pp < 2 or vpp < 2 or preset.num_layers % (pp * vpp)):
-        raise ConfigError(f"--vpp {vpp}: needs pp >= 2, vpp >= 2 and num_layers ({preset.num_layers}) divisible "
-                          f"by pp x vpp ({pp} x {vpp}).")
-    if bf16 and optimizer != "megatron":
-        raise ConfigError(f"--bf16 keeps fp32 main parameters in megatron's optimizer; --optimizer {optimizer} "
-                          f"would step the bf16 parameters themselves. Use --optimizer megatron.")
+    _check_layout(preset, tp, pp, vpp, bf16, optimizer)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -189,27 +218,10 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     dp = ps.get_data_parallel_world_size()
     if distopt is None:
         distopt = dp > 1 and optimizer != "torch-adamw"
-    if optimizer == "sharded-adamw" and not distopt:
-        raise ConfigError("--optimizer sharded-adamw steps the distributed optimizer's shards; it needs "
-                          "--distributed-optimizer.")
-    if optimizer == "torch-adamw" and distopt:
-        raise ConfigError("--optimizer torch-adamw steps whole parameters on all-reduced gradients; with "
-                          "--distributed-optimizer only this rank's shard is reduced. Use --optimizer megatron "
-                          "or sharded-adamw with it.")
+    _check_optimizer(optimizer, distopt)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    config = TransformerConfig(
-        num_layers=preset.num_layers, hidden_size=preset.hidden_size,
-        num_attention_heads=preset.num_attention_heads, use_cpu_initialization=cpu,
-        hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        # Megatron-LM's choice with virtual stages (--overlap-p2p-communication, on by default):
-        # separate isend/irecv, not one batch_isend_irecv. On gloo a batch holding two sends to
-        # the same peer (interleaved, pp = 2) is matched in posting order: silently wrong.
-        overlap_p2p_comm=vpp is not None, batch_p2p_comm=vpp is None,
-    )
+    config = _transformer_config(preset, tp, pp, vpp, bf16)
     chunks = _model_chunks(preset, config, vpp)
     size = bucket_size if bucket_size is not None else preset.bucket_size
     ddp_config = DistributedDataParallelConfig(
