@@ -37,6 +37,15 @@ without ``topology.hierarchical`` keeps megatron's own asynchronous collectives 
 Without ``overlap_grad_reduce`` the sync runs synchronously where megatron's does. Observers
 (:attr:`MegatronPlugin.observers`) see ``dispatch`` / ``start`` / ``done`` / ``wait`` events.
 
+With pipeline parallelism each model chunk is its own ``DistributedDataParallel`` (several a rank
+with virtual pipeline stages): :func:`enable` is called once per chunk and routes that chunk's bucket
+groups, so every data-parallel gradient reduction of every stage passes here, whether megatron
+starts it in backward (``overlap_grad_reduce``) or in ``finalize_model_grads`` (each chunk's
+``finish_grad_sync``). megatron keeps its other collectives: tensor-parallel reductions, pipeline
+p2p, the embedding-group all-reduce of tied embeddings and the distributed optimizer's parameter
+all-gather. Interleaved 1F1B with pipeline size 2 and ``batch_p2p_comm`` over gloo is refused
+(:func:`_refuse_pipeline`).
+
 Error-feedback residuals are keyed per bucket (``mcore.dense<g>.b<i>`` / ``mcore.expert<g>.b<i>``)
 and are training state: :meth:`MegatronPlugin.state_dict` / :meth:`MegatronPlugin.load_state_dict`,
 saved by :class:`robust_plugins.megatron.MegatronCheckpointer` beside the model.
@@ -227,7 +236,8 @@ def enable(ddp, config: Any = None) -> MegatronPlugin:
     Raises:
         HostVersionError: megatron-core outside :data:`SUPPORTED` or changed signatures.
         UnsupportedError: a DDP variant the patch cannot serve (several distributed-optimizer
-            instances, reduce-scatter with fp32 accumulation, Megatron-FSDP).
+            instances, reduce-scatter with fp32 accumulation, Megatron-FSDP), or interleaved
+            pipeline size 2 with ``batch_p2p_comm`` over gloo (trains silently wrong there).
     """
     check_megatron_version()
     from megatron.core.distributed import DistributedDataParallel
@@ -252,6 +262,7 @@ def enable(ddp, config: Any = None) -> MegatronPlugin:
             "robust_plugins.checkpoint.persist_every is for DeepSpeed engines; megatron-core loops "
             "save through robust_plugins.megatron.MegatronCheckpointer.save(step) (see README)."
         )
+    _refuse_pipeline(ddp)
     _refuse_config(cfg, ddp)
     if cfg.compression is not None:
         _refuse(ddp)
@@ -283,6 +294,25 @@ def disable(ddp) -> None:
     for _, group in plugin.groups:
         _guard.unbind_instance(group, "start_grad_sync")
     _guard.unbind_instance(ddp, "finish_grad_sync")
+
+
+def _refuse_pipeline(ddp) -> None:
+    """Interleaved 1F1B with pipeline size 2 and ``batch_p2p_comm`` over gloo trains silently wrong
+    (``../shared/HOSTS.md``: one ``batch_isend_irecv`` holds two sends to the same peer, which gloo
+    matches in posting order; first-chunk gradients 10-30x too large): refused."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is None or ps.get_pipeline_model_parallel_world_size() != 2:
+        return
+    config = getattr(ddp, "config", None)
+    if getattr(config, "batch_p2p_comm", False) and dist.get_backend(ps.get_pipeline_model_parallel_group()) == "gloo":
+        raise UnsupportedError(
+            f"robust_plugins.megatron: interleaved pipeline (virtual_pipeline_model_parallel_size = {vpp}) with "
+            f"pipeline_model_parallel_size = 2 and batch_p2p_comm = True trains silently wrong over gloo (two "
+            f"sends to one peer in one batch are matched in posting order). Set batch_p2p_comm = False with "
+            f"overlap_p2p_comm = True (Megatron-LM's default with virtual stages), or use NCCL.")
 
 
 def _refuse_config(cfg: PluginConfig, ddp) -> None:
@@ -339,23 +369,38 @@ def _refuse(ddp) -> None:
 def _attach_telemetry(ddp, plugin: MegatronPlugin) -> None:
     """Feed a telemetry recorder from megatron's DDP (public ``torch.nn.Module`` hooks only).
 
-    Tokens: a forward pre-hook on ``ddp.module`` counts the first integer tensor argument (token
-    ids) of each training forward. Gradient bytes and time: a hook on the model output opens
-    :meth:`Telemetry.grad_window` when backward reaches it, and ``finish_grad_sync`` closes it, so
+    Tokens: a forward hook on ``ddp.module`` counts the first integer tensor argument (token
+    ids; a boolean attention mask is not one) of each training forward, on the first pipeline
+    stage's tensor-parallel rank 0 (TP peers see the same tokens; later stages get hidden states). Gradient bytes and time: a hook on the model output opens
+    :meth:`Telemetry.grad_window` when backward reaches it, and ``finish_grad_sync`` closes it;
     every collective issued in between (bucket syncs during backward, on the sync thread too, and
-    the final waits) is counted. Loss and grad norm come from :meth:`MegatronPlugin.step_end`.
+    the final waits) is counted, except those on megatron's model-parallel groups (TP, PP and
+    embedding groups: TP reductions, pipeline p2p of activations, and the tied-embedding gradient
+    all-reduce megatron runs itself). Loss and grad norm come from
+    :meth:`MegatronPlugin.step_end`; FLOPs per token from the whole model (every stage and TP
+    shard). Virtual pipeline stages (one plugin per chunk) are refused.
     """
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from robust_plugins.telemetry.recorder import Telemetry
 
-    if ps.get_tensor_model_parallel_world_size() > 1 or ps.get_pipeline_model_parallel_world_size() > 1:
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is not None:
         raise UnsupportedError(
-            "robust_plugins.megatron: the telemetry sub-block counts every collective of backward as gradient "
-            "traffic, which with tensor or pipeline parallelism would include activation traffic. It supports "
-            "tp = pp = 1 only; remove the telemetry sub-block for this layout."
-        )
+            f"robust_plugins.megatron: the telemetry sub-block counts one model chunk's gradient sync; with "
+            f"virtual pipeline stages (virtual_pipeline_model_parallel_size = {vpp}) each rank has several. "
+            f"Allowed: None; remove the telemetry sub-block for interleaved schedules.")
+    model_parallel = {id(g) for g in (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+                                      ps.get_model_parallel_group(), ps.get_embedding_group(check_initialized=False),
+                                      ps.get_position_embedding_group(check_initialized=False))
+                      if g is not None}
     trainable = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
+    whole = torch.tensor([float(trainable)])
+    if dist.get_world_size(ps.get_model_parallel_group()) > 1:  # every stage and TP shard: the whole model
+        dist.all_reduce(whole, group=ps.get_model_parallel_group())
+    # Token ids enter the first stage only; its TP peers see the same ones.
+    count_tokens = ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_first_stage()
     c = ddp.ddp_config
     grad_dtype = torch.float32 if c.grad_reduce_in_fp32 else next(ddp.module.parameters()).dtype
     dp = ps.get_data_parallel_world_size()
@@ -375,7 +420,8 @@ def _attach_telemetry(ddp, plugin: MegatronPlugin) -> None:
     device = next(ddp.module.parameters()).device
     tel = Telemetry(plugin.config.telemetry, run_config=run_config, n_grad_elements=trainable,
                     grad_element_size=torch.empty((), dtype=grad_dtype).element_size(), dp_world_size=dp,
-                    device=device, flops_per_token=6.0 * trainable,
+                    device=device, flops_per_token=6.0 * float(whole),
+                    wire_filter=lambda group: id(group) not in model_parallel,
                     residual_sq_fn=state.residual_sq_norm if state is not None else None,
                     grad_norm_fn=lambda: plugin._grad_norm, info_fn=sync_info if stats is not None else None)
     plugin.telemetry = tel
@@ -389,8 +435,8 @@ def _attach_telemetry(ddp, plugin: MegatronPlugin) -> None:
     def on_forward(module, args, kwargs, output):
         if module.training and torch.is_grad_enabled():
             ids = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)
-                        and not v.is_floating_point() and not v.is_complex()), None)
-            if ids is not None:
+                        and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool), None)
+            if ids is not None and count_tokens:
                 tel.count_tokens(ids.numel())
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(open_window)

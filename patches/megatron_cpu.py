@@ -1,26 +1,41 @@
-"""CPU shim for megatron-core: run its GPT, DDP and TP code without a GPU (tests, CPU presets).
+"""CPU shim for megatron-core: run its GPT, DDP, TP, pipeline and optimizer code without a GPU.
 
-megatron-core 0.16 assumes CUDA in two places that a CPU run reaches (``../shared/HOSTS.md``):
+For tests and CPU presets. megatron-core 0.16 assumes CUDA in places that a CPU run reaches
+(``../shared/HOSTS.md``):
 
 * Buffers are allocated on ``torch.cuda.current_device()``: DDP's contiguous grad (and
-  distributed-optimizer param) buffers in ``_ParamAndGradBuffer.__init__``, the global memory
-  buffer attention uses (``utils.GlobalMemoryBuffer.get_tensor``), TP all-gather outputs
-  (``tensor_parallel/mappings.py``), and more: about 30 call sites in 0.16.
+  distributed-optimizer param) buffers, the global memory buffer attention uses, TP all-gather
+  outputs, the distributed optimizer's buckets, and more: about 30 call sites in 0.16.
 * The tensor-parallel RNG tracker (``tensor_parallel/random.py``) stores and swaps CUDA generator
   states: ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``, and ``CudaRNGStatesTracker.add`` and
   ``model_parallel_cuda_manual_seed`` call ``torch.cuda.get_rng_state`` / ``torch.cuda.manual_seed``.
+* ``device="cuda"`` literals in tensor factories: the pipeline schedules' token counters
+  (``pipeline_parallel/schedules.py``), the optimizers' found-inf / loss-scale tensors
+  (``optimizer/optimizer.py``, ``grad_scaler.py``), ``clip_grads.py`` and the pure-torch
+  ``local_multi_tensor_l2_norm`` (``utils.py``) that replaces apex/TE kernels.
+* ``param.type() == 'torch.cuda.FloatTensor'`` (and Half/BFloat16) decides how
+  ``Float16OptimizerWithFloat16Params`` and ``DistributedOptimizer`` build their main parameters
+  (anything else raises "Wrapped parameters must be one of torch.cuda.FloatTensor...");
+  ``clip_grad_by_total_norm_fp32`` asserts it on every gradient.
+* ``Tensor.cuda()``: tied embeddings with pipeline parallelism move the output-layer weight
+  (``language_module.py``), the grad scaler's ``load_state_dict`` its scale.
 
-:func:`install` makes ``torch.cuda.current_device()`` answer ``"cpu"`` and
-``torch.cuda.synchronize()`` (called by ``dist_checkpointing``'s writer before it copies tensors)
-return at once, and gives the RNG tracker
-CPU generator states (``torch.get_rng_state`` / ``torch.set_rng_state`` / ``torch.manual_seed``,
-through a stand-in for the ``torch`` global of ``tensor_parallel.random`` only). Redirecting
-these two process-wide is safe exactly because the shim only installs when CUDA is not
-available: there the original can only raise "Torch not compiled with CUDA enabled" (or "no CUDA
-GPUs"), so no working code path changes; one at a time would mean patching every call site. With
-it a 2-rank (TP 1 or 2) GPT + DDP run over gloo trains with its loss going down, and megatron's
-RNG semantics (separate default, model-parallel and expert streams, forked around TP-region
-dropout) hold on the CPU generator.
+:func:`install` makes ``torch.cuda.current_device()`` answer ``"cpu"``, ``torch.cuda.synchronize()``
+(called by ``dist_checkpointing``'s writer) return at once and ``Tensor.cuda()`` return the tensor
+itself; gives the RNG tracker CPU generator states (through a stand-in for the ``torch`` global of
+``tensor_parallel.random`` only); replaces the ``torch`` global of the five modules with the
+literals (:data:`_CUDA_LITERAL_MODULES`) by a view whose tensor factories read ``device="cuda"``
+as the CPU; and runs the three functions that test ``Tensor.type()`` with CPU tensors named
+``torch.cuda.*`` for their duration (:func:`_cuda_type_names`). The process-wide redirects are safe
+exactly because the shim only installs when CUDA is not available: there the originals can only
+raise "Torch not compiled with CUDA enabled" (or "no CUDA GPUs"), so no working code path changes.
+``Tensor.type()`` does work on CPU, so it is renamed only inside those three calls (construction
+of the two optimizers and gradient clipping, on the training thread). With the shim, megatron's
+own ``get_forward_backward_func`` schedules (1F1B and interleaved) and ``get_megatron_optimizer``
+(``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``,
+``ChainedOptimizer``; torch's Adam where TE and apex are missing) run unchanged over gloo, and
+megatron's RNG semantics (separate default, model-parallel and expert streams, forked around
+TP-region dropout) hold on the CPU generator.
 
 It refuses to install when CUDA is available: on a GPU machine megatron-core must run unchanged,
 and a shim that moved its buffers to the CPU would silently cost orders of magnitude. It is
@@ -28,6 +43,9 @@ idempotent, keeps every original in ``__wrapped__``, and :func:`undo` restores t
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 
@@ -90,9 +108,132 @@ def _cpu_current_device():
     return "cpu"
 
 
+def _cpu_tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+    """Stand-in for ``Tensor.cuda`` without CUDA: the tensor stays where it is (the CPU)."""
+    return self
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.split(":")[0] == "cuda"
+
+
+def _on_cpu(factory):
+    """``factory`` with a ``device`` naming CUDA read as the CPU (keyword-only in every factory)."""
+    def make(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+    return make
+
+
+class _TorchOnCpu:
+    """A view of the ``torch`` module whose tensor factories put ``device="cuda"`` on the CPU.
+
+    Replaces the module global ``torch`` of :data:`_CUDA_LITERAL_MODULES` only, so the redirect
+    stays inside the modules whose literals it is for; every other attribute is torch's own.
+    """
+
+    zeros = staticmethod(_on_cpu(torch.zeros))
+    ones = staticmethod(_on_cpu(torch.ones))
+    empty = staticmethod(_on_cpu(torch.empty))
+    full = staticmethod(_on_cpu(torch.full))
+    tensor = staticmethod(_on_cpu(torch.tensor))
+    arange = staticmethod(_on_cpu(torch.arange))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+#: Modules of megatron-core 0.16 with ``device="cuda"`` literals on the paths a CPU run takes.
+_CUDA_LITERAL_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens of every schedule
+    "megatron.core.optimizer.optimizer",  # found_inf, _dummy_overflow_buf, _scale_one, _scale
+    "megatron.core.optimizer.clip_grads",  # total norm, overflow buffers, zero counts
+    "megatron.core.optimizer.grad_scaler",  # scale, min_scale, growth and backoff factors
+    "megatron.core.utils",  # local_multi_tensor_l2_norm (the fallback for apex/TE kernels)
+)
+
+_ABSENT = object()  # an attribute the owner's own __dict__ did not have (inherited): delete on undo
+
+_CUDA_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+               "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+_type_scope = {"depth": 0, "original": None}
+_type_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """While inside, ``Tensor.type()`` (no arguments) names CPU float tensors ``torch.cuda.*``.
+
+    Process-wide for the duration (``Tensor.type`` is one method of one class): held only around
+    optimizer construction and gradient clipping, on the training thread; nested uses are counted.
+    """
+    with _type_lock:
+        if _type_scope["depth"] == 0:
+            original = torch.Tensor.type
+            _type_scope["original"] = vars(torch.Tensor).get("type", _ABSENT)
+
+            def type_(self, dtype=None, non_blocking=False, **kwargs):
+                name = original(self, dtype, non_blocking, **kwargs)
+                return _CUDA_NAMES.get(name, name) if dtype is None and not kwargs else name
+
+            torch.Tensor.type = type_
+        _type_scope["depth"] += 1
+    try:
+        yield
+    finally:
+        with _type_lock:
+            _type_scope["depth"] -= 1
+            if _type_scope["depth"] == 0:
+                own, _type_scope["original"] = _type_scope["original"], None
+                if own is _ABSENT:
+                    del torch.Tensor.type
+                else:
+                    torch.Tensor.type = own
+
+
+def _with_cuda_type_names(original):
+    """``original`` run inside :func:`_cuda_type_names` (its CUDA type checks pass on CPU)."""
+    def replacement(*args, **kwargs):
+        with _cuda_type_names():
+            return original(*args, **kwargs)
+    return replacement
+
+
 def active() -> bool:
     """True while the shim is installed."""
     return bool(_installed)
+
+
+def _targets() -> list[tuple[object, str, object]]:
+    """(owner, attribute, replacement) of every function the shim replaces."""
+    import importlib
+
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.tensor_parallel import random as tp_random
+
+    float16 = mcore_optimizer.Float16OptimizerWithFloat16Params
+    distopt = distrib_optimizer.DistributedOptimizer
+    targets = [
+        (torch.cuda, "current_device", _cpu_current_device),
+        (torch.cuda, "synchronize", _cpu_synchronize),
+        (torch.Tensor, "cuda", _cpu_tensor_cuda),
+        (tp_random, "_get_cuda_rng_state", _cpu_get_rng_state),
+        (tp_random, "_set_cuda_rng_state", _cpu_set_rng_state),
+        (float16, "__init__", _with_cuda_type_names(float16.__init__)),
+        (distopt, "__init__", _with_cuda_type_names(distopt.__init__)),
+        # optimizer.py calls the name it imported from clip_grads: both bindings.
+        (clip_grads, "clip_grad_by_total_norm_fp32", _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)),
+        (mcore_optimizer, "clip_grad_by_total_norm_fp32",
+         _with_cuda_type_names(mcore_optimizer.clip_grad_by_total_norm_fp32)),
+    ]
+    for name in _CUDA_LITERAL_MODULES:
+        targets.append((importlib.import_module(name), "torch", _TorchOnCpu()))
+    targets.append((tp_random, "torch", _TorchWithCpuRng()))
+    return targets
 
 
 def install() -> None:
@@ -103,32 +244,31 @@ def install() -> None:
             "Do not call robust_plugins.patches.megatron_cpu.install() on GPU machines (the "
             "megatron_gpt recipe only calls it for --device cpu)."
         )
-    from megatron.core.tensor_parallel import random as tp_random
-
     from robust_plugins.patches.megatron import check_megatron_version
 
     check_megatron_version()
     if active():
         return
-    targets = [
-        (torch.cuda, "current_device", _cpu_current_device),
-        (torch.cuda, "synchronize", _cpu_synchronize),
-        (tp_random, "_get_cuda_rng_state", _cpu_get_rng_state),
-        (tp_random, "_set_cuda_rng_state", _cpu_set_rng_state),
-    ]
-    for owner, name, replacement in targets:
+    for owner, name, replacement in _targets():
         original = getattr(owner, name)
-        setattr(owner, name, _guard.wrap(original, replacement))
-        _installed.append((owner, name, original))
-    _installed.append((tp_random, "torch", tp_random.torch))
-    tp_random.torch = _TorchWithCpuRng()
-    log.info("robust_plugins: megatron CPU shim installed (torch.cuda.current_device -> 'cpu', RNG "
-             "tracker on the CPU generator); replaced torch.cuda.current_device, torch.cuda.synchronize, _get_cuda_rng_state, "
-             "_set_cuda_rng_state and tensor_parallel.random's torch.cuda RNG calls")
+        own = vars(owner).get(name, _ABSENT) if isinstance(owner, type) else original
+        if not isinstance(replacement, (_TorchOnCpu, _TorchWithCpuRng)):  # functions; module views as they are
+            replacement = _guard.wrap(original, replacement)
+        setattr(owner, name, replacement)
+        _installed.append((owner, name, own))
+    log.info("robust_plugins: megatron CPU shim installed: replaced torch.cuda.current_device (-> 'cpu'), "
+             "torch.cuda.synchronize, Tensor.cuda (no move), the RNG tracker's CUDA state calls (CPU "
+             "generator), the torch global of %s (device='cuda' factories -> CPU), and "
+             "Float16OptimizerWithFloat16Params.__init__, DistributedOptimizer.__init__ and "
+             "clip_grad_by_total_norm_fp32 (CPU tensors typed torch.cuda.* inside)",
+             ", ".join(m.rsplit(".", 1)[-1] for m in _CUDA_LITERAL_MODULES))
 
 
 def undo() -> None:
     """Restore everything :func:`install` replaced."""
     while _installed:
         owner, name, original = _installed.pop()
-        setattr(owner, name, original)
+        if original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)

@@ -10,8 +10,10 @@ What one snapshot holds, so that a restored loop continues bitwise as if never s
 world size and parallel layout):
 
 * the step, ``ddp.module.state_dict()`` (this rank's shards of parameters and buffers),
-* the optimizer's ``state_dict()``: a ``torch.optim`` optimizer (what the CPU recipe steps);
-  megatron-core's own optimizers (CUDA only in 0.16) are refused, they were never run here,
+* the optimizer: megatron-core's own (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
+  ``DistributedOptimizer``, chained; :mod:`robust_plugins.patches.megatron_optim`: this rank's
+  shard of the optimizer state, its fp32 main parameters and the grad scaler, no gather) or a
+  ``torch.optim`` optimizer's ``state_dict()``; others are refused,
 * the plugin's error-feedback residuals,
 * RNG states: torch CPU (and CUDA where initialized), numpy, Python, and megatron's
   tensor-parallel tracker (``get_cuda_rng_tracker().get_states()``, the model-parallel streams),
@@ -21,9 +23,10 @@ The core (``robust_plugins.checkpoint.memory``, ``peer``, ``restore``) is shared
 
 With ``memory_copy: background`` (the default) parameters and optimizer state are copied on the
 snapshot thread, overlapped with the next forward and backward; a step pre-hook on the torch
-optimizer (``register_step_pre_hook``, torch's public API) makes the next ``optimizer.step()``
-wait until the snapshot is committed, and that wait is counted in ``blocking_s``. A restore
-waits too before it overwrites the state.
+optimizer (``register_step_pre_hook``, torch's public API; for megatron's optimizers on each torch
+optimizer they wrap, which steps before any parameter, main parameter or moment changes) makes
+the next ``optimizer.step()`` wait until the snapshot is committed, and that wait is counted in
+``blocking_s``. A restore waits too before it overwrites the state.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from robust_plugins.checkpoint import memory
 from robust_plugins.checkpoint.peer import PeerBackup, plan_peers
 from robust_plugins.checkpoint.restore import restore_from_memory, rollback_bound
 from robust_plugins.errors import CheckpointError, UnsupportedError
+from robust_plugins.patches import megatron_optim
 from robust_plugins.watchdog import snapshot_check
 from robust_plugins.patches.deepspeed_memory import (SnapshotBinding, _note_crash, _rng_state,
                                                       _set_rng_state, record_restore)
@@ -66,11 +70,14 @@ class MegatronMemory(SnapshotBinding):
     def __init__(self, ddp, optimizer, plugin, config) -> None:
         import torch.distributed as dist
 
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        self.megatron_optimizer = optimizer is not None and megatron_optim.is_megatron_optimizer(optimizer)
+        if self.megatron_optimizer:
+            megatron_optim.check(optimizer, "checkpoint.memory_every")
+        elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise UnsupportedError(
-                f"checkpoint.memory_every with megatron-core supports torch.optim optimizers (the CPU "
-                f"recipe's AdamW); this loop has {type(optimizer).__name__}, whose state was never captured "
-                f"and restored here. Remove memory_every (disk checkpoints work) or use a torch optimizer.")
+                f"checkpoint.memory_every with megatron-core supports megatron's optimizers "
+                f"({megatron_optim.SERVED}) and torch.optim optimizers; this loop has {type(optimizer).__name__}, "
+                f"whose state is never captured here. Remove memory_every (disk checkpoints work) or use one of those.")
         self.ddp, self.optimizer, self.plugin = ddp, optimizer, plugin
         self.every, self.timeout_s = config.memory_every, config.timeout_s
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -109,7 +116,9 @@ class MegatronMemory(SnapshotBinding):
         """Of that, the waits at the optimizer step for the background copy (one a snapshot)."""
         self._unsettled = False
         waits = self.background or (self.sdc is not None and optimizer is not None)
-        self._hook = optimizer.register_step_pre_hook(self._settle_in_step) if waits else None
+        stepped = (megatron_optim.inner_optimizers(optimizer) if self.megatron_optimizer
+                   else [optimizer] if optimizer is not None else [])
+        self._hooks = [o.register_step_pre_hook(self._settle_in_step) for o in stepped] if waits else []
         self.restored: dict | None = None
         """What the last restore used: ``{"step", "source", "seconds"}``."""
         sys.excepthook = _note_crash(sys.excepthook)
@@ -124,7 +133,7 @@ class MegatronMemory(SnapshotBinding):
         return {
             "step": int(step),
             "module": self.ddp.module.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "optimizer": self._optimizer_state(),
             "plugin": self.plugin.state_dict() if self.plugin is not None else None,
             "rng": rng,
             "user": {name: get() for name, (get, _) in self._user.items()},
@@ -134,7 +143,9 @@ class MegatronMemory(SnapshotBinding):
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         self.ddp.module.load_state_dict(state["module"], strict=True)
-        if self.optimizer is not None:
+        if self.megatron_optimizer:
+            megatron_optim.apply(self.optimizer, state["optimizer"])
+        elif self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.plugin is not None:
             if state["plugin"] is None:
@@ -150,6 +161,11 @@ class MegatronMemory(SnapshotBinding):
                                       f"register (registered: {sorted(self._user)}). Register it before loading.")
             self._user[name][1](value)
         return int(state["step"])
+
+    def _optimizer_state(self):
+        if self.optimizer is None:
+            return None
+        return megatron_optim.capture(self.optimizer) if self.megatron_optimizer else self.optimizer.state_dict()
 
     def _module(self):
         return self.ddp.module
@@ -173,13 +189,13 @@ class MegatronMemory(SnapshotBinding):
             self.store.save(step, state, defer=self.stable_tensors(state), timeout_s=self.timeout_s,
                             replicated=self._replicated())
             self.blocking_s.append(time.perf_counter() - t0)
-            self._unsettled = self._hook is not None
+            self._unsettled = bool(self._hooks)
 
     def close(self, remove: bool) -> None:
         """Remove the optimizer hook, then finish and close as :meth:`SnapshotBinding.close`."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         super().close(remove)
 
     def restore(self, disk_step: int | None) -> int | None:

@@ -32,7 +32,7 @@ import torch
 from robust_plugins._logging import get_logger
 from robust_plugins.config import CheckpointConfig, PluginConfig
 from robust_plugins.device import collective_device, device_rng_state, set_device_rng_state
-from robust_plugins.errors import CheckpointError, ConfigError
+from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
 
 log = get_logger(__name__)
 
@@ -155,6 +155,14 @@ def _accumulation(global_batch: Any, micro_batch: Any, dp: int) -> int | None:
     return global_batch // (micro_batch * dp)
 
 
+def _optimizer_kind(opt) -> str | None:
+    """``DistributedOptimizer``, ``FP32Optimizer+FP32Optimizer`` (chained), ``AdamW``...; None."""
+    if opt is None:
+        return None
+    chain = getattr(opt, "chained_optimizers", None)
+    return "+".join(type(p).__name__ for p in chain) if chain is not None else type(opt).__name__
+
+
 def _layout() -> dict[str, int]:
     from megatron.core import parallel_state as ps
 
@@ -175,9 +183,10 @@ class MegatronCheckpointer:
     Args:
         ddp: the megatron-core ``DistributedDataParallel`` model (its ``module`` provides
             ``sharded_state_dict``).
-        optimizer: a ``torch.optim`` optimizer over ``ddp.parameters()`` (what the CPU recipe uses)
-            or a megatron-core ``MegatronOptimizer`` (anything with ``sharded_state_dict``); None
-            saves the model only.
+        optimizer: megatron-core's own (``get_megatron_optimizer``: FP32Optimizer,
+            Float16OptimizerWithFloat16Params, DistributedOptimizer, chained; others refused,
+            :mod:`robust_plugins.patches.megatron_optim`), a ``torch.optim`` optimizer over
+            ``ddp.parameters()``, or anything with ``sharded_state_dict``; None saves the model only.
         config: the ``checkpoint`` sub-block (dict / CheckpointConfig) or a PluginConfig holding one.
         plugin: the :class:`~robust_plugins.patches.megatron.MegatronPlugin` from :func:`enable`,
             whose residuals are saved (default: ``ddp.robust_plugins`` if present).
@@ -195,7 +204,7 @@ class MegatronCheckpointer:
     sizes) is loaded by ``dist_checkpointing``, which reshards model and optimizer state (the
     optimizer must be checkpointed in model space: ``torch.optim`` optimizers, the recipe's
     ``ShardedAdamW``; megatron's ``DistributedOptimizer`` is asked for its ``fully_reshardable``
-    format). Compression residuals restart from zero (logged); RNG states and ``extra`` come from
+    format). Virtual pipeline stages (several model chunks a rank) are refused. Compression residuals restart from zero (logged); RNG states and ``extra`` come from
     the saved rank at data-parallel rank 0 with this rank's tensor/pipeline position.
     """
 
@@ -207,6 +216,19 @@ class MegatronCheckpointer:
         from robust_plugins.patches.megatron import check_megatron_version, megatron_version
 
         check_megatron_version()
+        from megatron.core import parallel_state as ps
+
+        from robust_plugins.patches import megatron_optim
+
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+        if vpp is not None:
+            raise UnsupportedError(
+                f"MegatronCheckpointer saves one model chunk; this job has virtual pipeline stages "
+                f"(virtual_pipeline_model_parallel_size = {vpp}, one chunk each). Allowed: None (plain 1F1B).")
+        self._megatron_optimizer = optimizer is not None and megatron_optim.is_megatron_optimizer(optimizer)
+        if self._megatron_optimizer:
+            megatron_optim.check(optimizer, "MegatronCheckpointer")
+            megatron_optim.install()
         self.ddp = ddp
         self.optimizer = optimizer
         self.config = _checkpoint_config(config)
@@ -218,6 +240,10 @@ class MegatronCheckpointer:
         self.gradient_accumulation_steps: int | None = _accumulation(global_batch, micro_batch, layout["dp"])
         """Micro-batches per rank and optimizer step that make ``global_batch`` (None without it).
         :meth:`load` changes it when it reshards a checkpoint of another data-parallel size."""
+        # The optimizer's kind must match on load: megatron's optimizers save different formats
+        # (the distributed optimizer's vs Float16Optimizer's), and the recipe's default changes
+        # with the data-parallel size.
+        layout["optimizer"] = _optimizer_kind(optimizer)
         if global_batch is not None:
             layout.update(global_batch=global_batch, micro_batch=micro_batch,
                           gradient_accumulation_steps=self.gradient_accumulation_steps)
@@ -253,14 +279,16 @@ class MegatronCheckpointer:
         opt = self.optimizer
         if opt is None:
             return None
-        if hasattr(opt, "sharded_state_dict"):
-            import inspect
+        if self._megatron_optimizer:
+            from robust_plugins.patches import megatron_optim
 
-            if "metadata" in inspect.signature(opt.sharded_state_dict).parameters:
-                # megatron's DistributedOptimizer: the format that loads at any data-parallel size
-                # (its default in 0.16, fully_sharded_model_space, is deprecated there).
-                return opt.sharded_state_dict(model_sd, is_loading=is_loading,
-                                              metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            if is_loading:
+                megatron_optim.prepare_load(opt)
+            # The distributed optimizer's format that loads at any data-parallel size (its default
+            # in 0.16, fully_sharded_model_space, is deprecated there); the others ignore it.
+            return opt.sharded_state_dict(model_sd, is_loading=is_loading,
+                                          metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        if hasattr(opt, "sharded_state_dict"):
             return opt.sharded_state_dict(model_sd, is_loading=is_loading)
         from megatron.core.dist_checkpointing.optimizer import (
             get_param_id_to_sharded_param_map, optim_state_to_sharding_state,

@@ -1,7 +1,8 @@
 """Baseline megatron-core against megatron-core with robust_plugins, then the telemetry report.
 
-``robust recipe compare megatron_gpt --preset cpu-tiny`` launches the recipe twice under torchrun
-with the same seed, data and model: once with ``baseline.json`` (the telemetry sub-block only: the
+``robust recipe compare megatron_gpt --preset cpu-tiny`` (2 ranks) or ``--preset cpu-3d`` (4 ranks:
+PP 2 x DP 2, bf16, megatron's distributed optimizer) launches the recipe twice under torchrun with
+the same seed, data and model: once with ``baseline.json`` (the telemetry sub-block only: the
 gradient sync is megatron's own) and once with ``plugin.json`` (compression + telemetry; ``--codec``
 replaces its codec). Each run's telemetry goes to ``<out>/<name>/telemetry``; then
 :func:`robust_plugins.telemetry.report.build` writes ``<out>/report.html`` (the page
@@ -43,11 +44,18 @@ def _summary(name: str, run_dir: Path) -> dict[str, Any]:
             "digest": result["digest"]}
 
 
-def compare(*, out_dir: str | Path, preset: str = "cpu-tiny", nproc: int = 2, steps: int = 20, codec: str | None = None,
-            log_every: int = 5, seed: int = 0, timeout_s: float = 600.0, extra: list[str] | None = None) -> dict:
-    """Run baseline and plugin, write the report; returns the two summaries and the report path."""
+def compare(*, out_dir: str | Path, preset: str = "cpu-tiny", nproc: int | None = None, steps: int = 20,
+            codec: str | None = None, log_every: int = 5, seed: int = 0, timeout_s: float = 600.0,
+            extra: list[str] | None = None) -> dict:
+    """Run baseline and plugin, write the report; returns the two summaries and the report path.
+    ``nproc`` defaults to the ranks the preset is laid out for (``Preset.ranks``)."""
     from robust_plugins.launch import run_torchrun
+    from robust_plugins.recipes.megatron_gpt.model import PRESETS
     from robust_plugins.telemetry.report import build
+
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset {preset!r}: allowed {', '.join(sorted(PRESETS))}.")
+    nproc = PRESETS[preset].ranks if nproc is None else nproc
 
     if steps < log_every:
         raise ConfigError(f"--steps {steps} must be >= --log-every {log_every} (telemetry writes one record "

@@ -14,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("compare",), help="compare: baseline vs plugin, then the report")
     parser.add_argument("recipe", help=f"recipe to run: {', '.join(COMPARABLE)}")
     parser.add_argument("--preset", default="cpu-tiny", help="recipe preset (default cpu-tiny)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="ranks (default: the preset's layout, e.g. 4 for megatron_gpt's cpu-3d; else 2)")
     parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run (default 20)")
     parser.add_argument("--codec", help="the plugin run's codec (default: the recipe's plugin.json, int8)")
     parser.add_argument("--log-every", type=int, default=5, help="telemetry record every N steps (default 5)")
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     compare = importlib.import_module(f"robust_plugins.recipes.{args.recipe}.compare").compare
     out = args.out_dir or f"runs/compare-{args.recipe}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    compare(out_dir=out, preset=args.preset, nproc=args.nproc, steps=args.steps, codec=args.codec,
-            log_every=args.log_every, timeout_s=args.timeout)
+    nproc = {} if args.nproc is None else {"nproc": args.nproc}
+    compare(out_dir=out, preset=args.preset, steps=args.steps, codec=args.codec, log_every=args.log_every,
+            timeout_s=args.timeout, **nproc)
     return 0

@@ -230,7 +230,8 @@ class WireCounter:
 
     Args:
         filter_group: count only calls on this process group (``None``, the default, counts all;
-            a call with ``group=None`` is on ``torch.distributed.group.WORLD``).
+            a call with ``group=None`` is on ``torch.distributed.group.WORLD``), or a function
+            ``fn(group) -> bool`` choosing the groups to count.
         timing_only: count calls and seconds only (``bytes_sent`` and ``by_op`` stay 0; every
             group). While only such counters are open the wrapper skips binding the call's
             arguments, most of its cost (the watchdog's straggler detector needs only the time).
@@ -279,7 +280,10 @@ class WireCounter:
     def _matches(self, group: Any) -> bool:
         if self.filter_group is None:
             return True
-        return (group if group is not None else dist.group.WORLD) is self.filter_group
+        group = group if group is not None else dist.group.WORLD
+        if callable(self.filter_group) and not isinstance(self.filter_group, dist.ProcessGroup):
+            return bool(self.filter_group(group))
+        return group is self.filter_group
 
     @property
     def seconds(self) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 import resource
 import signal
@@ -74,6 +75,8 @@ class Telemetry:
             share of gradient elements each wire codec carried, and the ``auto`` codec's
             ``auto_decisions``).
         group: process group of the all-gather (None: the default group).
+        wire_filter: ``fn(process group) -> bool``: the groups whose traffic inside
+            :meth:`grad_window` is gradient traffic (None: every group).
     """
 
     def __init__(self, cfg: TelemetryConfig, *, run_config: Mapping[str, Any], n_grad_elements: int,
@@ -81,7 +84,8 @@ class Telemetry:
                  flops_per_token: float | None = None,
                  residual_sq_fn: Callable[[], float] | None = None,
                  grad_norm_fn: Callable[[], float | None] | None = None,
-                 info_fn: Callable[[], Mapping[str, Any]] | None = None, group: Any = None) -> None:
+                 info_fn: Callable[[], Mapping[str, Any]] | None = None, group: Any = None,
+                 wire_filter: Callable[[Any], bool] | None = None) -> None:
         from robust_plugins.comm.wire import WireCounter
 
         self.cfg = cfg
@@ -91,7 +95,7 @@ class Telemetry:
         self.device = device
         self.dir = telemetry_dir(cfg)
         self.incarnation = int(os.environ.get(ENV_INCARNATION, "0") or 0)
-        self._wire_cls = WireCounter
+        self._wire_cls = functools.partial(WireCounter, filter_group=wire_filter) if wire_filter else WireCounter
         self._residual_sq_fn = residual_sq_fn
         self._grad_norm_fn = grad_norm_fn
         self._info_fn = info_fn

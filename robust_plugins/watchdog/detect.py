@@ -211,7 +211,10 @@ def parse_faulthandler(text: str) -> list[Frame]:
 
 
 #: Frames that mean "waiting for peers": a rank inside one of these has entered a collective.
-_COLLECTIVE_FILES = ("torch/distributed/", "deepspeed/comm/", "megatron/core/parallel_state")
+#: megatron-core's pipeline p2p waits on its isend/irecv handles inside ``p2p_communication.py``
+#: (py-spy shows no torch frame there): a stage blocked on a stalled neighbour is a victim.
+_COLLECTIVE_FILES = ("torch/distributed/", "deepspeed/comm/", "megatron/core/parallel_state",
+                     "pipeline_parallel/p2p_communication.py")
 _COLLECTIVE_FUNCS = frozenset({
     "all_reduce", "allreduce", "barrier", "broadcast", "all_gather", "all_gather_into_tensor",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce",

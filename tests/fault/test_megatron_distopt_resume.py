@@ -1,5 +1,6 @@
-"""megatron_gpt recipe with the distributed optimizer (``--distributed-optimizer``: gradients
-reduce-scattered, AdamW moments sharded over data-parallel ranks, ``ShardedAdamW`` on CPU), int8,
+"""megatron_gpt recipe with megatron's own ``DistributedOptimizer`` (``--distributed-optimizer``:
+gradients reduce-scattered, Adam moments and fp32 main parameters sharded over data-parallel ranks,
+checkpointed in its ``fully_reshardable`` format), int8,
 2 gloo ranks under torchrun: save every 10 steps, SIGKILL the job after the step-20 checkpoint,
 resume from the newest verified checkpoint, end bitwise equal to an uninterrupted run."""
 

@@ -1,13 +1,14 @@
 """Elastic resume of a megatron-core job (issue 4): the megatron_gpt recipe (cpu-tiny, distributed
-optimizer) under ``robust run``, relaunched at another data-parallel size.
+optimizer: megatron's own ``DistributedOptimizer``) under ``robust run``, relaunched at another
+data-parallel size.
 
 One chain of three launches (about 60 s), global batch 16 (micro batch 4) throughout:
 
 1. 4 ranks (dp 4, no accumulation) train 12 steps, saving at 4, 8 and 12: the reference;
 2. shrink: the step-8 and step-12 checkpoints are removed and the job is relaunched on 2 ranks;
-   ``MegatronCheckpointer.load`` reshards the step-4 checkpoint (dist_checkpointing; the optimizer's
-   moments are saved per parameter, not per bucket) and sets gradient accumulation 2, logging it;
-   the job trains to 12, saving at 8 and 12;
+   ``MegatronCheckpointer.load`` reshards the step-4 checkpoint (dist_checkpointing; the distributed
+   optimizer's ``fully_reshardable`` format saves main parameters and moments per parameter) and
+   sets gradient accumulation 2, logging it; the job trains to 12, saving at 8 and 12;
 3. grow: the step-12 checkpoint is removed, the job relaunched on 4 ranks resumes from the dp-2 run's
    step-8 checkpoint with accumulation 1 and trains to 12.
 

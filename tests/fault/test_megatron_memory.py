@@ -1,5 +1,6 @@
 """megatron-core with in-memory snapshots (``MegatronCheckpointer`` + ``memory_every: 1`` +
-``peer_backup``), the CPU recipe (cpu-tiny, int8 compression) under ``robust run``:
+``peer_backup``), the CPU recipe (cpu-tiny, int8 compression, plain DDP and megatron's
+``FP32Optimizer``; the distributed optimizer: test_megatron_3d_memory.py) under ``robust run``:
 
 * a rank SIGKILLed at a random step resumes from shared memory (its own slot, or a peer's copy
   when its newest was not committed yet), loses at most one step and ends bitwise equal (every
@@ -24,7 +25,8 @@ STEPS = 16
 # The recipe with a loss scaled by torch, tracker, numpy and Python RNG draws (mcore_rng_train.py):
 # a restore that left out any of those states would not end bitwise equal.
 SCRIPT = [str(Path(__file__).with_name("mcore_rng_train.py")), "--noise", "all", "--preset", "cpu-tiny", "--codec", "int8",
-          "--steps", str(STEPS), "--log-every", "0", "--memory-every", "1", "--peer-backup"]
+          "--steps", str(STEPS), "--log-every", "0", "--memory-every", "1", "--peer-backup",
+          "--no-distributed-optimizer"]
 
 
 def _restores(job) -> list[dict]:

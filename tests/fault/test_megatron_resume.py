@@ -1,4 +1,5 @@
-"""megatron_gpt recipe (cpu-tiny, int8, 2 gloo ranks under torchrun): save, kill, resume bitwise.
+"""megatron_gpt recipe (cpu-tiny, int8, 2 gloo ranks under torchrun, plain DDP and megatron's
+``FP32Optimizer``): save, kill, resume bitwise.
 
 * SIGKILL the whole job after its step-20 checkpoint, flip one byte of the newest committed
   checkpoint, resume: the corrupt one is skipped, the newest intact one loads, and the run ends
@@ -28,7 +29,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(30
 # checkpoints restore): a resume that left the RNG states out would not end bitwise equal.
 MODULE = str(Path(__file__).with_name("mcore_rng_train.py"))
 STEPS = 60
-COMMON = ["--noise", "torch", "--preset", "cpu-tiny", "--codec", "int8", "--log-every", "5"]
+# Plain DDP (all-reduce) stepped by megatron's FP32Optimizer: the distributed optimizer's resume
+# is test_megatron_distopt_resume.py.
+COMMON = ["--noise", "torch", "--preset", "cpu-tiny", "--codec", "int8", "--log-every", "5",
+          "--no-distributed-optimizer"]
 
 
 def _run(out: Path, *extra: str) -> dict:

@@ -37,7 +37,7 @@ def train_variants(rank, world, variants, steps, tp=1, bucket_size=None):
     out = []
     for v in variants:
         parts = build(preset, tp=tp, seed=0, codec=v["codec"], overlap=v["overlap"], distopt=False,
-                      bucket_size=bucket_size)
+                      bucket_size=bucket_size, optimizer="torch-adamw")
         losses = [train_step(parts, preset, corpus, 0, 1)]
         grad1 = main_grads(parts["ddp"])
         losses += [train_step(parts, preset, corpus, 0, s) for s in range(2, steps + 1)]
@@ -52,79 +52,36 @@ def train_variants(rank, world, variants, steps, tp=1, bucket_size=None):
     return out
 
 
-def distopt_variants(rank, world, variants, steps, lr=0.5):
-    """megatron DDP with ``use_distributed_optimizer=True``: grad reduce-scatter into the local shard.
-
-    megatron-core's DistributedOptimizer needs CUDA, so each rank applies plain SGD to its own
-    shard of ``bucket.param_data`` using its reduced shard of ``bucket.grad_data`` (what a
-    distributed optimizer does), then megatron's own ``start_param_sync`` all-gathers the
-    parameters. Returns the local grad shards of every step, the losses and the final digest.
-    """
+def distopt_variants(rank, world, variants, steps):
+    """megatron DDP with ``use_distributed_optimizer=True`` stepped by megatron's own
+    ``DistributedOptimizer`` (``get_megatron_optimizer``): gradients reduce-scattered into the
+    local shard, Adam on the shard, megatron's parameter all-gather. Returns this rank's reduced
+    gradient shard of every step (before the optimizer), the losses and the final digest."""
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
-    from robust_plugins.recipes.megatron_gpt.train import build, param_digest
-    from robust_plugins.workloads import get_batch, load_corpus
+    from robust_plugins.recipes.megatron_gpt.train import build, param_digest, train_step
+    from robust_plugins.workloads import load_corpus
 
     preset = _preset()
     corpus = load_corpus()
     out = []
     for v in variants:
-        # build() refuses distopt on CPU (megatron's DistributedOptimizer needs CUDA), so the DDP
-        # is built here with the same model and seed and use_distributed_optimizer=True.
-        parts = _build_distopt(preset, v)
-        ddp, layout = parts["ddp"], parts["layout"]
+        parts = build(preset, tp=1, seed=0, codec=v["codec"], overlap=v["overlap"], distopt=True,
+                      optimizer="megatron")
+        ddp = parts["ddp"]
         shards, losses = [], []
-        s = preset.seq_len
-        pos = torch.arange(s).unsqueeze(0).expand(preset.micro_batch, -1)
-        causal = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+
+        def local_shards():
+            shards.append(torch.cat([shard_buffer(b.grad_data, world)[rank].clone()
+                                     for g in ddp.bucket_groups for b in g.buckets]))
+
         for step in range(1, steps + 1):
-            x, y = get_batch(corpus, "train", seed=0, step=step, rank=layout["dp_rank"], world_size=layout["dp"],
-                             micro_batch=preset.micro_batch, seq_len=s)
-            ddp.zero_grad_buffer()
-            loss = ddp(x, pos, causal, labels=y).float().mean()
-            loss.backward()
-            ddp.finish_grad_sync()
-            mine = []
-            for g in ddp.bucket_groups:
-                for b in g.buckets:
-                    gs = shard_buffer(b.grad_data, world)[rank]
-                    ps = shard_buffer(b.param_data, world)[rank]
-                    mine.append(gs.clone())
-                    ps.add_(gs, alpha=-lr)
-            ddp.start_param_sync(force_sync=True)
-            shards.append(torch.cat(mine))
-            losses.append(float(loss.detach()))
-        out.append({"shards": shards, "losses": losses, "digest": param_digest(ddp)})
+            losses.append(train_step(parts, preset, corpus, 0, step, before_step=local_shards))
+        out.append({"shards": shards, "losses": losses, "digest": param_digest(ddp),
+                    "optimizer": sorted(type(o).__name__ for o in parts["optimizer"].chained_optimizers)})
+        if parts["plugin"] is not None:
+            parts["plugin"].close()
     return out
-
-
-def _build_distopt(preset, v):
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    import robust_plugins.megatron as rpm
-    from robust_plugins.patches import megatron_cpu
-
-    megatron_cpu.install()
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel()
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    config = TransformerConfig(num_layers=preset.num_layers, hidden_size=preset.hidden_size,
-                               num_attention_heads=preset.num_attention_heads, use_cpu_initialization=True,
-                               hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=256,
-                     max_sequence_length=preset.seq_len)
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
-        overlap_grad_reduce=v["overlap"], use_distributed_optimizer=True, bucket_size=preset.bucket_size), model)
-    plugin = rpm.enable(ddp, {"compression": {"codec": v["codec"]}}) if v["codec"] is not None else None
-    return {"ddp": ddp, "plugin": plugin,
-            "layout": {"dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank()}}
 
 
 def overlap_events(rank, world, steps, gate_step):
@@ -148,7 +105,7 @@ def overlap_events(rank, world, steps, gate_step):
     corpus = load_corpus()
     out = {}
     for overlap in (False, True):
-        parts = build(preset, tp=1, seed=0, codec="int8", overlap=True, distopt=False)
+        parts = build(preset, tp=1, seed=0, codec="int8", overlap=True, distopt=False, optimizer="torch-adamw")
         plugin, ddp = parts["plugin"], parts["ddp"]
         if not overlap:
             plugin.close()
@@ -197,7 +154,8 @@ def block_variants(rank, world, variants, steps):
     corpus = load_corpus()
     out = []
     for v in variants:
-        parts = build(preset, tp=1, seed=0, codec=None, overlap=v["overlap"], distopt=False, block=v["block"])
+        parts = build(preset, tp=1, seed=0, codec=None, overlap=v["overlap"], distopt=False, block=v["block"],
+                      optimizer="torch-adamw")
         plugin = parts["plugin"]
         losses, grad1 = [], None
         for s in range(1, steps + 1):
@@ -232,7 +190,7 @@ def rank_order_tp2(rank, world, topology_file, steps):
     info = rpm.apply_rank_order(tp=2, topology_file=topology_file)
     assert dist.get_rank() == info["rank"]
     preset = _preset()
-    parts = build(preset, tp=2, seed=0, codec="int8", overlap=False, distopt=False)
+    parts = build(preset, tp=2, seed=0, codec="int8", overlap=False, distopt=False, optimizer="torch-adamw")
     losses = [train_step(parts, preset, load_corpus(), 0, s) for s in range(1, steps + 1)]
     tp_group = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
     dp_group = dist.get_process_group_ranks(ps.get_data_parallel_group())

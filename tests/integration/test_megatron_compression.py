@@ -3,7 +3,8 @@
 Vanilla megatron-core DDP is the oracle: codec ``none`` must train bitwise as it does (overlap on
 and off, distributed-optimizer reduce-scatter on and off); ``int8`` must end within 1 % of its
 final loss after 200 steps, actually carry the gradients (counted by the plugin) and reduce step 1's
-gradient to vanilla's scale with int8's error only (megatron's own ``grad_data`` as the oracle).
+gradient to vanilla's scale with int8's error only (megatron's own ``grad_data`` as the oracle). The
+distributed-optimizer test steps megatron's own ``DistributedOptimizer``.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def test_distributed_optimizer_reduce_scatter():
             assert none["digest"] == vanilla["digest"]
             for a, b in zip(vanilla["shards"], none["shards"]):
                 assert a.equal(b)
+            assert vanilla["optimizer"] == ["DistributedOptimizer"]  # megatron's own
             # int8: only phase one is quantized. Step 1 reduces the same gradients in both runs,
             # so its shard differs by the codec error alone; afterwards the runs diverge slowly.
             a, b = vanilla["shards"][0], int8["shards"][0]

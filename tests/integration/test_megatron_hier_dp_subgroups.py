@@ -41,7 +41,8 @@ def _tp2_dp2(rank: int, world: int, steps: int) -> dict:
     for name, block in (("vanilla", None),
                         ("hier_none", {"compression": {"codec": "none"}, "topology": {"hierarchical": True}}),
                         ("hier_int8", {"compression": {"codec": "int8"}, "topology": {"hierarchical": True}})):
-        parts = build(preset, tp=2, seed=0, codec=None, overlap=False, distopt=False, block=block)
+        parts = build(preset, tp=2, seed=0, codec=None, overlap=False, distopt=False, block=block,
+                      optimizer="torch-adamw")
         losses, first = [], None
         for s in range(1, steps + 1):
             losses.append(train_step(parts, preset, corpus, 0, s))

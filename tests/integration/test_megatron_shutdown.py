@@ -42,7 +42,7 @@ def _build_train_shutdown(rank, world):
     from robust_plugins.workloads import load_corpus
 
     preset = PRESETS["cpu-tiny"]
-    parts = build(preset, tp=1, seed=0, codec="int8", overlap=False, distopt=False)
+    parts = build(preset, tp=1, seed=0, codec="int8", overlap=False, distopt=False, optimizer="torch-adamw")
     train_step(parts, preset, load_corpus(), 0, 1)
     groups = {name: weakref.ref(v) for name, v in vars(ps).items()
               if name.isupper() and isinstance(v, dist.ProcessGroup)}

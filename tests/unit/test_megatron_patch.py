@@ -72,6 +72,44 @@ def test_cpu_shim_installs_once_and_undoes():
     assert (torch.cuda.current_device, tp_random._get_cuda_rng_state, tp_random.torch) == before
 
 
+def test_cpu_shim_covers_schedules_optimizers_and_tensor_cuda_and_undoes():
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads, grad_scaler
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.pipeline_parallel import schedules
+
+    modules = (schedules, mcore_optimizer, clip_grads, grad_scaler, mcore_utils)
+    inits = (mcore_optimizer.Float16OptimizerWithFloat16Params.__init__, DistributedOptimizer.__init__)
+    clip = clip_grads.clip_grad_by_total_norm_fp32
+    t = torch.ones(2)
+    with pytest.raises((AssertionError, RuntimeError)):  # torch without CUDA: the literals raise
+        schedules.torch.zeros([], dtype=torch.int, device="cuda")
+    megatron_cpu.install()
+    try:
+        for m in modules:  # the device="cuda" literals of each module land on the CPU
+            assert m.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+            assert m.torch.tensor([1.0], device="cuda").device.type == "cpu"
+            assert m.torch.Tensor is torch.Tensor and m.torch.float32 is torch.float32
+        assert torch.zeros(1).device.type == "cpu" and t.cuda() is t  # Tensor.cuda: no move
+        assert t.type() == "torch.FloatTensor"  # outside the three wrapped calls, torch's own answer
+        seen = []
+        with megatron_cpu._cuda_type_names():
+            seen += [t.type(), t.bfloat16().type(), t.long().type(), t.type(torch.float64).dtype]
+        assert seen == ["torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor", "torch.LongTensor", torch.float64]
+        assert t.type() == "torch.FloatTensor"
+        assert mcore_optimizer.Float16OptimizerWithFloat16Params.__init__.__wrapped__ is inits[0]
+        # both bindings of the clipping function (optimizer.py calls the name it imported)
+        assert clip_grads.clip_grad_by_total_norm_fp32.__wrapped__ is clip
+        assert mcore_optimizer.clip_grad_by_total_norm_fp32.__wrapped__ is clip
+    finally:
+        megatron_cpu.undo()
+    assert all(m.torch is torch for m in modules)
+    assert "cuda" not in vars(torch.Tensor) and "type" not in vars(torch.Tensor)
+    assert (mcore_optimizer.Float16OptimizerWithFloat16Params.__init__, DistributedOptimizer.__init__) == inits
+    assert clip_grads.clip_grad_by_total_norm_fp32 is clip is mcore_optimizer.clip_grad_by_total_norm_fp32
+
+
 @pytest.mark.parametrize("block, what", [
     ({"compression": {"codec": "auto"}}, "codec = 'auto' covers all-reduces only"),
     ({"compression": {"codec": "int8"}, "topology": {"hierarchical": True}}, "topology.hierarchical covers"),
@@ -84,3 +122,28 @@ def test_enable_refuses_all_reduce_only_features_with_the_distributed_optimizer(
         patch._refuse_config(patch._as_plugin_config(block), distopt)
     plain = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=False))
     patch._refuse_config(patch._as_plugin_config(block), plain)  # served on the all-reduce path
+
+
+def test_distributed_optimizer_checkpoint_fixes_install_once_and_undo(monkeypatch):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from robust_plugins.patches import megatron_optim
+
+    names = ("_set_main_param_and_optimizer_states", "load_state_dict")
+    before = {n: vars(DistributedOptimizer)[n] for n in names}
+    megatron_optim.install()
+    try:
+        megatron_optim.install()  # idempotent
+        for n in names:
+            assert getattr(DistributedOptimizer, n).__wrapped__ is before[n]
+    finally:
+        megatron_optim.undo()
+    assert {n: vars(DistributedOptimizer)[n] for n in names} == before
+
+    def changed(self, model_param, tensors, extra):  # a future megatron-core's new parameter
+        pass
+
+    monkeypatch.setattr(DistributedOptimizer, "_set_main_param_and_optimizer_states", changed)
+    with pytest.raises(HostVersionError, match=r"written for \(self, model_param, tensors\)"):
+        megatron_optim.install()
+    assert vars(DistributedOptimizer)["load_state_dict"] is before["load_state_dict"]  # nothing half-installed

@@ -171,6 +171,24 @@ def test_parse_faulthandler_takes_the_current_thread_of_the_last_dump():
     assert len(frames) == 3 and not detect.in_collective(frames)
 
 
+PYSPY_P2P = """Thread 26151 (idle): "MainThread"
+    P2PCommunicator._communicate (core/pipeline_parallel/p2p_communication.py:392)
+    P2PCommunicator.send_forward (core/pipeline_parallel/p2p_communication.py:475)
+    forward_backward_pipelining_without_interleaving (core/pipeline_parallel/schedules.py:2174)
+    train_step (recipes/megatron_gpt/train.py:168)
+"""
+
+
+def test_a_stage_waiting_in_megatron_pipeline_p2p_is_a_victim_not_a_suspect():
+    # PP 2 x DP 2 with rank 2 (stage 1) stalled: rank 0 (its stage-0 peer) waits in p2p, ranks 1
+    # and 3 in the data-parallel sync (py-spy stacks as recorded on megatron-core 0.16.1).
+    p2p = detect.parse_pyspy(PYSPY_P2P)
+    assert detect.in_collective(p2p)
+    stuck = [("_hang_in_python", "robust_plugins/watchdog/client.py", 102), ("train_step", "train.py", 1)]
+    loc = detect.localize({0: p2p, 1: _coll(), 2: stuck, 3: _coll()})
+    assert loc.suspects == [2] and "never entered" in loc.reason
+
+
 def _coll(line=10):
     return [("all_reduce", "torch/distributed/distributed_c10d.py", 3252), ("main", "train.py", line)]
 
