@@ -1,5 +1,7 @@
 """DeepSpeed: find the config ``deepspeed.initialize`` will use, and refuse what the plugin cannot serve.
 
+``compression`` serves ZeRO stages 0-2, ``checkpoint`` stages 0-3; neither serves the pipeline engine.
+
 :func:`_refuse_before_init` needs no engine and runs before DeepSpeed builds one;
 :func:`_refuse_engine` (``compression``) and :func:`_refuse_checkpoint_engine` (``checkpoint``)
 inspect the built engine (``patches/deepspeed.py`` calls them from ``initialize`` and ``attach``).
@@ -53,12 +55,15 @@ def _refuse_before_init(arguments: dict[str, Any], plugin_cfg: PluginConfig) -> 
     if not what:  # telemetry alone observes the engine and changes nothing it could refuse
         return
     stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
-    if stage not in (0, 1, 2):
+    if plugin_cfg.compression is not None and stage not in (0, 1, 2):
         raise UnsupportedError(
-            f"robust_plugins.{what} supports ZeRO stages 0, 1 and 2; this config sets "
-            f"zero_optimization.stage = {stage!r}. Use stage 0-2 or remove the "
-            f"'{what}' sub-block."
+            f"robust_plugins.compression supports ZeRO stages 0, 1 and 2; this config sets "
+            f"zero_optimization.stage = {stage!r}. Use stage 0-2 or remove the 'compression' sub-block "
+            f"(the 'checkpoint' sub-block supports stage 3)."
         )
+    if stage not in (0, 1, 2, 3):
+        raise UnsupportedError(f"robust_plugins.{what}: zero_optimization.stage = {stage!r} is not a ZeRO stage; "
+                               f"allowed: 0, 1, 2, 3.")
     model = arguments.get("model")
     if model is not None and type(model).__name__ == "PipelineModule":
         raise UnsupportedError(
@@ -108,17 +113,25 @@ def _refuse_checkpoint_engine(engine) -> None:
     remove = "Remove the 'checkpoint' sub-block to use DeepSpeed's own checkpoints."
     if isinstance(engine, PipelineEngine):
         raise UnsupportedError(f"robust_plugins.checkpoint does not support DeepSpeed's PipelineEngine. {remove}")
-    stage = engine.zero_optimization_stage()
-    if stage not in (0, 1, 2):
-        raise UnsupportedError(f"robust_plugins.checkpoint supports ZeRO stages 0-2, not stage {stage}. {remove}")
     refusals = (
         (engine.has_moe_layers, "MoE engines (expert files are loaded outside the checkpoint engine)"),
         (engine.load_universal_checkpoint(), "universal checkpoints (checkpoint.load_universal)"),
         (engine.use_node_local_storage(), "node-local storage (rank 0 must see every rank's files)"),
-        (engine.zero_nvme_offload_optimizer(), "NVMe optimizer offload (its files are copied with copytree)"),
+        (engine.zero_nvme_offload_optimizer(),
+         "zero_optimization.offload_optimizer.device = 'nvme' (its swap files are copied with copytree, outside the "
+         "checkpoint engine; allowed: 'none' or 'cpu')"),
+        (_offload_param_device(engine) == "nvme",
+         "zero_optimization.offload_param.device = 'nvme' (parameters swapped to NVMe were not verified; allowed: "
+         "'none' or 'cpu')"),
         (type(engine.checkpoint_engine) is not TorchCheckpointEngine,
          f"the {type(engine.checkpoint_engine).__name__} checkpoint engine (only TorchCheckpointEngine)"),
     )
     for refused, what in refusals:
         if refused:
             raise UnsupportedError(f"robust_plugins.checkpoint does not support {what}. {remove}")
+
+
+def _offload_param_device(engine) -> str:
+    """``zero_optimization.offload_param.device`` (``"none"`` when not configured)."""
+    offload = engine._config.zero_config.offload_param
+    return "none" if offload is None else str(getattr(offload.device, "value", offload.device))

@@ -55,8 +55,8 @@ def check(path: str) -> list[str]:
             lines.append(f"  note: communication_data_type={ds['communication_data_type']!r} applies only to "
                          f"buckets the codec leaves uncompressed.")
     if cfg.checkpoint is not None:
-        if stage not in (0, 1, 2):
-            lines.append(f"  ERROR: zero_optimization.stage = {stage}: verified checkpoints support ZeRO 0, 1, 2 only; "
+        if stage not in (0, 1, 2, 3):
+            lines.append(f"  ERROR: zero_optimization.stage = {stage}: verified checkpoints support ZeRO 0-3 only; "
                          f"deepspeed.initialize will refuse this config.")
         else:
             lines.append(f"  engine.save_checkpoint / load_checkpoint become verified and atomic "

@@ -1,0 +1,101 @@
+"""DeepSpeed ZeRO-3 with the ``checkpoint`` sub-block on 2 CPU ranks: snapshots, restores, disk.
+
+One set of ranks (``ds_zero3_worker.scenarios``) runs every scenario; each restart is a fresh
+ZeRO-3 engine from a differently seeded model with differently seeded RNGs, so only restored
+state can make it right. Against vanilla ZeRO-3 (no block), fp32 and bf16:
+
+* snapshots every step leave training bitwise unchanged;
+* restart -> each rank's own partitions from shared memory (step 4) -> continues bitwise;
+* rank 1's shared memory wiped -> its partitions from the copy rank 0 keeps (step 6) -> bitwise;
+* every snapshot gone -> the verified DeepSpeed ZeRO-3 checkpoint of step 2 -> bitwise;
+* bf16: a restart from memory continues bitwise (bf16 partitions, fp32 masters, Adam).
+
+"Bitwise" is each rank's fp32 master partition, low-precision parameter partition and Adam state,
+and every loss after the restart.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+pytest.importorskip("deepspeed")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _dist import run_ranks  # noqa: E402
+
+import ds_zero3_worker as worker  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero3")
+    return run_ranks(worker.scenarios, 2, 200, str(out), init=False)
+
+
+def _both(ranks, case, key):
+    return [r[case][key] for r in ranks]
+
+
+def test_the_model_has_persistent_and_partitioned_parameters(ranks):
+    ref = ranks[0]["reference"]
+    assert ref["persistent"] > 0 and ref["partitioned"] > 0, ref
+    assert ranks[0]["reference"]["digest"] != ranks[1]["reference"]["digest"]  # disjoint partitions
+
+
+def test_snapshots_every_step_leave_zero3_training_unchanged(ranks):
+    for r in ranks:
+        assert r["main"]["losses"] == r["reference"]["losses"][:4]
+        assert len(r["main"]["blocking_s"]) == 5 and all(b > 0 for b in r["main"]["blocking_s"])  # 4 + step 2 again
+
+
+def test_verified_save_of_zero3_writes_every_ranks_partition_files(ranks):
+    files = ranks[0]["main"]["ckpt_files"]
+    assert "robust_manifest.json" in files, files
+    for dp in (0, 1):
+        assert f"zero_pp_rank_{dp}_mp_rank_00_optim_states.pt" in files, files
+        assert f"zero_pp_rank_{dp}_mp_rank_00_model_states.pt" in files, files
+
+
+def test_restart_restores_each_ranks_own_partitions_and_continues_bitwise(ranks):
+    for r in ranks:
+        own = r["own"]
+        assert own["load_path"] == "memory://step4/memory" and own["resumed_at"] == 4
+        assert own["restored"]["source"] == "memory" and own["rng_restored"]
+        assert own["losses"] == r["reference"]["losses"][4:6]
+
+
+def test_wiped_rank_restores_its_partitions_from_the_peer_copy(ranks):
+    assert [r["peer"]["restored"]["source"] for r in ranks] == ["memory", "peer:0"]
+    for r in ranks:
+        assert r["peer"]["resumed_at"] == 6 and r["peer"]["rng_restored"]
+        assert r["peer"]["losses"] == r["reference"]["losses"][6:8]
+        assert r["peer"]["digest"] == r["reference"]["digest"]
+
+
+def test_without_snapshots_the_verified_zero3_disk_checkpoint_resumes_bitwise(ranks):
+    for r in ranks:
+        d = r["disk"]
+        assert d["resumed_at"] == 2 and "global_step2" in d["load_path"], d["load_path"]
+        assert d["losses"] == r["reference"]["losses"][2:8]
+        assert d["digest"] == r["reference"]["digest"]
+    log = ranks[0]["disk"]["log"]  # said once, on rank 0
+    assert any("in-memory snapshots skipped" in ln for ln in log), log
+
+
+def test_bf16_zero3_restart_from_memory_is_bitwise(ranks):
+    for r in ranks:
+        assert r["bf16_reference"]["dtype"] == "torch.bfloat16"
+        assert r["bf16_main"]["losses"] == r["bf16_reference"]["losses"][:3]
+        own = r["bf16_own"]
+        assert own["load_path"] == "memory://step3/memory" and own["rng_restored"]
+        assert own["losses"] == r["bf16_reference"]["losses"][3:6]
+        assert own["digest"] == r["bf16_reference"]["digest"]
+
+
+def test_no_shared_memory_left(ranks):
+    assert [r["shm_left"] for r in ranks] == [[], []]

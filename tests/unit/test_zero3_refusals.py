@@ -1,0 +1,64 @@
+"""What stays refused with ZeRO-3 (no processes): each error names the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from robust_plugins.checkpoint.elastic import plan_reshard
+from robust_plugins.config import PluginConfig
+from robust_plugins.errors import CheckpointError, UnsupportedError
+
+
+def _refuse(zero: dict, block: dict):
+    from robust_plugins.patches.deepspeed_refuse import _refuse_before_init
+
+    ds = {"zero_optimization": zero, "robust_plugins": block}
+    _refuse_before_init({"config": ds}, PluginConfig.from_ds_config(ds))
+
+
+def test_checkpoint_passes_on_zero3_and_compression_is_refused_naming_key_value_allowed():
+    pytest.importorskip("deepspeed")
+    _refuse({"stage": 3}, {"checkpoint": {"memory_every": 1}})  # no error
+    with pytest.raises(UnsupportedError) as info:
+        _refuse({"stage": 3}, {"compression": {"codec": "int8"}, "checkpoint": {"memory_every": 1}})
+    msg = str(info.value)
+    assert "zero_optimization.stage = 3" in msg and "stages 0, 1 and 2" in msg and "'compression'" in msg
+    with pytest.raises(UnsupportedError, match=r"zero_optimization.stage = 5 .*allowed: 0, 1, 2, 3"):
+        _refuse({"stage": 5}, {"checkpoint": {"memory_every": 1}})
+
+
+def _engine(**zero):
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return SimpleNamespace(_config=SimpleNamespace(zero_config=DeepSpeedZeroConfig(stage=3, **zero)),
+                           has_moe_layers=False)
+
+
+@pytest.mark.parametrize("key,device", [("offload_optimizer", "cpu"), ("offload_optimizer", "nvme"),
+                                        ("offload_param", "cpu"), ("offload_param", "nvme")])
+def test_zero3_snapshots_refuse_offloaded_partitions(key, device, tmp_path):
+    pytest.importorskip("deepspeed")
+    from robust_plugins.patches import deepspeed_zero3
+
+    engine = _engine(**{key: {"device": device, "nvme_path": str(tmp_path)}})
+    with pytest.raises(UnsupportedError) as info:
+        deepspeed_zero3.check_engine(engine, "checkpoint.memory_every")
+    msg = str(info.value)
+    assert f"zero_optimization.{key}.device = '{device}'" in msg and "allowed:" in msg, msg
+    deepspeed_zero3.check_engine(_engine(), "checkpoint.memory_every")  # no offload: accepted
+    with pytest.raises(UnsupportedError, match=r"zero_hpz_partition_size = 2 .*allowed: 1"):
+        deepspeed_zero3.check_engine(_engine(zero_hpz_partition_size=2), "checkpoint.memory_every")
+
+
+def test_resharding_zero3_is_refused_with_the_reason_and_what_works():
+    saved = {"where": "ckpt/global_step8", "world_size": 4, "dp_world_size": 4, "zero_stage": 3,
+             "train_batch_size": 32, "gradient_accumulation_steps": 1}
+    now = {"world_size": 2, "dp_world_size": 2, "zero_stage": 3, "micro_batch": 8}
+    with pytest.raises(CheckpointError) as info:
+        plan_reshard(saved, now)
+    msg = str(info.value)
+    assert "dp_world_size=4" in msg and "dp_world_size=2" in msg and "weights_only=False" in msg, msg
+    assert "Resume with dp_world_size=4" in msg
+    assert plan_reshard(saved, {**now, "world_size": 4, "dp_world_size": 4}) is None  # same size: loads
