@@ -345,7 +345,9 @@ class MemorySnapshots(SnapshotBinding):
             # wait runs right before DeepSpeed's step and DeepSpeed's own load.
             from robust_plugins.patches import _guard
 
-            _guard.bind_instance(engine, "step", _settle_before(engine.step, self._settle_in_step))
+            # A pipeline engine's optimizer step is _take_model_step inside train_batch.
+            name = "_take_model_step" if engine.pipeline_parallelism else "step"
+            _guard.bind_instance(engine, name, _settle_before(getattr(engine, name), self._settle_in_step))
             _guard.bind_instance(engine, "load_checkpoint", _settle_before(engine.load_checkpoint, self.settle))
         self.restored: dict | None = None
         """What the last restore used: ``{"step", "source"}``."""

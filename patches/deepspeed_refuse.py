@@ -1,6 +1,7 @@
 """DeepSpeed: find the config ``deepspeed.initialize`` will use, and refuse what the plugin cannot serve.
 
-``compression`` serves ZeRO stages 0-2, ``checkpoint`` stages 0-3; neither serves the pipeline engine.
+``compression`` serves ZeRO stages 0-2 without pipeline engines; ``checkpoint`` stages 0-3 and pipeline
+engines (ZeRO 0/1, which is what DeepSpeed allows with them).
 
 :func:`_refuse_before_init` needs no engine and runs before DeepSpeed builds one;
 :func:`_refuse_engine` (``compression``) and :func:`_refuse_checkpoint_engine` (``checkpoint``)
@@ -65,10 +66,11 @@ def _refuse_before_init(arguments: dict[str, Any], plugin_cfg: PluginConfig) -> 
         raise UnsupportedError(f"robust_plugins.{what}: zero_optimization.stage = {stage!r} is not a ZeRO stage; "
                                f"allowed: 0, 1, 2, 3.")
     model = arguments.get("model")
-    if model is not None and type(model).__name__ == "PipelineModule":
+    if plugin_cfg.compression is not None and model is not None and type(model).__name__ == "PipelineModule":
         raise UnsupportedError(
-            f"robust_plugins.{what} does not support DeepSpeed pipeline engines "
-            f"(PipelineModule); remove the '{what}' sub-block or train without pipeline parallelism."
+            "robust_plugins.compression does not support DeepSpeed pipeline engines (PipelineModule); "
+            "remove the 'compression' sub-block or train without pipeline parallelism (the 'checkpoint' "
+            "sub-block supports them)."
         )
 
 
@@ -108,11 +110,8 @@ def _refuse_engine(engine) -> None:
 def _refuse_checkpoint_engine(engine) -> None:
     """Engines whose checkpoint files take paths the verified save/load does not cover."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-    from deepspeed.runtime.pipe.engine import PipelineEngine
 
     remove = "Remove the 'checkpoint' sub-block to use DeepSpeed's own checkpoints."
-    if isinstance(engine, PipelineEngine):
-        raise UnsupportedError(f"robust_plugins.checkpoint does not support DeepSpeed's PipelineEngine. {remove}")
     refusals = (
         (engine.has_moe_layers, "MoE engines (expert files are loaded outside the checkpoint engine)"),
         (engine.load_universal_checkpoint(), "universal checkpoints (checkpoint.load_universal)"),

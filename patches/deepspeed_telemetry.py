@@ -59,8 +59,15 @@ def attach_telemetry(engine, plugin) -> Any:
 
     _guard.check_signature("deepspeed", _undecorated(DeepSpeedEngine.backward), _BACKWARD_SIGNATURE,
                            "deepspeed >=0.19.0,<0.20")
+    if engine.pipeline_parallelism:
+        from robust_plugins.errors import UnsupportedError
+
+        raise UnsupportedError("robust_plugins.telemetry does not support DeepSpeed's PipelineEngine: its backward "
+                               "and gradient reduction run inside train_batch, where telemetry does not count them. "
+                               "Remove the 'telemetry' sub-block.")
     cfg = plugin.config.telemetry
-    trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    # ZeRO-3's parameters are partitioned (numel() is this rank's share or 0): ds_numel is the whole.
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
     comm_dtype = engine.communication_data_type or engine.get_data_types()[0]
     state = plugin.sync.state if plugin.sync is not None else None
     # SyncStats, not the GradientSync: its step function holds the engine, which the recorder must

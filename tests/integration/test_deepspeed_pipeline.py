@@ -1,0 +1,64 @@
+"""DeepSpeed's pipeline engine with the ``checkpoint`` sub-block: 2 stages x 2 data-parallel replicas.
+
+One set of 4 ranks (``ds_pipeline_worker.scenarios``), ZeRO-1, fp32: vanilla pipeline training
+(no block) is the reference; with snapshots every step and a verified save at step 2 it is
+unchanged; a restart (fresh engine, other seed) restores each stage's own snapshot and continues
+bitwise; with every snapshot gone it loads the verified pipeline checkpoint (DeepSpeed's per-layer
+files) and continues bitwise.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+pytest.importorskip("deepspeed")
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _dist import run_ranks  # noqa: E402
+
+import ds_pipeline_worker as worker  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline")
+    return run_ranks(worker.scenarios, 4, 200, str(out), init=False)
+
+
+def test_layout_is_two_stages_of_two_replicas(ranks):
+    assert sorted((r["reference"]["stage"], r["reference"]["dp"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    losses = {tuple(r["reference"]["losses"]) for r in ranks}
+    assert len(losses) == 1, losses  # train_batch's loss reaches every stage
+
+
+def test_snapshots_leave_pipeline_training_unchanged_and_save_layer_files(ranks):
+    for r in ranks:
+        assert r["main"]["losses"] == r["reference"]["losses"][:3]
+    files = ranks[0]["main"]["ckpt_files"]
+    assert "robust_manifest.json" in files and any(f.startswith("layer_") for f in files), files
+
+
+def test_restart_restores_each_stage_from_memory_and_continues_bitwise(ranks):
+    for r in ranks:
+        own = r["own"]
+        assert own["load_path"] == "memory://step3/memory" and own["resumed_at"] == 3
+        assert own["restored"]["source"] == "memory"
+        assert own["losses"] == r["reference"]["losses"][3:]
+        assert own["digest"] == r["reference"]["digest"]
+
+
+def test_without_snapshots_the_verified_pipeline_checkpoint_resumes_bitwise(ranks):
+    for r in ranks:
+        d = r["disk"]
+        assert d["resumed_at"] == 2 and "global_step2" in d["load_path"], d["load_path"]
+        assert d["losses"] == r["reference"]["losses"][2:]
+        assert d["digest"] == r["reference"]["digest"]
+
+
+def test_no_shared_memory_left(ranks):
+    assert all(r["shm_left"] == [] for r in ranks)
