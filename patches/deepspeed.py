@@ -211,7 +211,7 @@ class DeepSpeedPlugin:
 def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
     """Attach the configured features to a built engine; logs one line on rank 0."""
     if config.compression is not None:
-        _refuse_engine(engine)
+        _refuse_engine(engine, config)
     if config.checkpoint is not None:
         _refuse_checkpoint_engine(engine)
     plugin = DeepSpeedPlugin(engine, config)

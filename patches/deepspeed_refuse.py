@@ -1,7 +1,7 @@
 """DeepSpeed: find the config ``deepspeed.initialize`` will use, and refuse what the plugin cannot serve.
 
-``compression`` serves ZeRO stages 0-2 without pipeline engines; ``checkpoint`` stages 0-3 and pipeline
-engines (ZeRO 0/1, which is what DeepSpeed allows with them).
+``compression`` serves ZeRO stages 0-2 and pipeline engines (flat, fixed codec); ``checkpoint`` stages
+0-3 and pipeline engines (ZeRO 0/1, which is what DeepSpeed allows with them).
 
 :func:`_refuse_before_init` needs no engine and runs before DeepSpeed builds one;
 :func:`_refuse_engine` (``compression``) and :func:`_refuse_checkpoint_engine` (``checkpoint``)
@@ -65,28 +65,18 @@ def _refuse_before_init(arguments: dict[str, Any], plugin_cfg: PluginConfig) -> 
     if stage not in (0, 1, 2, 3):
         raise UnsupportedError(f"robust_plugins.{what}: zero_optimization.stage = {stage!r} is not a ZeRO stage; "
                                f"allowed: 0, 1, 2, 3.")
-    model = arguments.get("model")
-    if plugin_cfg.compression is not None and model is not None and type(model).__name__ == "PipelineModule":
-        raise UnsupportedError(
-            "robust_plugins.compression does not support DeepSpeed pipeline engines (PipelineModule); "
-            "remove the 'compression' sub-block or train without pipeline parallelism (the 'checkpoint' "
-            "sub-block supports them)."
-        )
 
 
-def _refuse_engine(engine) -> None:
+def _refuse_engine(engine, plugin_cfg: PluginConfig) -> None:
     """Refusals that need the built engine (the config alone does not say)."""
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
-    if isinstance(engine, PipelineEngine):
-        raise UnsupportedError(
-            "robust_plugins.compression does not support DeepSpeed's PipelineEngine; remove the "
-            "'compression' sub-block or train without pipeline parallelism."
-        )
     stage = engine.zero_optimization_stage()
-    if stage not in (0, 1, 2):
+    if engine.pipeline_parallelism:
+        _refuse_pipeline(plugin_cfg)
+    elif stage not in (0, 1, 2):
         raise UnsupportedError(f"robust_plugins.compression supports ZeRO stages 0-2, not stage {stage}.")
-    if not engine.enable_backward_allreduce:
+    # A pipeline engine turns the engine's all-reduce off and reduces itself at the batch's end
+    # (pipeline_enable_backward_allreduce), through the same bucket methods.
+    if not (engine.pipeline_parallelism or engine.enable_backward_allreduce):
         raise UnsupportedError(
             f"The optimizer {type(engine.optimizer).__name__} communicates gradients itself "
             f"(DeepSpeed turned the engine's all-reduce off, as 1-bit Adam / 0/1 Adam do), so "
@@ -105,6 +95,21 @@ def _refuse_engine(engine) -> None:
                 f"ZeRO stage {stage} built a {type(engine.optimizer).__name__}, not the "
                 f"DeepSpeedZeroOptimizer robust_plugins hooks into; remove the 'compression' sub-block."
             )
+
+
+def _refuse_pipeline(plugin_cfg: PluginConfig) -> None:
+    """What the compression of a pipeline stage's data-parallel reduction was not verified with."""
+    cfg, topo = plugin_cfg.compression, plugin_cfg.topology
+    refusals = (
+        (cfg.codec == "auto", "compression.codec = 'auto'", "none, bf16, int8, int4, sign"),
+        (cfg.sign_mode == "momentum", "compression.sign_mode = 'momentum'", "'gradient'"),
+        (bool(cfg.overlap), "compression.overlap = true", "false or unset (the pipeline reduces at the batch's end)"),
+        (topo is not None and topo.hierarchical, "topology.hierarchical = true", "false"),
+    )
+    for refused, what, allowed in refusals:
+        if refused:
+            raise UnsupportedError(f"robust_plugins.compression on DeepSpeed's pipeline engine does not support "
+                                   f"{what}; allowed there: {allowed}.")
 
 
 def _refuse_checkpoint_engine(engine) -> None:

@@ -170,6 +170,20 @@ def scenarios(rank: int, world: int, out: str) -> dict:
         memory.remove_job(key)
     dist.barrier()
     res["disk"] = restart(7, STEPS)  # no snapshot: the verified pipeline checkpoint of step 2
+    # Compression of each stage's data-parallel reduction: codec none against the vanilla
+    # reference, int8 with the bytes of one step's reduction counted on the stage's DP group.
+    from robust_plugins.comm import WireCounter
+
+    for name, comp in (("none", {"codec": "none"}), ("int8", {"codec": "int8", "block_size": 256,
+                                                               "min_numel": 0, "warmup_steps": 0})):
+        e = make_engine({"compression": comp})
+        losses = train(e, STEPS - 1, corpus)
+        with WireCounter(filter_group=e.grid.get_data_parallel_group()) as wire:
+            losses += train(e, STEPS, corpus)
+        stats = e.robust_plugins.sync.stats
+        res[f"codec_{name}"] = {"losses": losses, "digest": state_digest(e), "by_op": dict(wire.by_op),
+                                "compressed_elements": stats.compressed_elements,
+                                "grad_numel": sum(p.numel() for p in e.module.parameters())}
     for e in engines:
         e.robust_plugins.memory.close(remove=True)
     dist.barrier()

@@ -1,4 +1,4 @@
-"""What stays refused with ZeRO-3 (no processes): each error names the key, the value and what is allowed."""
+"""What stays refused with ZeRO-3 and the pipeline engine (no processes): each error names the key, the value and what is allowed."""
 
 from __future__ import annotations
 
@@ -62,3 +62,18 @@ def test_resharding_zero3_is_refused_with_the_reason_and_what_works():
     assert "dp_world_size=4" in msg and "dp_world_size=2" in msg and "weights_only=False" in msg, msg
     assert "Resume with dp_world_size=4" in msg
     assert plan_reshard(saved, {**now, "world_size": 4, "dp_world_size": 4}) is None  # same size: loads
+
+
+@pytest.mark.parametrize("block,needle", [
+    ({"compression": {"codec": "auto"}}, "compression.codec = 'auto'; allowed there: none, bf16, int8, int4, sign"),
+    ({"compression": {"codec": "int8", "overlap": True}}, "compression.overlap = true; allowed there: false"),
+    ({"compression": {"codec": "int8"}, "topology": {"hierarchical": True}},
+     "topology.hierarchical = true; allowed there: false"),
+])
+def test_pipeline_compression_refuses_what_was_not_verified(block, needle):
+    from robust_plugins.patches.deepspeed_refuse import _refuse_pipeline
+
+    with pytest.raises(UnsupportedError) as info:
+        _refuse_pipeline(PluginConfig.from_ds_config({"robust_plugins": block}))
+    assert needle in str(info.value) and "pipeline engine" in str(info.value)
+    _refuse_pipeline(PluginConfig.from_ds_config({"robust_plugins": {"compression": {"codec": "int8"}}}))
