@@ -14,6 +14,9 @@ ZeRO 0      ``DeepSpeedEngine.allreduce_bucket`` (all dense buckets, fp32 and bf
             backward (``compression.overlap``, ``patches/deepspeed_overlap.py``)
 ZeRO 1, 2   ``DeepSpeedZeroOptimizer.allreduce_bucket`` (all-reduce, or reduce to one rank)
             and ``gradient_reduction_w_predivide`` (``reduce_scatter: false``)
+ZeRO 3      ``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads``: the reduce-scatter
+            (``patches/deepspeed_zero3_reduce.py``)
+pipeline    ZeRO 0 / 1 as above, over each stage's data-parallel group
 ==========  ============================================================================
 
 Each replacement keeps DeepSpeed's scaling (``gradient_predivide_factor``,
@@ -231,6 +234,10 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
 
         _guard.bind_instance(engine, "allreduce_bucket", _engine_allreduce_bucket(engine, plugin))
         plugin.buckets = attach_buckets(engine, plugin)  # a collective with overlap
+    elif config.compression is not None and stage == 3:
+        from robust_plugins.patches.deepspeed_zero3_reduce import attach_zero3_reduce
+
+        attach_zero3_reduce(engine, plugin)  # the reduce-scatter, compressed with error feedback
     elif config.compression is not None:
         if config.compression.overlap:
             from robust_plugins.patches.deepspeed_overlap import unsupported_reason

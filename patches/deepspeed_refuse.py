@@ -1,7 +1,8 @@
 """DeepSpeed: find the config ``deepspeed.initialize`` will use, and refuse what the plugin cannot serve.
 
-``compression`` serves ZeRO stages 0-2 and pipeline engines (flat, fixed codec); ``checkpoint`` stages
-0-3 and pipeline engines (ZeRO 0/1, which is what DeepSpeed allows with them).
+``compression`` serves ZeRO stages 0-3 (ZeRO-3's refusals: ``patches/deepspeed_zero3_reduce.py``) and
+pipeline engines (flat, fixed codec); ``checkpoint`` stages 0-3 and pipeline engines (ZeRO 0/1, which is
+what DeepSpeed allows with them).
 
 :func:`_refuse_before_init` needs no engine and runs before DeepSpeed builds one;
 :func:`_refuse_engine` (``compression``) and :func:`_refuse_checkpoint_engine` (``checkpoint``)
@@ -56,12 +57,6 @@ def _refuse_before_init(arguments: dict[str, Any], plugin_cfg: PluginConfig) -> 
     if not what:  # telemetry alone observes the engine and changes nothing it could refuse
         return
     stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
-    if plugin_cfg.compression is not None and stage not in (0, 1, 2):
-        raise UnsupportedError(
-            f"robust_plugins.compression supports ZeRO stages 0, 1 and 2; this config sets "
-            f"zero_optimization.stage = {stage!r}. Use stage 0-2 or remove the 'compression' sub-block "
-            f"(the 'checkpoint' sub-block supports stage 3)."
-        )
     if stage not in (0, 1, 2, 3):
         raise UnsupportedError(f"robust_plugins.{what}: zero_optimization.stage = {stage!r} is not a ZeRO stage; "
                                f"allowed: 0, 1, 2, 3.")
@@ -72,8 +67,8 @@ def _refuse_engine(engine, plugin_cfg: PluginConfig) -> None:
     stage = engine.zero_optimization_stage()
     if engine.pipeline_parallelism:
         _refuse_pipeline(plugin_cfg)
-    elif stage not in (0, 1, 2):
-        raise UnsupportedError(f"robust_plugins.compression supports ZeRO stages 0-2, not stage {stage}.")
+    elif stage not in (0, 1, 2, 3):
+        raise UnsupportedError(f"robust_plugins.compression supports ZeRO stages 0-3, not stage {stage}.")
     # A pipeline engine turns the engine's all-reduce off and reduces itself at the batch's end
     # (pipeline_enable_backward_allreduce), through the same bucket methods.
     if not (engine.pipeline_parallelism or engine.enable_backward_allreduce):

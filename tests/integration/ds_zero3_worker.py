@@ -228,3 +228,101 @@ def scenarios(rank: int, world: int, out: str) -> dict:
     res["shm_left"] = memory.job_files(key)
     return res
 
+
+def _local_grads(seed: int, x, y) -> list[torch.Tensor]:
+    """This rank's full fp32 gradients of the plain model (no DeepSpeed), in parameter order."""
+    model = build_gpt("tiny", seed=seed)
+    model(x, y).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def compression_scenarios(rank: int, world: int, out: str) -> dict:
+    """Codec none vs vanilla ZeRO-3 (fp32, bf16), int8 after one SGD(lr=1) step against an
+    independent bound, and the reduce-scatter's bytes; this rank's results."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from robust_plugins.comm import WireCounter
+    from robust_plugins.patches.deepspeed_zero3_reduce import interleave
+
+    torch.use_deterministic_algorithms(True)
+    deepspeed.init_distributed(dist_backend="gloo")
+    corpus = load_corpus(max_bytes=200_000)
+    res: dict = {}
+    for dtype in ("fp32", "bf16"):
+        for name, block in (("vanilla", None), ("none", {"compression": {"codec": "none"}})):
+            e = make_engine(block, bf16=dtype == "bf16")
+            seed_all(7)
+            res[f"{dtype}_{name}"] = {"losses": train(e, 4, corpus), "digest": state_digest(e),
+                                      "plugin": getattr(e, "robust_plugins", None) is not None}
+    x, y = get_batch(corpus, "train", seed=SEED, step=0, rank=rank, world_size=world, micro_batch=MICRO_BATCH,
+                     seq_len=SEQ_LEN)
+    sgd = {}
+    for name, block in (("vanilla", None), ("int8", {"compression": {"codec": "int8", "block_size": 256,
+                                                                      "min_numel": 0, "warmup_steps": 0}})):
+        import deepspeed as ds
+
+        model = build_gpt("tiny", seed=SEED)
+        cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "steps_per_print": 10**9,
+               "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,  # DeepSpeed's default: 1.0
+               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000,
+                                     "reduce_bucket_size": 5e6, "stage3_prefetch_bucket_size": 5e6}}
+        if block is not None:
+            cfg["robust_plugins"] = block
+        e, *_ = ds.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=cfg)
+        params = list(e.module.parameters())
+        before = [p.ds_tensor.detach().float().clone() for p in params]
+        loss = e(x, y)
+        with WireCounter() as wire:
+            e.backward(loss)
+        e.step()
+        # this rank's partition of each parameter: before - after = the reduced gradient (lr 1)
+        update = [b - p.ds_tensor.detach().float() for b, p in zip(before, params)]
+        sgd[name] = {"before": before, "update": update, "by_op": dict(wire.by_op),
+                     "ds_ids": [p.ds_id for p in params], "numels": [p.ds_numel for p in params]}
+    # The independent oracle: every rank's plain-PyTorch gradient, gathered, laid out as
+    # DeepSpeed's reduce-scatter lays out this rank's shard of the one bucket (parameters in
+    # ds_id order, a zero-padded chunk of ceil(numel / world) each), where the int8 blocks are.
+    v = sgd["vanilla"]
+    grads = _local_grads(SEED, x, y)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, grads)
+    bucket = sorted(range(len(grads)), key=lambda k: v["ds_ids"][k])  # parameter indices, ds_id order
+    assert bucket == sorted(range(len(grads)), key=lambda k: sgd["int8"]["ds_ids"][k])
+    chunks = [-(-v["numels"][i] // world) for i in bucket]
+    shard = sum(chunks)
+    xs = []
+    for g in everyone:
+        buf, _ = interleave([g[i] / world for i in bucket], world)
+        xs.append(buf[rank * shard:(rank + 1) * shard])
+    block = 256
+    bound = torch.zeros(shard)
+    for x_r in xs:  # int8, round to nearest: |error| <= absmax(block) / 127 / 2 per sender
+        padded = torch.zeros(-(-shard // block) * block)
+        padded[:shard] = x_r.abs()
+        bound += padded.view(-1, block).amax(dim=1).repeat_interleave(block)[:shard] / 254
+    oracle = sum(xs)
+
+    def per_param(t):  # the shard cut back into each parameter's chunk, in bucket order
+        out, offset = [], 0
+        for c in chunks:
+            out.append(t[offset:offset + c])
+            offset += c
+        return torch.cat(out)
+
+    def flat(d):
+        return torch.cat([d[i].reshape(-1) for i in bucket])
+
+    res["sgd"] = {"vanilla_minus_int8": (flat(v["update"]) - flat(sgd["int8"]["update"])).tolist(),
+                  "same_start": all(torch.equal(v["before"][i], sgd["int8"]["before"][i]) for i in bucket),
+                  "oracle_update": per_param(oracle).tolist(), "vanilla_update": flat(v["update"]).tolist(),
+                  "bound": per_param(bound).tolist(), "shard_numel": shard,
+                  "by_op": {k: sgd[k]["by_op"] for k in sgd}, "numels": v["numels"]}
+    return res
+
+
+def everything(rank: int, world: int, out: str) -> dict:
+    """:func:`scenarios` and, under ``"compression"``, :func:`compression_scenarios`: one launch."""
+    res = scenarios(rank, world, out)
+    res["compression"] = compression_scenarios(rank, world, out)
+    return res
