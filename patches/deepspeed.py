@@ -365,7 +365,8 @@ def detach(engine) -> None:
     for obj, name in ((engine, "allreduce_bucket"), (engine.optimizer, "allreduce_bucket"),
                       (engine.optimizer, "gradient_reduction_w_predivide"),
                       (engine, "save_checkpoint"), (engine, "load_checkpoint"), (engine, "step"),
-                      (engine, "backward"), (engine, "train_batch"), (engine, "_take_model_step")):
+                      (engine, "backward"), (engine, "forward"), (engine, "train_batch"),
+                      (engine, "_take_model_step")):
         if obj is not None:
             _guard.unbind_instance(obj, name)
     engine.__dict__.pop("robust_plugins", None)

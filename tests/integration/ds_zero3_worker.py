@@ -280,6 +280,19 @@ def compression_scenarios(rank: int, world: int, out: str) -> dict:
         update = [b - p.ds_tensor.detach().float() for b, p in zip(before, params)]
         sgd[name] = {"before": before, "update": update, "by_op": dict(wire.by_op),
                      "ds_ids": [p.ds_id for p in params], "numels": [p.ds_numel for p in params]}
+    # Telemetry on ZeRO-3 (int8): each record's all-gather and reduce-scatter bytes, by phase.
+    import json
+
+    tel_dir = os.path.join(out, "telemetry")
+    e = make_engine({"compression": {"codec": "int8", "block_size": 256, "min_numel": 0, "warmup_steps": 0},
+                     "telemetry": {"dir": tel_dir, "log_every": 1}})
+    seed_all(7)
+    train(e, 3, corpus)
+    e.robust_plugins.telemetry.close()
+    dist.barrier()
+    res["telemetry"] = {
+        "records": [json.loads(x) for x in open(os.path.join(tel_dir, "metrics.jsonl"))] if rank == 0 else [],
+        "partitioned_numels": [p.ds_numel for p in e.module.parameters() if not p.ds_persist]}
     # The independent oracle: every rank's plain-PyTorch gradient, gathered, laid out as
     # DeepSpeed's reduce-scatter lays out this rank's shard of the one bucket (parameters in
     # ds_id order, a zero-padded chunk of ceil(numel / world) each), where the int8 blocks are.

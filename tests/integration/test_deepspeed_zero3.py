@@ -159,3 +159,27 @@ def test_reduce_scatter_wire_bytes_computed_by_hand(ranks):
         padded = math.ceil(shard / bs) * bs
         assert by_op["int8"].get("all_to_all_single") == (w - 1) * (padded + 4 * padded // bs), by_op["int8"]
         assert "reduce_scatter_tensor" not in by_op["int8"], by_op["int8"]
+
+
+def test_zero3_telemetry_counts_all_gather_and_reduce_scatter_by_hand(ranks):
+    """Rank 0's records (int8, 2 ranks, log every step). From step 2 on (step 1 records the
+    prefetch trace and gathers everything), forward all-gathers each partitioned parameter once:
+    (W-1)/W x 4 x its aligned numel, summed; backward re-gathers nothing (kept since forward) and
+    reduce-scatters one bucket: the int8 all-to-all row of the hand computation above."""
+    import math
+
+    t = ranks[0]["compression"]["telemetry"]
+    steps = [r for r in t["records"] if r.get("kind") == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    w = 2
+    gather = sum(math.ceil(n / w) * w * 4 * (w - 1) // w for n in t["partitioned_numels"])
+    shard = sum(math.ceil(n / w) for n in ranks[0]["compression"]["sgd"]["numels"])
+    padded = math.ceil(shard / 256) * 256
+    row = padded + 4 * padded // 256
+    for r in steps:
+        z = r["zero3"]
+        assert z["backward_reduce_scatter_bytes"] == (w - 1) * row, z
+        assert z["forward_reduce_scatter_bytes"] == 0 and z["forward_comm_s"] > 0 and z["backward_comm_s"] > 0, z
+    for r in steps[1:]:
+        assert r["zero3"]["forward_all_gather_bytes"] == gather, r["zero3"]
+        assert r["zero3"]["backward_all_gather_bytes"] == 0, r["zero3"]
