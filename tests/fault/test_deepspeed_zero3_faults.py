@@ -19,7 +19,7 @@ from conftest import robust_run
 
 from robust_plugins.checkpoint import memory
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 
 SCRIPT = str(Path(__file__).with_name("ds_zero3_train.py"))
 STEPS = 14
@@ -38,9 +38,9 @@ def jobs(tmp_path_factory):
     print(where)
     root = tmp_path_factory.mktemp("zero3_faults")
     args = [SCRIPT, "--steps", str(STEPS)]
-    clean = robust_run(root / "clean", 2, "--max-restarts", "0", timeout_s=150, script=args)
+    clean = robust_run(root / "clean", 2, "--max-restarts", "0", timeout_s=120, script=args)
     job = robust_run(root / "faults", 2, "--max-restarts", "2", "--inject", f"kill:rank=1,step={kill}",
-                     "--inject", f"nan:rank=0,step={nan}", timeout_s=200, script=args)
+                     "--inject", f"nan:rank=0,step={nan}", timeout_s=160, script=args)
     return clean, job, kill, nan, where
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 pytest.importorskip("deepspeed")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -29,7 +29,7 @@ import ds_pipeline_worker as worker  # noqa: E402
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline")
-    return run_ranks(worker.scenarios, 4, 200, str(out), init=False)
+    return run_ranks(worker.scenarios, 4, 150, str(out), init=False)
 
 
 def test_layout_is_two_stages_of_two_replicas(ranks):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 pytest.importorskip("deepspeed")
 sys.path.insert(0, str(Path(__file__).parent))
@@ -38,7 +38,7 @@ import ds_zero3_worker as worker  # noqa: E402
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero3")
-    return run_ranks(worker.everything, 2, 200, str(out), init=False)
+    return run_ranks(worker.everything, 2, 150, str(out), init=False)
 
 
 def _both(ranks, case, key):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
@@ -30,7 +30,7 @@ _fault = sys.modules.setdefault("_fault_conftest", importlib.util.module_from_sp
 _spec.loader.exec_module(_fault)  # its job helpers: process-session clean-up after robust run
 
 
-def _robust_run(run_dir: Path, config: Path, *args: str, timeout_s: float = 280.0) -> "_fault.Job":
+def _robust_run(run_dir: Path, config: Path, *args: str, timeout_s: float = 200.0) -> "_fault.Job":
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "robust_plugins.cli.main", "run", "--run-dir", str(run_dir), "--standalone",
            "--nproc-per-node", "2", "--monitor-interval", "0.1", "--watchdog", "straggler_factor=0", *args,
