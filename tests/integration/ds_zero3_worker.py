@@ -255,6 +255,33 @@ def compression_scenarios(rank: int, world: int, out: str) -> dict:
             seed_all(7)
             res[f"{dtype}_{name}"] = {"losses": train(e, 4, corpus), "digest": state_digest(e),
                                       "plugin": getattr(e, "robust_plugins", None) is not None}
+    # int8 training against vanilla over 20 steps, and int8 with snapshots: a restart at step 10
+    # restores the error-feedback residuals with the partitions and continues bitwise.
+    int8 = {"codec": "int8", "block_size": 256, "min_numel": 0, "warmup_steps": 0}
+    long = 20
+    e = make_engine(None)
+    seed_all(7)
+    res["fp32_vanilla_long"] = {"losses": train(e, long, corpus)}
+    e = make_engine({"compression": int8})
+    seed_all(7)
+    res["int8_long"] = {"losses": train(e, long, corpus), "digest": state_digest(e),
+                        "residual_sq": float(e.robust_plugins.sync.state.residual_sq_norm())}
+    os.environ[memory.ENV_JOB] = f"{out}-int8"
+    block = {"compression": int8, "checkpoint": {"memory_every": 1}}
+    first = make_engine(block)
+    seed_all(7)
+    losses = train(first, long // 2, corpus)
+    first.robust_plugins.memory.store.flush()
+    second = make_engine(block, seed=SEED + 1)
+    seed_all(99)
+    path, _ = second.load_checkpoint()
+    losses += train(second, long, corpus)
+    res["int8_restart"] = {"losses": losses, "digest": state_digest(second), "load_path": path}
+    for eng in (first, second):
+        eng.robust_plugins.memory.close(remove=True)
+    dist.barrier()
+    if rank == 0:
+        memory.remove_job(memory.job_key())
     x, y = get_batch(corpus, "train", seed=SEED, step=0, rank=rank, world_size=world, micro_batch=MICRO_BATCH,
                      seq_len=SEQ_LEN)
     sgd = {}

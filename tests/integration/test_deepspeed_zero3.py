@@ -183,3 +183,18 @@ def test_zero3_telemetry_counts_all_gather_and_reduce_scatter_by_hand(ranks):
     for r in steps[1:]:
         assert r["zero3"]["forward_all_gather_bytes"] == gather, r["zero3"]
         assert r["zero3"]["backward_all_gather_bytes"] == 0, r["zero3"]
+
+
+def test_int8_zero3_trains_like_vanilla_and_its_residuals_survive_a_restart(ranks):
+    import statistics
+
+    for r in ranks:
+        c = r["compression"]
+        van, q = c["fp32_vanilla_long"]["losses"], c["int8_long"]["losses"]
+        assert q != van and c["int8_long"]["residual_sq"] > 0  # compressed, with residuals kept
+        last, ref = statistics.fmean(q[-5:]), statistics.fmean(van[-5:])
+        assert abs(last - ref) / ref < 0.02, (last, ref)
+        # snapshots of partitions + residuals: a restart at step 10 ends bitwise the uninterrupted run
+        restart = c["int8_restart"]
+        assert restart["load_path"] == "memory://step10/memory"
+        assert restart["losses"] == q and restart["digest"] == c["int8_long"]["digest"]
