@@ -4,10 +4,12 @@
 
 Two nodes x two gloo ranks (``robust_plugins.sim.netns``, the inter-node link limited to
 ``--rate``), one set of rank processes runs every variant on the same model and data: vanilla
-ZeRO-3 (no block), ``codec: int8`` and ``codec: int4`` (block 256, error feedback). Per variant:
-median step time after ``--warmup`` steps, rank 0's bytes per step by collective (parameter
-all-gathers in forward and backward, the gradient reduce-scatter), and the mean loss of the last 5
-steps. DeepSpeed's own qgZ / qwZ (``zero_quantized_gradients`` / ``zero_quantized_weights``) are
+ZeRO-3 (no block), ``codec: int8`` and ``codec: int4`` (block 256, error feedback), and vanilla
+with in-memory snapshots every step (``snapshots``). Per variant: median step time after
+``--warmup`` steps, rank 0's bytes per step by collective (parameter all-gathers in forward and
+backward, the gradient reduce-scatter), the mean loss of the last 5 steps, and for ``snapshots``
+the median time each snapshot blocked the loop (``blocking_s``: its part in the step plus the wait
+at the next step for the background copy). DeepSpeed's own qgZ / qwZ (``zero_quantized_gradients`` / ``zero_quantized_weights``) are
 not in the table: DeepSpeed 0.19.8 has no CPU implementation of their quantizer op
 ("This op had not been implemented on CPU backend").
 """
@@ -25,6 +27,7 @@ VARIANTS = {
     "vanilla": None,
     "int8": {"compression": {"codec": "int8", "block_size": 256, "min_numel": 0, "warmup_steps": 0}},
     "int4": {"compression": {"codec": "int4", "block_size": 256, "min_numel": 0, "warmup_steps": 0}},
+    "snapshots": {"checkpoint": {"memory_every": 1}},
 }
 
 
@@ -40,6 +43,7 @@ def _worker(args) -> None:
     from robust_plugins.workloads.text import get_batch, load_corpus
 
     torch.set_num_threads(1)
+    os.environ.setdefault("ROBUST_JOB_ID", f"zero3-bench-{os.getppid()}")  # the snapshots' job key
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = GPTConfig(n_layer=args.layers, n_head=4, d_model=args.width, seq_len=64)
@@ -72,6 +76,11 @@ def _worker(args) -> None:
         out[name] = {"median_step_s": statistics.median(steady), "step_s": steady,
                      "bytes_per_step_rank0": by_op[-1], "loss_last5": statistics.fmean(losses[-5:]),
                      "params": sum(p.ds_numel for p in engine.module.parameters())}
+        memory = getattr(getattr(engine, "robust_plugins", None), "memory", None)
+        if memory is not None:
+            memory.finish_pending()
+            out[name]["snapshot_blocking_s"] = statistics.median(memory.blocking_s[args.warmup:])
+            memory.close(remove=True)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"rate": args.rate, "world": world, **out}, f, indent=1)
@@ -102,8 +111,10 @@ def main() -> int:
         res = json.load(f)
     for name in VARIANTS:
         r = res[name]
-        print(f"{args.rate} {name:8s} step {r['median_step_s'] * 1e3:8.1f} ms  loss {r['loss_last5']:.4f}  "
-              f"bytes/step rank0 {r['bytes_per_step_rank0']}")
+        blocking = (f"  snapshot blocking {r['snapshot_blocking_s'] * 1e3:.1f} ms"
+                    if "snapshot_blocking_s" in r else "")
+        print(f"{args.rate} {name:9s} step {r['median_step_s'] * 1e3:8.1f} ms  loss {r['loss_last5']:.4f}  "
+              f"bytes/step rank0 {r['bytes_per_step_rank0']}{blocking}")
     return 0
 
 
