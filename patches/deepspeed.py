@@ -364,6 +364,7 @@ def detach(engine) -> None:
     detach_buckets(engine)
     for obj, name in ((engine, "allreduce_bucket"), (engine.optimizer, "allreduce_bucket"),
                       (engine.optimizer, "gradient_reduction_w_predivide"),
+                      (engine.optimizer, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"),
                       (engine, "save_checkpoint"), (engine, "load_checkpoint"), (engine, "step"),
                       (engine, "backward"), (engine, "forward"), (engine, "train_batch"),
                       (engine, "_take_model_step")):

@@ -266,6 +266,12 @@ def compression_scenarios(rank: int, world: int, out: str) -> dict:
     seed_all(7)
     res["int8_long"] = {"losses": train(e, long, corpus), "digest": state_digest(e),
                         "residual_sq": float(e.robust_plugins.sync.state.residual_sq_norm())}
+    from robust_plugins.patches.deepspeed import detach
+
+    name = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+    bound = name in e.optimizer.__dict__
+    detach(e)  # the reduce-scatter falls back to DeepSpeed's
+    res["int8_long"]["detach"] = [bound, name in e.optimizer.__dict__]
     os.environ[memory.ENV_JOB] = f"{out}-int8"
     block = {"compression": int8, "checkpoint": {"memory_every": 1}}
     first = make_engine(block)

@@ -192,6 +192,7 @@ def test_int8_zero3_trains_like_vanilla_and_its_residuals_survive_a_restart(rank
         c = r["compression"]
         van, q = c["fp32_vanilla_long"]["losses"], c["int8_long"]["losses"]
         assert q != van and c["int8_long"]["residual_sq"] > 0  # compressed, with residuals kept
+        assert c["int8_long"]["detach"] == [True, False]  # bound on the optimizer; detach() removes it
         last, ref = statistics.fmean(q[-5:]), statistics.fmean(van[-5:])
         assert abs(last - ref) / ref < 0.02, (last, ref)
         # snapshots of partitions + residuals: a restart at step 10 ends bitwise the uninterrupted run
