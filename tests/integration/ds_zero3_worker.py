@@ -266,6 +266,13 @@ def compression_scenarios(rank: int, world: int, out: str) -> dict:
     seed_all(7)
     res["int8_long"] = {"losses": train(e, long, corpus), "digest": state_digest(e),
                         "residual_sq": float(e.robust_plugins.sync.state.residual_sq_norm())}
+    e = make_engine(None, bf16=True)
+    seed_all(7)
+    res["bf16_vanilla_long"] = {"losses": train(e, long, corpus)}
+    e = make_engine({"compression": int8}, bf16=True)
+    seed_all(7)
+    res["bf16_int8_long"] = {"losses": train(e, long, corpus),
+                             "compressed": e.robust_plugins.sync.stats.compressed_elements}
     from robust_plugins.patches.deepspeed import detach
 
     name = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"

@@ -199,3 +199,14 @@ def test_int8_zero3_trains_like_vanilla_and_its_residuals_survive_a_restart(rank
         restart = c["int8_restart"]
         assert restart["load_path"] == "memory://step10/memory"
         assert restart["losses"] == q and restart["digest"] == c["int8_long"]["digest"]
+
+
+def test_int8_zero3_with_bf16_gradients_trains_like_vanilla_bf16(ranks):
+    import statistics
+
+    for r in ranks:
+        c = r["compression"]
+        van, q = c["bf16_vanilla_long"]["losses"], c["bf16_int8_long"]["losses"]
+        assert q != van and c["bf16_int8_long"]["compressed"] > 0
+        last, ref = statistics.fmean(q[-5:]), statistics.fmean(van[-5:])
+        assert abs(last - ref) / ref < 0.02, (last, ref)
