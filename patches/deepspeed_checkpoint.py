@@ -257,7 +257,7 @@ def _load_resharded(engine, plugin, original, load_dir: str, tag: str, reshard, 
     """Load a checkpoint of another data-parallel size and keep its global batch.
 
     ZeRO 0 (``direct``): model and optimizer state are replicated and live in the one
-    ``mp_rank_00_model_states.pt``, which DeepSpeed loads at any DP size. ZeRO 1/2 (``universal``):
+    ``mp_rank_00_model_states.pt``, which DeepSpeed loads at any DP size. ZeRO 1-3 (``universal``):
     rank 0 converts the verified checkpoint with DeepSpeed's ``ds_to_universal`` into
     ``<dir>/.universal/<tag>`` (every file the converter reads, and every converted file the
     load reads, goes through ``torch.load(weights_only=True)``), every rank loads it with DeepSpeed's

@@ -50,16 +50,17 @@ def test_zero3_snapshots_refuse_offloaded_partitions(key, device, tmp_path):
         deepspeed_zero3.check_engine(_engine(zero_hpz_partition_size=2), "checkpoint.memory_every")
 
 
-def test_resharding_zero3_is_refused_with_the_reason_and_what_works():
+def test_resharding_zero3_goes_through_the_universal_checkpoint():
+    from robust_plugins.checkpoint.elastic import UNIVERSAL
+
     saved = {"where": "ckpt/global_step8", "world_size": 4, "dp_world_size": 4, "zero_stage": 3,
              "train_batch_size": 32, "gradient_accumulation_steps": 1}
     now = {"world_size": 2, "dp_world_size": 2, "zero_stage": 3, "micro_batch": 8}
-    with pytest.raises(CheckpointError) as info:
-        plan_reshard(saved, now)
-    msg = str(info.value)
-    assert "dp_world_size=4" in msg and "dp_world_size=2" in msg and "weights_only=False" in msg, msg
-    assert "Resume with dp_world_size=4" in msg
+    plan = plan_reshard(saved, now)
+    assert (plan.method, plan.gradient_accumulation_steps, plan.train_batch_size) == (UNIVERSAL, 2, 32)
     assert plan_reshard(saved, {**now, "world_size": 4, "dp_world_size": 4}) is None  # same size: loads
+    with pytest.raises(CheckpointError, match="resharding keeps the stage"):
+        plan_reshard(saved, {**now, "zero_stage": 2})
 
 
 @pytest.mark.parametrize("block,needle", [
