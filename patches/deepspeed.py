@@ -367,7 +367,8 @@ def detach(engine) -> None:
                       (engine.optimizer, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"),
                       (engine, "save_checkpoint"), (engine, "load_checkpoint"), (engine, "step"),
                       (engine, "backward"), (engine, "forward"), (engine, "train_batch"),
-                      (engine, "_take_model_step")):
+                      (engine, "_take_model_step"), (engine, "allreduce_gradients"),
+                      (engine, "_bf16_reduce_grads")):
         if obj is not None:
             _guard.unbind_instance(obj, name)
     engine.__dict__.pop("robust_plugins", None)

@@ -7,7 +7,9 @@ training script.
 - gradient bytes and time: ``engine.backward`` is shadowed on the instance (DeepSpeed 0.19,
   ``deepspeed/runtime/engine.py``: ZeRO 0-2 reduce gradients inside ``backward`` at the
   accumulation boundary) and runs inside :meth:`Telemetry.grad_window`, which counts every
-  collective issued there with :class:`robust_plugins.comm.WireCounter`;
+  collective issued there with :class:`robust_plugins.comm.WireCounter`; for a pipeline engine
+  the window is its data-parallel reduction at the batch's end and the loss the last stage's
+  (:func:`_bind_pipeline_window`);
 - the step: the engine's step observers (``patches/deepspeed.py``) call :func:`on_step` after each
   optimizer step at an accumulation boundary;
 - ZeRO-3 (:class:`Zero3Collectives`): ``engine.forward`` is shadowed too, and the collectives of
@@ -64,12 +66,6 @@ def attach_telemetry(engine, plugin) -> Any:
 
     _guard.check_signature("deepspeed", _undecorated(DeepSpeedEngine.backward), _BACKWARD_SIGNATURE,
                            "deepspeed >=0.19.0,<0.20")
-    if engine.pipeline_parallelism:
-        from robust_plugins.errors import UnsupportedError
-
-        raise UnsupportedError("robust_plugins.telemetry does not support DeepSpeed's PipelineEngine: its backward "
-                               "and gradient reduction run inside train_batch, where telemetry does not count them. "
-                               "Remove the 'telemetry' sub-block.")
     cfg = plugin.config.telemetry
     # ZeRO-3's parameters are partitioned (numel() is this rank's share or 0): ds_numel is the whole.
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
@@ -136,12 +132,34 @@ def attach_telemetry(engine, plugin) -> Any:
 
         _guard.bind_instance(engine, "forward", counted_forward)
 
-    _guard.bind_instance(engine, "backward", backward)
+    if engine.pipeline_parallelism:
+        _bind_pipeline_window(engine, tel)
+    else:
+        _guard.bind_instance(engine, "backward", backward)
     tel.hook_handles.append(handle)
     weakref.finalize(engine, tel.close)
     if current_rank() == 0:
         log.info("robust_plugins telemetry: %s -> %s", cfg.describe(), tel.dir)
     return tel
+
+
+def _bind_pipeline_window(engine, tel) -> None:
+    """A pipeline engine's backward and gradient reduction run inside ``train_batch``, whose
+    schedule calls its instruction methods through a class-level table; the reduction at the
+    batch's end then calls ``allreduce_gradients`` (or, with DeepSpeed's BF16_Optimizer,
+    ``_bf16_reduce_grads``) on the instance: that call is the window. Its loss is the last stage's
+    (DeepSpeed's ``total_loss``, the sum of its micro-batch losses, over their count, as
+    ``train_batch`` reports it); other stages report none, so the record's loss is the last
+    stage's. Tokens are counted where token ids enter: the first stage."""
+    for name in ("allreduce_gradients", "_bf16_reduce_grads"):
+        inner = getattr(engine, name)
+
+        def reduce(*args, _inner=inner, **kwargs):
+            total = engine.total_loss if engine.is_last_stage() else None
+            with tel.grad_window(total / engine.micro_batches if total is not None else None):
+                return _inner(*args, **kwargs)
+
+        _guard.bind_instance(engine, name, reduce, layer=f"telemetry.{name}")
 
 
 #: ``WireCounter.by_op`` names, by the ZeRO-3 collective they carry.

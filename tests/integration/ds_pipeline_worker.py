@@ -176,7 +176,10 @@ def scenarios(rank: int, world: int, out: str) -> dict:
 
     for name, comp in (("none", {"codec": "none"}), ("int8", {"codec": "int8", "block_size": 256,
                                                                "min_numel": 0, "warmup_steps": 0})):
-        e = make_engine({"compression": comp})
+        block = {"compression": comp}
+        if name == "int8":  # and telemetry: the loss from the last stage, each stage's DP bytes
+            block["telemetry"] = {"dir": os.path.join(out, "telemetry"), "log_every": 1}
+        e = make_engine(block)
         losses = train(e, STEPS - 1, corpus)
         with WireCounter(filter_group=e.grid.get_data_parallel_group()) as wire:
             losses += train(e, STEPS, corpus)
@@ -184,6 +187,13 @@ def scenarios(rank: int, world: int, out: str) -> dict:
         res[f"codec_{name}"] = {"losses": losses, "digest": state_digest(e), "by_op": dict(wire.by_op),
                                 "compressed_elements": stats.compressed_elements,
                                 "grad_numel": sum(p.numel() for p in e.module.parameters())}
+        if name == "int8":
+            e.robust_plugins.telemetry.close()
+            dist.barrier()
+            path = os.path.join(out, "telemetry", "metrics.jsonl")
+            import json
+
+            res["telemetry"] = [json.loads(x) for x in open(path)] if rank == 0 else []
     for e in engines:
         e.robust_plugins.memory.close(remove=True)
     dist.barrier()

@@ -92,3 +92,24 @@ def test_int8_compresses_each_stages_data_parallel_reduction(ranks):
         assert q["by_op"]["all_gather_into_tensor"] == (w - 1) * row + (w - 1) * n * 4 // w, q["by_op"]
         assert 2 * (w - 1) * row / (2 * (w - 1) / w * 4 * n) < 0.26
         assert math.isclose(r["codec_none"]["losses"][0], van["losses"][0])
+
+
+def test_pipeline_telemetry_reports_the_last_stages_loss_and_each_stages_dp_bytes(ranks):
+    """Rank 0's records (int8, log every step): the loss is train_batch's (the last stage's mean of
+    its micro-batches), tokens are the first stage's (2 replicas x 2 micro-batches x 4 x 32 a
+    step), and each rank's gradient bytes are its stage's compressed DP reduction: the all-to-all
+    row and the all-gather row of the hand computation in the test above."""
+    import math
+
+    steps = [r for r in ranks[0]["telemetry"] if r.get("kind") == "step"]
+    losses = ranks[0]["codec_int8"]["losses"]
+    assert [r["step"] for r in steps] == list(range(1, len(losses) + 1))
+    for rec, loss in zip(steps, losses):
+        assert math.isclose(rec["loss"], loss, rel_tol=1e-6), (rec["loss"], loss)
+    for rec in steps[1:]:
+        assert rec["tokens_per_s"] > 0
+    by_rank = steps[-1]["grad_bytes_per_step_by_rank"]
+    for rank, r in enumerate(ranks):
+        n = r["codec_int8"]["grad_numel"]
+        chunk = math.ceil(n / 512) * 256
+        assert by_rank[rank] == 2 * (chunk + 4 * (chunk // 256)), (rank, by_rank)
