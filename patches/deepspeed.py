@@ -14,6 +14,9 @@ ZeRO 0      ``DeepSpeedEngine.allreduce_bucket`` (all dense buckets, fp32 and bf
             backward (``compression.overlap``, ``patches/deepspeed_overlap.py``)
 ZeRO 1, 2   ``DeepSpeedZeroOptimizer.allreduce_bucket`` (all-reduce, or reduce to one rank)
             and ``gradient_reduction_w_predivide`` (``reduce_scatter: false``)
+ZeRO 3      ``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads``: the reduce-scatter
+            (``patches/deepspeed_zero3_reduce.py``)
+pipeline    ZeRO 0 / 1 as above, over each stage's data-parallel group
 ==========  ============================================================================
 
 Each replacement keeps DeepSpeed's scaling (``gradient_predivide_factor``,
@@ -43,6 +46,7 @@ from robust_plugins.patches.deepspeed_checkpoint import (  # noqa: F401  (CLIENT
     CLIENT_KEYS,
     STATE_FILE,
     _load_checkpoint,
+    _persist_observer,
     _save_checkpoint,
     _step_with_persist,
 )
@@ -69,6 +73,7 @@ _LOAD_SIGNATURE = [
     "load_lr_scheduler_states", "load_module_only", "custom_load_fn",
 ]
 _STEP_SIGNATURE = ["self", "lr_kwargs"]
+_TRAIN_BATCH_SIGNATURE = ["self", "data_iter"]
 _COPY_SCRIPT_SIGNATURE = ["self", "save_path"]
 _CKPT_ENGINE_SAVE_SIGNATURE = ["self", "state_dict", "path"]
 _CKPT_ENGINE_LOAD_SIGNATURE = ["self", "path", "map_location"]
@@ -209,7 +214,7 @@ class DeepSpeedPlugin:
 def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
     """Attach the configured features to a built engine; logs one line on rank 0."""
     if config.compression is not None:
-        _refuse_engine(engine)
+        _refuse_engine(engine, config)
     if config.checkpoint is not None:
         _refuse_checkpoint_engine(engine)
     plugin = DeepSpeedPlugin(engine, config)
@@ -229,6 +234,10 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
 
         _guard.bind_instance(engine, "allreduce_bucket", _engine_allreduce_bucket(engine, plugin))
         plugin.buckets = attach_buckets(engine, plugin)  # a collective with overlap
+    elif config.compression is not None and stage == 3:
+        from robust_plugins.patches.deepspeed_zero3_reduce import attach_zero3_reduce
+
+        attach_zero3_reduce(engine, plugin)  # the reduce-scatter, compressed with error feedback
     elif config.compression is not None:
         if config.compression.overlap:
             from robust_plugins.patches.deepspeed_overlap import unsupported_reason
@@ -244,7 +253,10 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
     _guard.bind_instance(engine, "save_checkpoint", _save_checkpoint(engine, plugin))
     _guard.bind_instance(engine, "load_checkpoint", _load_checkpoint(engine, plugin))
     if config.checkpoint is not None and config.checkpoint.persist_every:
-        _guard.bind_instance(engine, "step", _step_with_persist(engine, plugin))
+        if engine.pipeline_parallelism:  # its step() is never called: saved after train_batch
+            add_step_observer(engine, _persist_observer(plugin))
+        else:
+            _guard.bind_instance(engine, "step", _step_with_persist(engine, plugin))
     if plugin.memory is not None:
         add_step_observer(engine, plugin.memory.on_step)
     if config.telemetry is not None:
@@ -292,27 +304,55 @@ def add_step_observer(engine, observer, first: bool = False) -> None:
     the other observers can read its numbers with ``deepspeed_watchdog.latest_step``).
 
     The first registration shadows ``engine.step`` on this instance, around whatever is there
-    (DeepSpeed's method or another robust_plugins wrapper such as ``persist_every``'s); adding the
-    same observer twice is a no-op. ``detach`` removes it with the other shadows.
+    (DeepSpeed's method or another robust_plugins wrapper such as ``persist_every``'s), or a
+    pipeline engine's ``train_batch``; adding the same observer twice is a no-op. ``detach``
+    removes it with the other shadows.
     """
     observers = engine.__dict__.get("_robust_step_observers")
     if observers is None:
         observers = engine._robust_step_observers = []
-        inner = engine.step
-
-        def step(lr_kwargs=None):
-            before = engine.global_steps
-            result = inner(lr_kwargs)
-            if engine.global_steps != before:
-                for fn in list(observers):
-                    fn(engine)
-            return result
-
-        # Installed once per engine (the list above is the guard), around whatever is bound
-        # now, persist_every's wrapper included, so observers see the step after its save.
-        engine.step = _guard.wrap(inner, step)
+        if engine.pipeline_parallelism:
+            _observe_train_batch(engine, observers)
+        else:
+            _observe_step(engine, observers)
     if observer not in observers:
         observers.insert(0, observer) if first else observers.append(observer)
+
+
+def _observe_step(engine, observers: list) -> None:
+    inner = engine.step
+
+    def step(lr_kwargs=None):
+        before = engine.global_steps
+        result = inner(lr_kwargs)
+        if engine.global_steps != before:
+            for fn in list(observers):
+                fn(engine)
+        return result
+
+    # Installed once per engine (the observer list is the guard), around whatever is bound now,
+    # persist_every's wrapper included, so observers see the step after its save.
+    engine.step = _guard.wrap(inner, step)
+
+
+def _observe_train_batch(engine, observers: list) -> None:
+    """``PipelineEngine`` steps its optimizer inside ``train_batch`` (``_exec_optimizer_step``)
+    and its ``step()`` raises: its observers run after each ``train_batch`` that moved
+    ``global_steps``, on every stage (the batch's loss is then known on every stage too)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    _guard.check_signature("deepspeed", PipelineEngine.train_batch, _TRAIN_BATCH_SIGNATURE, SUPPORTED)
+    inner = engine.train_batch
+
+    def train_batch(data_iter=None):
+        before = engine.global_steps
+        result = inner(data_iter)
+        if engine.global_steps != before:
+            for fn in list(observers):
+                fn(engine)
+        return result
+
+    engine.train_batch = _guard.wrap(inner, train_batch)
 
 
 def detach(engine) -> None:
@@ -324,8 +364,11 @@ def detach(engine) -> None:
     detach_buckets(engine)
     for obj, name in ((engine, "allreduce_bucket"), (engine.optimizer, "allreduce_bucket"),
                       (engine.optimizer, "gradient_reduction_w_predivide"),
+                      (engine.optimizer, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"),
                       (engine, "save_checkpoint"), (engine, "load_checkpoint"), (engine, "step"),
-                      (engine, "backward")):
+                      (engine, "backward"), (engine, "forward"), (engine, "train_batch"),
+                      (engine, "_take_model_step"), (engine, "allreduce_gradients"),
+                      (engine, "_bf16_reduce_grads")):
         if obj is not None:
             _guard.unbind_instance(obj, name)
     engine.__dict__.pop("robust_plugins", None)

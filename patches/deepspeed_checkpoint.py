@@ -257,7 +257,7 @@ def _load_resharded(engine, plugin, original, load_dir: str, tag: str, reshard, 
     """Load a checkpoint of another data-parallel size and keep its global batch.
 
     ZeRO 0 (``direct``): model and optimizer state are replicated and live in the one
-    ``mp_rank_00_model_states.pt``, which DeepSpeed loads at any DP size. ZeRO 1/2 (``universal``):
+    ``mp_rank_00_model_states.pt``, which DeepSpeed loads at any DP size. ZeRO 1-3 (``universal``):
     rank 0 converts the verified checkpoint with DeepSpeed's ``ds_to_universal`` into
     ``<dir>/.universal/<tag>`` (every file the converter reads, and every converted file the
     load reads, goes through ``torch.load(weights_only=True)``), every rank loads it with DeepSpeed's
@@ -363,10 +363,22 @@ def _load_residuals(plugin: DeepSpeedPlugin, load_dir: str, tag: str) -> None:
 
 def _step_with_persist(engine, plugin: DeepSpeedPlugin):
     original = engine.step
-    every = plugin.config.checkpoint.persist_every
+    persist = _persist_observer(plugin)
 
     def step(lr_kwargs=None):
         result = original(lr_kwargs)
+        persist(engine)
+        return result
+
+    return step
+
+
+def _persist_observer(plugin: DeepSpeedPlugin):
+    """After an optimizer step: ``checkpoint.persist_every``'s save, when it is due (a step
+    observer for pipeline engines, whose ``step()`` is never called)."""
+    every = plugin.config.checkpoint.persist_every
+
+    def persist(engine) -> None:
         # global_steps moves only at gradient-accumulation boundaries; save once per such step.
         # With memory snapshots the snapshot thread writes these saves in the background.
         n = engine.global_steps
@@ -374,6 +386,5 @@ def _step_with_persist(engine, plugin: DeepSpeedPlugin):
         if every and not background and n % every == 0 and n != plugin.persisted_at:
             plugin.persisted_at = n
             engine.save_checkpoint(plugin.config.checkpoint.dir)
-        return result
 
-    return step
+    return persist

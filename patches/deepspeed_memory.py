@@ -1,9 +1,10 @@
 """DeepSpeed binding of the in-memory snapshots (``checkpoint.memory_every`` / ``peer_backup``).
 
 What one snapshot holds, so that a restored engine continues bitwise as if never stopped
-(DeepSpeed 0.19, ZeRO 0-2, same world size):
+(DeepSpeed 0.19, ZeRO 0-3, same world size):
 
-* ``engine.module.state_dict()`` (parameters and buffers),
+* ``engine.module.state_dict()`` (parameters and buffers); with ZeRO-3 the buffers, this rank's
+  parameter partitions and its optimizer state (``patches/deepspeed_zero3.py``: no gather),
 * the optimizer: for ZeRO 1/2 ``DeepSpeedZeroOptimizer.state_dict()`` (loss scaler, fp32 master
   partition, base optimizer state; restored through its own ``load_state_dict`` with
   ``load_from_fp32_weights``), for ZeRO 0 a torch optimizer's ``state_dict()`` or, with bf16/fp16
@@ -61,6 +62,7 @@ from robust_plugins.checkpoint.persist import SnapshotPersister, load_snapshot_c
 from robust_plugins.checkpoint.restore import restore_from_memory, rollback_bound
 from robust_plugins.device import device_rng_state, set_device_rng_state
 from robust_plugins.errors import CheckpointError, UnsupportedError
+from robust_plugins.patches import deepspeed_zero3 as _zero3
 from robust_plugins.watchdog import snapshot_check
 
 log = get_logger(__name__)
@@ -108,9 +110,12 @@ def _unfused_wrapper(opt) -> bool:
 def check_engine(engine) -> None:
     """Refuse optimizers whose state this binding cannot restore exactly."""
     opt = engine.optimizer
+    if _zero3.is_zero3(engine):
+        _zero3.check_engine(engine, "checkpoint.memory_every")
+        return
     if _zero_optimizer(engine) is None and not isinstance(opt, torch.optim.Optimizer) and not _unfused_wrapper(opt):
         raise UnsupportedError(
-            f"robust_plugins.checkpoint.memory_every supports ZeRO 1/2 (DeepSpeedZeroOptimizer) and, "
+            f"robust_plugins.checkpoint.memory_every supports ZeRO 1/2 (DeepSpeedZeroOptimizer), ZeRO-3 and, "
             f"with ZeRO 0, plain torch optimizers and DeepSpeed's FP16_UnfusedOptimizer; this engine has "
             f"{type(opt).__name__}, whose exact capture was not verified. Remove memory_every or use ZeRO 1/2."
         )
@@ -233,8 +238,9 @@ class SnapshotBinding:
         Buffers, residuals, RNG and registered state can change in forward/backward: copied now."""
         if not self.background:
             return None
-        ptrs = {p.data_ptr() for p in self._module().parameters()}
+        ptrs = {p.data_ptr() for p in self._module().parameters() if p.numel()}
         _collect_ptrs(state["optimizer"], ptrs)
+        _collect_ptrs(state.get("partitions"), ptrs)  # ZeRO-3's parameter partitions
         return ptrs
 
     def settle(self) -> float:
@@ -318,7 +324,11 @@ class MemorySnapshots(SnapshotBinding):
         # newer copies are in flight (checkpoint/peer.py).
         self.store = memory.SnapshotStore(self.job, self.rank, self.world, allowed=_allowed(),
                                           after_commit=self._after_commit, n_slots=3 if self.peers is not None else 2)
-        self.sdc = snapshot_check.build(self.store, cfg.verify_replicas, _replica_ranks(engine, self.world),
+        self.zero3 = _zero3.is_zero3(engine)
+        """ZeRO-3: a snapshot holds this rank's partitions (``patches/deepspeed_zero3.py``)."""
+        # ZeRO-3 ranks hold disjoint partitions: no replica to check a snapshot against.
+        self.sdc = snapshot_check.build(self.store, cfg.verify_replicas,
+                                        [self.rank] if self.zero3 else _replica_ranks(engine, self.world),
                                         self.every, self.timeout_s)
         """The replica check of every snapshot under robust run (``verify_replicas``), or None."""
         self.background = cfg.memory_copy == "background"
@@ -335,7 +345,9 @@ class MemorySnapshots(SnapshotBinding):
             # wait runs right before DeepSpeed's step and DeepSpeed's own load.
             from robust_plugins.patches import _guard
 
-            _guard.bind_instance(engine, "step", _settle_before(engine.step, self._settle_in_step))
+            # A pipeline engine's optimizer step is _take_model_step inside train_batch.
+            name = "_take_model_step" if engine.pipeline_parallelism else "step"
+            _guard.bind_instance(engine, name, _settle_before(getattr(engine, name), self._settle_in_step))
             _guard.bind_instance(engine, "load_checkpoint", _settle_before(engine.load_checkpoint, self.settle))
         self.restored: dict | None = None
         """What the last restore used: ``{"step", "source"}``."""
@@ -357,8 +369,8 @@ class MemorySnapshots(SnapshotBinding):
         state = {
             "counters": {"global_steps": e.global_steps, "global_samples": e.global_samples,
                          "skipped_steps": e.skipped_steps, "micro_steps": e.micro_steps},
-            "module": e.module.state_dict(),
-            "optimizer": e.optimizer.state_dict(),
+            **(_zero3.capture(e) if self.zero3 else
+               {"module": e.module.state_dict(), "optimizer": e.optimizer.state_dict()}),
             "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
             "rng": _rng_state(),
             "compression": self.plugin.state_dict() if self.plugin.has_state else None,
@@ -386,9 +398,11 @@ class MemorySnapshots(SnapshotBinding):
     def apply(self, state: dict) -> None:
         """Load a captured state into the engine (same layout)."""
         e = self.engine
-        e.module.load_state_dict(state["module"], strict=True)
         zero = _zero_optimizer(e)
-        if zero is not None:
+        if self.zero3:
+            _zero3.apply(e, state)
+        elif zero is not None:
+            e.module.load_state_dict(state["module"], strict=True)
             from deepspeed import comm as dist
 
             dp_rank = dist.get_rank(group=zero.dp_process_group)
@@ -396,6 +410,7 @@ class MemorySnapshots(SnapshotBinding):
             sd_list[dp_rank] = state["optimizer"]
             zero.load_state_dict(sd_list, load_optimizer_states=True, load_from_fp32_weights=True)
         else:
+            e.module.load_state_dict(state["module"], strict=True)
             e.optimizer.load_state_dict(state["optimizer"])
         if e.lr_scheduler is not None and state["lr_scheduler"] is not None:
             e.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -1,5 +1,9 @@
 """DeepSpeed: find the config ``deepspeed.initialize`` will use, and refuse what the plugin cannot serve.
 
+``compression`` serves ZeRO stages 0-3 (ZeRO-3's refusals: ``patches/deepspeed_zero3_reduce.py``) and
+pipeline engines (flat, fixed codec); ``checkpoint`` stages 0-3 and pipeline engines (ZeRO 0/1, which is
+what DeepSpeed allows with them).
+
 :func:`_refuse_before_init` needs no engine and runs before DeepSpeed builds one;
 :func:`_refuse_engine` (``compression``) and :func:`_refuse_checkpoint_engine` (``checkpoint``)
 inspect the built engine (``patches/deepspeed.py`` calls them from ``initialize`` and ``attach``).
@@ -53,33 +57,21 @@ def _refuse_before_init(arguments: dict[str, Any], plugin_cfg: PluginConfig) -> 
     if not what:  # telemetry alone observes the engine and changes nothing it could refuse
         return
     stage = (cfg.get("zero_optimization") or {}).get("stage", 0)
-    if stage not in (0, 1, 2):
-        raise UnsupportedError(
-            f"robust_plugins.{what} supports ZeRO stages 0, 1 and 2; this config sets "
-            f"zero_optimization.stage = {stage!r}. Use stage 0-2 or remove the "
-            f"'{what}' sub-block."
-        )
-    model = arguments.get("model")
-    if model is not None and type(model).__name__ == "PipelineModule":
-        raise UnsupportedError(
-            f"robust_plugins.{what} does not support DeepSpeed pipeline engines "
-            f"(PipelineModule); remove the '{what}' sub-block or train without pipeline parallelism."
-        )
+    if stage not in (0, 1, 2, 3):
+        raise UnsupportedError(f"robust_plugins.{what}: zero_optimization.stage = {stage!r} is not a ZeRO stage; "
+                               f"allowed: 0, 1, 2, 3.")
 
 
-def _refuse_engine(engine) -> None:
+def _refuse_engine(engine, plugin_cfg: PluginConfig) -> None:
     """Refusals that need the built engine (the config alone does not say)."""
-    from deepspeed.runtime.pipe.engine import PipelineEngine
-
-    if isinstance(engine, PipelineEngine):
-        raise UnsupportedError(
-            "robust_plugins.compression does not support DeepSpeed's PipelineEngine; remove the "
-            "'compression' sub-block or train without pipeline parallelism."
-        )
     stage = engine.zero_optimization_stage()
-    if stage not in (0, 1, 2):
-        raise UnsupportedError(f"robust_plugins.compression supports ZeRO stages 0-2, not stage {stage}.")
-    if not engine.enable_backward_allreduce:
+    if engine.pipeline_parallelism:
+        _refuse_pipeline(plugin_cfg)
+    elif stage not in (0, 1, 2, 3):
+        raise UnsupportedError(f"robust_plugins.compression supports ZeRO stages 0-3, not stage {stage}.")
+    # A pipeline engine turns the engine's all-reduce off and reduces itself at the batch's end
+    # (pipeline_enable_backward_allreduce), through the same bucket methods.
+    if not (engine.pipeline_parallelism or engine.enable_backward_allreduce):
         raise UnsupportedError(
             f"The optimizer {type(engine.optimizer).__name__} communicates gradients itself "
             f"(DeepSpeed turned the engine's all-reduce off, as 1-bit Adam / 0/1 Adam do), so "
@@ -100,25 +92,45 @@ def _refuse_engine(engine) -> None:
             )
 
 
+def _refuse_pipeline(plugin_cfg: PluginConfig) -> None:
+    """What the compression of a pipeline stage's data-parallel reduction was not verified with."""
+    cfg, topo = plugin_cfg.compression, plugin_cfg.topology
+    refusals = (
+        (cfg.codec == "auto", "compression.codec = 'auto'", "none, bf16, int8, int4, sign"),
+        (cfg.sign_mode == "momentum", "compression.sign_mode = 'momentum'", "'gradient'"),
+        (bool(cfg.overlap), "compression.overlap = true", "false or unset (the pipeline reduces at the batch's end)"),
+        (topo is not None and topo.hierarchical, "topology.hierarchical = true", "false"),
+    )
+    for refused, what, allowed in refusals:
+        if refused:
+            raise UnsupportedError(f"robust_plugins.compression on DeepSpeed's pipeline engine does not support "
+                                   f"{what}; allowed there: {allowed}.")
+
+
 def _refuse_checkpoint_engine(engine) -> None:
     """Engines whose checkpoint files take paths the verified save/load does not cover."""
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-    from deepspeed.runtime.pipe.engine import PipelineEngine
 
     remove = "Remove the 'checkpoint' sub-block to use DeepSpeed's own checkpoints."
-    if isinstance(engine, PipelineEngine):
-        raise UnsupportedError(f"robust_plugins.checkpoint does not support DeepSpeed's PipelineEngine. {remove}")
-    stage = engine.zero_optimization_stage()
-    if stage not in (0, 1, 2):
-        raise UnsupportedError(f"robust_plugins.checkpoint supports ZeRO stages 0-2, not stage {stage}. {remove}")
     refusals = (
         (engine.has_moe_layers, "MoE engines (expert files are loaded outside the checkpoint engine)"),
         (engine.load_universal_checkpoint(), "universal checkpoints (checkpoint.load_universal)"),
         (engine.use_node_local_storage(), "node-local storage (rank 0 must see every rank's files)"),
-        (engine.zero_nvme_offload_optimizer(), "NVMe optimizer offload (its files are copied with copytree)"),
+        (engine.zero_nvme_offload_optimizer(),
+         "zero_optimization.offload_optimizer.device = 'nvme' (its swap files are copied with copytree, outside the "
+         "checkpoint engine; allowed: 'none' or 'cpu')"),
+        (_offload_param_device(engine) == "nvme",
+         "zero_optimization.offload_param.device = 'nvme' (parameters swapped to NVMe were not verified; allowed: "
+         "'none' or 'cpu')"),
         (type(engine.checkpoint_engine) is not TorchCheckpointEngine,
          f"the {type(engine.checkpoint_engine).__name__} checkpoint engine (only TorchCheckpointEngine)"),
     )
     for refused, what in refusals:
         if refused:
             raise UnsupportedError(f"robust_plugins.checkpoint does not support {what}. {remove}")
+
+
+def _offload_param_device(engine) -> str:
+    """``zero_optimization.offload_param.device`` (``"none"`` when not configured)."""
+    offload = engine._config.zero_config.offload_param
+    return "none" if offload is None else str(getattr(offload.device, "value", offload.device))

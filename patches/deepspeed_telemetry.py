@@ -7,9 +7,15 @@ training script.
 - gradient bytes and time: ``engine.backward`` is shadowed on the instance (DeepSpeed 0.19,
   ``deepspeed/runtime/engine.py``: ZeRO 0-2 reduce gradients inside ``backward`` at the
   accumulation boundary) and runs inside :meth:`Telemetry.grad_window`, which counts every
-  collective issued there with :class:`robust_plugins.comm.WireCounter`;
+  collective issued there with :class:`robust_plugins.comm.WireCounter`; for a pipeline engine
+  the window is its data-parallel reduction at the batch's end and the loss the last stage's
+  (:func:`_bind_pipeline_window`);
 - the step: the engine's step observers (``patches/deepspeed.py``) call :func:`on_step` after each
-  optimizer step at an accumulation boundary.
+  optimizer step at an accumulation boundary;
+- ZeRO-3 (:class:`Zero3Collectives`): ``engine.forward`` is shadowed too, and the collectives of
+  forward and backward are counted by kind, so each record (rank 0's, summed over its window) has
+  ``zero3``: the parameter all-gathers of forward and of backward, the gradient reduce-scatter
+  (``reduce_scatter_tensor``, or the compressed one's ``all_to_all_single``), bytes and seconds.
 
 The recorder is closed (W&B run finished, ``end`` record written) when the engine is garbage
 collected or at interpreter exit, whichever comes first; ``engine.robust_plugins.telemetry.close()``
@@ -18,6 +24,7 @@ closes it explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -60,7 +67,8 @@ def attach_telemetry(engine, plugin) -> Any:
     _guard.check_signature("deepspeed", _undecorated(DeepSpeedEngine.backward), _BACKWARD_SIGNATURE,
                            "deepspeed >=0.19.0,<0.20")
     cfg = plugin.config.telemetry
-    trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    # ZeRO-3's parameters are partitioned (numel() is this rank's share or 0): ds_numel is the whole.
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
     comm_dtype = engine.communication_data_type or engine.get_data_types()[0]
     state = plugin.sync.state if plugin.sync is not None else None
     # SyncStats, not the GradientSync: its step function holds the engine, which the recorder must
@@ -86,12 +94,20 @@ def attach_telemetry(engine, plugin) -> Any:
                  "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
                  "micro_batch": engine.train_micro_batch_size_per_gpu()},
     }
+    zero3 = Zero3Collectives() if engine.zero_optimization_stage() == 3 else None
+
+    def info() -> dict[str, Any]:
+        out = sync_info() if stats is not None else {}
+        if zero3 is not None:
+            out["zero3"] = zero3.take()
+        return out
+
     tel = Telemetry(cfg, run_config=run_config, n_grad_elements=trainable,
                     grad_element_size=torch.empty((), dtype=comm_dtype).element_size(),
                     dp_world_size=engine.dp_world_size, device=torch.device(engine.device),
                     flops_per_token=6.0 * trainable,
                     residual_sq_fn=state.residual_sq_norm if state is not None else None,
-                    grad_norm_fn=grad_norm, info_fn=sync_info if stats is not None else None)
+                    grad_norm_fn=grad_norm, info_fn=info if stats is not None or zero3 is not None else None)
     plugin.telemetry = tel
 
     def count_tokens(module, args, kwargs):
@@ -104,15 +120,82 @@ def attach_telemetry(engine, plugin) -> Any:
     original = engine.backward
 
     def backward(loss, retain_graph=False, scale_wrt_gas=True):
-        with tel.grad_window(loss):
+        with tel.grad_window(loss), (zero3.window("backward") if zero3 else contextlib.nullcontext()):
             return original(loss, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas)
 
-    _guard.bind_instance(engine, "backward", backward)
+    if zero3 is not None:
+        forward = engine.forward
+
+        def counted_forward(*args, **kwargs):
+            with zero3.window("forward"):
+                return forward(*args, **kwargs)
+
+        _guard.bind_instance(engine, "forward", counted_forward)
+
+    if engine.pipeline_parallelism:
+        _bind_pipeline_window(engine, tel)
+    else:
+        _guard.bind_instance(engine, "backward", backward)
     tel.hook_handles.append(handle)
     weakref.finalize(engine, tel.close)
     if current_rank() == 0:
         log.info("robust_plugins telemetry: %s -> %s", cfg.describe(), tel.dir)
     return tel
+
+
+def _bind_pipeline_window(engine, tel) -> None:
+    """A pipeline engine's backward and gradient reduction run inside ``train_batch``, whose
+    schedule calls its instruction methods through a class-level table; the reduction at the
+    batch's end then calls ``allreduce_gradients`` (or, with DeepSpeed's BF16_Optimizer,
+    ``_bf16_reduce_grads``) on the instance: that call is the window. Its loss is the last stage's
+    (DeepSpeed's ``total_loss``, the sum of its micro-batch losses, over their count, as
+    ``train_batch`` reports it); other stages report none, so the record's loss is the last
+    stage's. Tokens are counted where token ids enter: the first stage."""
+    for name in ("allreduce_gradients", "_bf16_reduce_grads"):
+        inner = getattr(engine, name)
+
+        def reduce(*args, _inner=inner, **kwargs):
+            total = engine.total_loss if engine.is_last_stage() else None
+            with tel.grad_window(total / engine.micro_batches if total is not None else None):
+                return _inner(*args, **kwargs)
+
+        _guard.bind_instance(engine, name, reduce, layer=f"telemetry.{name}")
+
+
+#: ``WireCounter.by_op`` names, by the ZeRO-3 collective they carry.
+_ALL_GATHER = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base", "all_gather")
+_REDUCE_SCATTER = ("reduce_scatter_tensor", "reduce_scatter_single", "_reduce_scatter_base", "reduce_scatter",
+                   "all_to_all_single")
+
+
+class Zero3Collectives:
+    """Bytes and seconds of ZeRO-3's collectives on this rank, by phase, since the last record.
+
+    ``forward``: the parameter all-gathers (ZeRO-3 issues nothing else there). ``backward``: the
+    all-gathers of parameters released after forward and the gradient reduce-scatter (DeepSpeed's
+    ``reduce_scatter_tensor``, or the compressed one's ``all_to_all_single``); its seconds are both
+    together (one counter: the two interleave inside backward)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def window(self, phase: str):
+        """Count the collectives issued inside (``phase``: ``forward`` or ``backward``)."""
+        from robust_plugins.comm import WireCounter
+
+        with WireCounter() as counter:
+            yield
+        by_op = counter.by_op
+        for kind, names in (("all_gather", _ALL_GATHER), ("reduce_scatter", _REDUCE_SCATTER)):
+            key = f"{phase}_{kind}_bytes"
+            self._sums[key] = self._sums.get(key, 0) + sum(by_op.get(n, 0) for n in names)
+        self._sums[f"{phase}_comm_s"] = self._sums.get(f"{phase}_comm_s", 0.0) + counter.seconds
+
+    def take(self) -> dict[str, float]:
+        """The sums since the last call (then reset)."""
+        out, self._sums = self._sums, {}
+        return out
 
 
 def on_step(engine) -> None:

@@ -1,6 +1,6 @@
 """DeepSpeed's universal-checkpoint converter and loader with loads that run no code from files.
 
-Resharding a ZeRO 1/2 checkpoint (``checkpoint/elastic.py``) goes through DeepSpeed 0.19's
+Resharding a ZeRO 1-3 checkpoint (``checkpoint/elastic.py``) goes through DeepSpeed 0.19's
 universal checkpoint: ``deepspeed.checkpoint.ds_to_universal`` converts the checkpoint, then the
 engine loads the converted files. Both read files with ``torch.load(weights_only=False)`` (the
 converter about a dozen times, the engine in ``universal_checkpoint.load_hp_checkpoint_state``),
@@ -12,8 +12,9 @@ i.e. any pickle in the checkpoint could run code. Here every such read becomes
   ``torch.load`` for the whole (single-purpose) process, then calls DeepSpeed's own ``main``.
   The converter runs with one extract and one merge worker, so no pool process escapes the patch.
 * :func:`safe_universal_loads` shadows the ``torch`` global of
-  ``deepspeed.checkpoint.universal_checkpoint`` for one load, so only that module's reads change
-  (other threads' ``torch.load`` calls are left alone).
+  ``deepspeed.checkpoint.universal_checkpoint`` and of ``deepspeed.runtime.zero.stage3`` (ZeRO-3's
+  ``load_hp_checkpoint_state`` reads the converted files itself) for one load, so only those
+  modules' reads change (other threads' ``torch.load`` calls are left alone).
 
 A file holding any other global is refused with :class:`CheckpointError` naming the type.
 """
@@ -93,14 +94,23 @@ def safe_universal_loads() -> Iterator[None]:
             f"deepspeed.checkpoint.universal_checkpoint does not read files through the module-level "
             f"torch.load robust_plugins expects ({SUPPORTED}); its loads cannot be made safe, so the "
             f"resharded load was refused. Resume at the saved data-parallel size.")
+    from deepspeed.runtime.zero import stage3
+
+    if getattr(stage3, "torch", None) is not torch:
+        raise CheckpointError(
+            f"deepspeed.runtime.zero.stage3 does not read files through the module-level torch.load "
+            f"robust_plugins expects ({SUPPORTED}); its universal loads cannot be made safe, so the "
+            f"resharded load was refused. Resume at the saved data-parallel size.")
     proxy = types.ModuleType("torch")
     proxy.__dict__.update({k: v for k, v in torch.__dict__.items() if not k.startswith("__")})
     proxy.load = safe_load
     uc.torch = proxy
+    stage3.torch = proxy  # ZeRO-3 reads the converted files itself (load_hp_checkpoint_state)
     try:
         yield
     finally:
         uc.torch = torch
+        stage3.torch = torch
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,8 @@ itself, as a script would with ``robust_plugins.watchdog.step_end``:
 - **step**: ``engine.global_steps`` after the step, the number a script following the resume
   contract uses (it resumes at ``global_steps + 1``); ``--inject ...,step=S`` refers to it;
 - **loss**: this rank's loss, the mean of the losses passed to ``engine.backward`` since the
-  previous optimizer step (one per micro-batch). ``engine.backward`` is shadowed on the instance
+  previous optimizer step (one per micro-batch); for a pipeline engine, ``train_batch``'s loss
+  (the last stage's, which DeepSpeed broadcasts to every stage). ``engine.backward`` is shadowed on the instance
   to keep a detached reference to each loss (no copy, no device sync); the mean is read once an
   optimizer step with ``.item()``. On a GPU that waits for the step's kernels, which DeepSpeed's
   own step has already done for ZeRO 1/2's overflow check and gradient norm;
@@ -153,6 +154,10 @@ def on_step(engine) -> None:
             total = total + extra.float()
         loss = float(total.item()) / len(signals.losses)
         signals.losses.clear()
+    elif engine.pipeline_parallelism and getattr(engine, "agg_train_loss", None) is not None:
+        # A pipeline engine's backward is internal: train_batch's loss, computed on the last
+        # stage and broadcast to every stage, is the step's loss on each rank.
+        loss = float(engine.agg_train_loss.float().mean().item())
     norm = engine.get_global_grad_norm()
     grad_norm = float(norm.item() if hasattr(norm, "item") else norm) if norm is not None else None
     info = StepInfo(step=int(engine.global_steps), loss=loss, grad_norm=grad_norm,

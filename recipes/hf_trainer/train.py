@@ -6,7 +6,11 @@ exactly where the plugin's restore point left it)::
     torchrun --nproc-per-node 2 -m robust_plugins.recipes.hf_trainer.train \\
         --ds-config recipes/hf_trainer/plugin.json --steps 60 --out runs/hf/plugin
 
-The model is GPT-2 shaped and built from a ``GPT2Config`` (nothing is downloaded); the data are
+The model is GPT-2 shaped and built from a ``GPT2Config`` (nothing is downloaded) with
+``AutoModelForCausalLM.from_config`` after the ``TrainingArguments``: with a ZeRO-3 config
+(``zero3.json``) that is where HF's DeepSpeed integration builds it under ``deepspeed.zero.Init``
+and initialises its weights as without ZeRO-3 (a plain ``GPT2LMHeadModel(cfg)`` there would be
+partitioned by ``deepspeed.initialize`` instead, which also works). The data are
 fixed windows of the byte-level stdlib corpus (``robust_plugins.workloads.text``), so the
 vocabulary is 256 bytes. ``--preset cpu-tiny`` trains on CPU ranks over gloo; ``--preset gpu`` is a
 GPT-2 small on one GPU a rank (bf16). Rank 0 writes ``<out>/result.json``: the Trainer's
@@ -19,6 +23,7 @@ DeepSpeed config the engine ran with; every rank writes ``<out>/digest.rank<R>``
 import robust_plugins  # noqa: F401,I001  (order matters)
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -26,7 +31,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, default_data_collator
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, \
+    default_data_collator
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from robust_plugins.workloads import load_corpus
 
@@ -58,20 +65,30 @@ class ByteWindows(torch.utils.data.Dataset):
 
 
 def build_model(preset: dict, seed: int) -> GPT2LMHeadModel:
-    """A GPT-2-shaped model from a config, initialised from ``seed`` (same weights on every rank)."""
+    """A GPT-2-shaped model from a config, initialised from ``seed`` (same weights on every rank).
+
+    Built the way HF builds models, so that after ``TrainingArguments`` with a ZeRO-3 config it is
+    created under ``deepspeed.zero.Init`` by HF's integration (module docstring)."""
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=256, n_positions=preset["seq_len"], n_embd=preset["n_embd"],
                      n_layer=preset["n_layer"], n_head=preset["n_head"])
-    return GPT2LMHeadModel(cfg)
+    return AutoModelForCausalLM.from_config(cfg)
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 over every parameter's bytes, in ``named_parameters`` order (ZeRO 1/2 keep full
-    parameters on every rank)."""
+    """sha256 over every parameter's bytes, in ``named_parameters`` order. ZeRO 1/2 keep full
+    parameters on every rank; ZeRO-3's are gathered for it (a collective: every rank calls it)."""
+    params = list(model.named_parameters())
+    gathered = contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for _, p in params):
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters([p for _, p in params])
     h = hashlib.sha256()
-    for name, p in model.named_parameters():
-        h.update(name.encode())
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    with gathered:
+        for name, p in params:
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -94,6 +111,15 @@ def train(out: Path, ds_config, *, steps: int, preset_name: str = "cpu-tiny", se
     out.mkdir(parents=True, exist_ok=True)
     args = training_args(out, ds_config, steps=steps, preset=preset, seed=seed, grad_accum=grad_accum,
                          report_to=report_to, run_name=run_name)
+    if is_deepspeed_zero3_enabled():
+        # zero.Init, which HF's integration runs inside build_model, reads the world size from
+        # DeepSpeed's comm backend; on CPU (use_cpu) nothing has set that up by now and it would
+        # partition for 1 rank ("train_batch_size ... 16 != 4 * 2 * 1"). args.device sets up the
+        # torch process group, which init_distributed then adopts.
+        import deepspeed
+
+        _ = args.device
+        deepspeed.init_distributed(dist_backend="gloo" if preset["use_cpu"] else "nccl")
     model = build_model(preset, seed)
     data = ByteWindows(windows or preset["windows"], preset["seq_len"])
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
@@ -104,7 +130,8 @@ def train(out: Path, ds_config, *, steps: int, preset_name: str = "cpu-tiny", se
     engine = trainer.model_wrapped
     result = {
         "log_history": trainer.state.log_history, "global_step": trainer.state.global_step,
-        "epoch": trainer.state.epoch, "digest": digest, "n_params": sum(p.numel() for p in model.parameters()),
+        "epoch": trainer.state.epoch, "digest": digest,
+        "n_params": sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
         "plugin": getattr(engine, "robust_plugins", None) is not None,
         "zero_stage": engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else None,
     }
@@ -115,7 +142,8 @@ def train(out: Path, ds_config, *, steps: int, preset_name: str = "cpu-tiny", se
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ds-config", required=True, help="DeepSpeed config JSON (baseline.json or plugin.json)")
+    p.add_argument("--ds-config", required=True,
+                   help="DeepSpeed config JSON (baseline.json, plugin.json, or zero3.json for ZeRO-3)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
     p.add_argument("--seed", type=int, default=0)

@@ -2,7 +2,7 @@
 
 A pure planner (no I/O, no framework): :func:`plan_reshard` takes what the checkpoint's manifest
 recorded and what the resuming job has, and returns how to load (``direct`` for replicated state,
-``universal`` for ZeRO 1/2 partitions, which DeepSpeed's universal checkpoint re-partitions) and the
+``universal`` for ZeRO 1-3 partitions, which DeepSpeed's universal checkpoint re-partitions) and the
 gradient accumulation that keeps the global batch, or raises :class:`CheckpointError` saying why it
 cannot and what would work. Hosts (``patches/deepspeed.py``) carry the plan out.
 :func:`plan_megatron_reshard` is the same decision for megatron-core checkpoints
@@ -29,7 +29,7 @@ class Reshard:
     """How to load a checkpoint saved at another data-parallel size."""
 
     method: str
-    """``direct`` (the state is replicated on every DP rank: ZeRO 0) or ``universal``."""
+    """``direct`` (the state is replicated on every DP rank: ZeRO 0) or ``universal`` (ZeRO 1-3)."""
     gradient_accumulation_steps: int
     """New accumulation: ``train_batch_size / (micro_batch * dp_world_size)``."""
     train_batch_size: int
@@ -78,8 +78,8 @@ def plan_reshard(saved: Mapping[str, Any], now: Mapping[str, Any]) -> Reshard | 
                               f"{allowed}; or change train_micro_batch_size_per_gpu.")
     gas = batch // (micro * n_dp)
     method = DIRECT if now["zero_stage"] == 0 else UNIVERSAL
-    if now["zero_stage"] not in (0, 1, 2):
-        raise CheckpointError(f"{where}: resharding supports ZeRO stages 0-2, not {now['zero_stage']}.")
+    if now["zero_stage"] not in (0, 1, 2, 3):
+        raise CheckpointError(f"{where}: resharding supports ZeRO stages 0-3, not {now['zero_stage']}.")
     message = (f"resharding {where} from dp_world_size {s_dp} to {n_dp} ({method}); global batch {batch} "
                f"kept: gradient_accumulation_steps {saved.get('gradient_accumulation_steps', '?')} -> {gas} "
                f"(micro batch {micro})")

@@ -38,9 +38,14 @@ def check(path: str) -> list[str]:
     zero = ds.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     if cfg.compression is not None:
-        if stage not in (0, 1, 2):
-            lines.append(f"  ERROR: zero_optimization.stage = {stage}: compression supports ZeRO 0, 1, 2 only; "
+        if stage not in (0, 1, 2, 3):
+            lines.append(f"  ERROR: zero_optimization.stage = {stage}: compression supports ZeRO 0-3 only; "
                          f"deepspeed.initialize will refuse this config.")
+        elif stage == 3 and cfg.compression.codec not in ("none", "int8", "int4"):
+            lines.append(f"  ERROR: compression.codec = {cfg.compression.codec!r} with ZeRO-3: its reduce-scatter "
+                         f"takes none, int8, int4; deepspeed.initialize will refuse this config.")
+        elif stage == 3:
+            lines.append("  on ZeRO-3's gradient reduce-scatter (flat; the parameter all-gather stays DeepSpeed's).")
         elif cfg.compression.sign_mode == "momentum":
             if stage != 0 or any((ds.get(k) or {}).get("enabled") for k in ("fp16", "bf16")):
                 lines.append(f"  ERROR: compression.sign_mode = 'momentum' (1-bit Adam) needs ZeRO stage 0 in fp32 "
@@ -55,8 +60,8 @@ def check(path: str) -> list[str]:
             lines.append(f"  note: communication_data_type={ds['communication_data_type']!r} applies only to "
                          f"buckets the codec leaves uncompressed.")
     if cfg.checkpoint is not None:
-        if stage not in (0, 1, 2):
-            lines.append(f"  ERROR: zero_optimization.stage = {stage}: verified checkpoints support ZeRO 0, 1, 2 only; "
+        if stage not in (0, 1, 2, 3):
+            lines.append(f"  ERROR: zero_optimization.stage = {stage}: verified checkpoints support ZeRO 0-3 only; "
                          f"deepspeed.initialize will refuse this config.")
         else:
             lines.append(f"  engine.save_checkpoint / load_checkpoint become verified and atomic "

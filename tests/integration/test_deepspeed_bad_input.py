@@ -45,9 +45,10 @@ def test_bad_block_refused_at_initialize(block, error, needles):
         assert n in str(info.value)
 
 
-def test_zero3_refused_naming_the_stage():
-    with pytest.raises(UnsupportedError, match=r"ZeRO stages 0, 1 and 2.*stage = 3"):
-        _init({"compression": {"codec": "int8"}}, zero_optimization={"stage": 3})
+def test_unknown_zero_stage_refused_naming_the_stage():
+    # ZeRO-3 is served (test_deepspeed_zero3.py); what refuses there is in tests/unit/test_scale_refusals.py.
+    with pytest.raises(UnsupportedError, match=r"zero_optimization.stage = 4 is not a ZeRO stage; allowed: 0, 1, 2, 3"):
+        _init({"compression": {"codec": "int8"}}, zero_optimization={"stage": 4})
 
 
 def test_config_file_path_and_args_are_read(tmp_path):
@@ -63,7 +64,7 @@ def test_config_file_path_and_args_are_read(tmp_path):
         deepspeed.initialize(args=argparse.Namespace(deepspeed_config=str(p)), model=model)
 
 
-def test_pipeline_module_refused():
+def test_pipeline_module_refuses_what_its_compression_does_not_serve():
     import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
 
@@ -74,8 +75,11 @@ def test_pipeline_module_refused():
     deepspeed.init_distributed(dist_backend="gloo")
     try:
         pipe = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=1)
-        with pytest.raises(UnsupportedError, match="pipeline"):
-            deepspeed.initialize(model=pipe, config={**BASE, "robust_plugins": {"compression": {"codec": "int8"}}})
+        # Compression serves the pipeline engine's DP reduction (test_deepspeed_pipeline.py), not auto.
+        with pytest.raises(UnsupportedError, match=r"pipeline engine does not support compression.codec = 'auto'"):
+            deepspeed.initialize(model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1),
+                                 config={**BASE, "zero_allow_untested_optimizer": True,
+                                         "robust_plugins": {"compression": {"codec": "auto"}}})
     finally:
         dist.destroy_process_group()
 

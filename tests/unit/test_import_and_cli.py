@@ -55,9 +55,14 @@ def test_check_config_cli(tmp_path):
 
 def test_check_config_flags_zero3_and_cpu_buckets(tmp_path):
     p = tmp_path / "z3.json"
-    p.write_text(json.dumps({"zero_optimization": {"stage": 3}, "robust_plugins": {"compression": {}}}))
+    p.write_text(json.dumps({"zero_optimization": {"stage": 4}, "robust_plugins": {"compression": {}}}))
     text = "\n".join(check_config.check(str(p)))
-    assert "ERROR: zero_optimization.stage = 3" in text
+    assert "ERROR: zero_optimization.stage = 4" in text
+    p.write_text(json.dumps({"zero_optimization": {"stage": 3}, "robust_plugins": {"compression": {"codec": "int8"}}}))
+    text = "\n".join(check_config.check(str(p)))  # ZeRO-3's reduce-scatter is compressed
+    assert "ERROR" not in text and "ZeRO-3's gradient reduce-scatter" in text
+    p.write_text(json.dumps({"zero_optimization": {"stage": 3}, "robust_plugins": {"compression": {"codec": "auto"}}}))
+    assert "ERROR: compression.codec = 'auto' with ZeRO-3" in "\n".join(check_config.check(str(p)))
     p.write_text(json.dumps({"zero_optimization": {"stage": 2}, "robust_plugins": {"compression": {}}}))
     assert "reduce_bucket_size" in "\n".join(check_config.check(str(p)))
 
@@ -67,6 +72,9 @@ def test_check_config_reports_checkpoint_block(tmp_path):
     p.write_text(json.dumps({"zero_optimization": {"stage": 0}, "robust_plugins": {"checkpoint": {"keep": 2}}}))
     text = "\n".join(check_config.check(str(p)))
     assert "verified and atomic" in text and "keep=2" in text and "checkpoint.dir is not set" in text
-    p.write_text(json.dumps({"zero_optimization": {"stage": 3}, "robust_plugins": {"checkpoint": {"dir": "x"}}}))
+    p.write_text(json.dumps({"zero_optimization": {"stage": 4}, "robust_plugins": {"checkpoint": {"dir": "x"}}}))
     text = "\n".join(check_config.check(str(p)))
-    assert "ERROR: zero_optimization.stage = 3" in text and "dir is not set" not in text
+    assert "ERROR: zero_optimization.stage = 4" in text and "dir is not set" not in text
+    p.write_text(json.dumps({"zero_optimization": {"stage": 3}, "robust_plugins": {"checkpoint": {"dir": "x"}}}))
+    text = "\n".join(check_config.check(str(p)))  # ZeRO-3 checkpoints are supported
+    assert "ERROR" not in text and "verified and atomic" in text

@@ -1,0 +1,101 @@
+"""What stays refused with ZeRO-3 and the pipeline engine (no processes): each error names the key, the value and what is allowed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from robust_plugins.checkpoint.elastic import plan_reshard
+from robust_plugins.config import PluginConfig
+from robust_plugins.errors import CheckpointError, UnsupportedError
+
+
+def _refuse(zero: dict, block: dict):
+    from robust_plugins.patches.deepspeed_refuse import _refuse_before_init
+
+    ds = {"zero_optimization": zero, "robust_plugins": block}
+    _refuse_before_init({"config": ds}, PluginConfig.from_ds_config(ds))
+
+
+def test_zero3_passes_before_init_and_unknown_stages_are_refused():
+    pytest.importorskip("deepspeed")
+    _refuse({"stage": 3}, {"checkpoint": {"memory_every": 1}})  # no error
+    _refuse({"stage": 3}, {"compression": {"codec": "int8"}, "checkpoint": {"memory_every": 1}})
+    with pytest.raises(UnsupportedError, match=r"zero_optimization.stage = 5 .*allowed: 0, 1, 2, 3"):
+        _refuse({"stage": 5}, {"checkpoint": {"memory_every": 1}})
+
+
+def _engine(**zero):
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return SimpleNamespace(_config=SimpleNamespace(zero_config=DeepSpeedZeroConfig(stage=3, **zero)),
+                           has_moe_layers=False, zero_quantized_gradients=lambda: zero.get("zero_quantized_gradients",
+                                                                                           False))
+
+
+@pytest.mark.parametrize("key,device", [("offload_optimizer", "cpu"), ("offload_optimizer", "nvme"),
+                                        ("offload_param", "cpu"), ("offload_param", "nvme")])
+def test_zero3_snapshots_refuse_offloaded_partitions(key, device, tmp_path):
+    pytest.importorskip("deepspeed")
+    from robust_plugins.patches import deepspeed_zero3
+
+    engine = _engine(**{key: {"device": device, "nvme_path": str(tmp_path)}})
+    with pytest.raises(UnsupportedError) as info:
+        deepspeed_zero3.check_engine(engine, "checkpoint.memory_every")
+    msg = str(info.value)
+    assert f"zero_optimization.{key}.device = '{device}'" in msg and "allowed:" in msg, msg
+    deepspeed_zero3.check_engine(_engine(), "checkpoint.memory_every")  # no offload: accepted
+    with pytest.raises(UnsupportedError, match=r"zero_hpz_partition_size = 2 .*allowed: 1"):
+        deepspeed_zero3.check_engine(_engine(zero_hpz_partition_size=2), "checkpoint.memory_every")
+
+
+def test_resharding_zero3_goes_through_the_universal_checkpoint():
+    from robust_plugins.checkpoint.elastic import UNIVERSAL
+
+    saved = {"where": "ckpt/global_step8", "world_size": 4, "dp_world_size": 4, "zero_stage": 3,
+             "train_batch_size": 32, "gradient_accumulation_steps": 1}
+    now = {"world_size": 2, "dp_world_size": 2, "zero_stage": 3, "micro_batch": 8}
+    plan = plan_reshard(saved, now)
+    assert (plan.method, plan.gradient_accumulation_steps, plan.train_batch_size) == (UNIVERSAL, 2, 32)
+    assert plan_reshard(saved, {**now, "world_size": 4, "dp_world_size": 4}) is None  # same size: loads
+    with pytest.raises(CheckpointError, match="resharding keeps the stage"):
+        plan_reshard(saved, {**now, "zero_stage": 2})
+
+
+@pytest.mark.parametrize("block,needle", [
+    ({"compression": {"codec": "auto"}}, "compression.codec = 'auto'; allowed there: none, bf16, int8, int4, sign"),
+    ({"compression": {"codec": "int8", "overlap": True}}, "compression.overlap = true; allowed there: false"),
+    ({"compression": {"codec": "int8"}, "topology": {"hierarchical": True}},
+     "topology.hierarchical = true; allowed there: false"),
+])
+def test_pipeline_compression_refuses_what_was_not_verified(block, needle):
+    from robust_plugins.patches.deepspeed_refuse import _refuse_pipeline
+
+    with pytest.raises(UnsupportedError) as info:
+        _refuse_pipeline(PluginConfig.from_ds_config({"robust_plugins": block}))
+    assert needle in str(info.value) and "pipeline engine" in str(info.value)
+    _refuse_pipeline(PluginConfig.from_ds_config({"robust_plugins": {"compression": {"codec": "int8"}}}))
+
+
+@pytest.mark.parametrize("block,zero,needle", [
+    ({"compression": {"codec": "auto"}}, {}, "compression.codec = 'auto' is not wired for ZeRO-3's reduce-scatter; "
+                                             "allowed there: none, int8, int4"),
+    ({"compression": {"codec": "sign"}}, {}, "compression.codec = 'sign'"),
+    ({"compression": {"codec": "int8"}, "topology": {"hierarchical": True}}, {},
+     "topology.hierarchical = true: the ZeRO-3 reduce-scatter is flat; allowed there: false"),
+    ({"compression": {"codec": "int8", "overlap": True}}, {}, "compression.overlap = true"),
+    ({"compression": {"codec": "int8"}}, {"reduce_scatter": False}, "zero_optimization.reduce_scatter = false"),
+    ({"compression": {"codec": "int8"}}, {"zero_quantized_gradients": True},
+     "zero_optimization.zero_quantized_gradients = true (DeepSpeed's qgZ); allowed: false"),
+])
+def test_zero3_compression_refusals_name_key_value_allowed(block, zero, needle):
+    pytest.importorskip("deepspeed")
+    from types import SimpleNamespace as NS
+
+    from robust_plugins.patches.deepspeed_zero3_reduce import unsupported_reason
+
+    plugin = NS(config=PluginConfig.from_ds_config({"robust_plugins": block}))
+    assert needle in unsupported_reason(_engine(**zero), plugin)
+    ok = NS(config=PluginConfig.from_ds_config({"robust_plugins": {"compression": {"codec": "int8"}}}))
+    assert unsupported_reason(_engine(), ok) is None
