@@ -98,7 +98,8 @@ class WatchdogConfig(Section):
 
     exclude_after_blames: Annotated[int, Field(ge=0), Hint(why="(0: never exclude a node)")] = 2
     """Multi-node jobs (``--nnodes MIN:MAX`` > 1, c10d rendezvous): a node blamed for this many
-    faults (a crash by a signal or an injected one, or an SDC minority on its ranks; see
+    faults (a crash by a signal or an injected one, an SDC minority on its ranks, or a hang whose
+    flight recorder shows its rank stuck outside every collective; see
     ``watchdog/nodes.py``) is excluded: written to ``excluded_nodes.json`` and refused at the next
     rendezvous (its agent exits 3); the others continue within ``MIN:MAX``. 0 turns exclusion off."""
 

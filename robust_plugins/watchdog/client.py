@@ -179,6 +179,9 @@ class _Client:
             self._open_comm_timer()
         if not self.fr_served:  # at the first step, once the host built its process group
             self.fr_served = True
+            kind = _flight.collective_device_type()
+            if kind is not None:  # the monitor's hang verdict: do collectives block the host?
+                self.send({"k": "comm", "dev": kind}, wait=True)
             _flight.serve_if_needed(os.environ.get(ENV_RUN_DIR), self.rank)
         if self.injections or self.slow_s:  # one check a step when nothing is armed
             loss, grad_norm = _inject_rank.fire_at_step(self, step, loss, grad_norm)

@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 from robust_plugins._logging import get_logger
 from robust_plugins.config import WatchdogConfig
+from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import hold as _hold
 from robust_plugins.watchdog import inject as _inject
 from robust_plugins.watchdog import ring as _ring
@@ -144,6 +145,8 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
             client.ENV_EMERGENCY_TIMEOUT: str(self.cfg.emergency_save_timeout_s),
             ENV_ROLLBACK_MAX_STEP: self._rollback_max_step(),
             _hold.ENV_SPIKE: f"{self.cfg.spike_factor:g},{self.cfg.spike_window},{self.cfg.spike_warmup_steps}",
+            # The flight recorder records nothing by default; the hang verdict on NCCL needs it.
+            **_flight.recorder_env(os.environ),
         }
 
     def _rollback_max_step(self) -> str:

@@ -12,6 +12,8 @@ from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import stacks as _stacks
 from robust_plugins.watchdog.detect import (
     RunningMedian,
+    collectives_block_host,
+    hang_verdict,
     in_collective,
     is_bad_number,
     learned_timeout,
@@ -254,16 +256,21 @@ class _MonitorDetectors:
             last_steps = {r: st.progress.last_step for r, st in self.ranks.items()}
             injected = {r: st.injected for r, st in self.ranks.items() if st.injected}
             oldest = min(self.ranks[r].progress.last_progress for r in stalled)
+            kinds = [st.device_type for st in self.ranks.values()]
         t0 = time.monotonic()
         tag = f"hang-inc{self.incarnation}"
-        # Sequence numbers first: on NCCL a healthy rank's stack does not show that it waits for a
-        # peer (detect.in_collective); they tell who never issued the collective the others wait in.
+        # The flight recorder first: on NCCL a healthy rank's stack does not show that it waits
+        # for a peer (detect.in_collective); sequence numbers tell who never issued what the
+        # others wait in. The raw dumps are kept as evidence beside the stacks.
         served = _flight.served_paths(self.run_dir, {r: pid for r, (pid, _) in targets.items()})
-        sequences = _flight.collect({r: served.get(r) for r in targets}) if served else {}
-        dumps = _stacks.collect(targets, self.run_dir / "stacks", tag, self.cfg.stack_dump_timeout_s)
+        dumps = _flight.collect({r: served.get(r) for r in targets}) if served else {}
+        fr_files = self._keep_dumps(dumps, tag)
+        views = _flight.views(dumps)
+        stacks = _stacks.collect(targets, self.run_dir / "stacks", tag, self.cfg.stack_dump_timeout_s)
         dump_s = time.monotonic() - t0
-        where = (localize_by_sequence(sequences) if sequences else None) or localize(
-            {r: dumps[r].frames if r in dumps else None for r in targets}, last_steps)
+        where = (localize_by_sequence(_flight.from_json(views)) if views else None) or localize(
+            {r: stacks[r].frames if r in stacks else None for r in targets}, last_steps)
+        block_host = collectives_block_host(kinds)
         suspects = where.suspects
         # The fault began when the first suspect stopped making progress.
         started = [self.ranks[r].progress.last_progress for r in suspects if r in self.ranks] or [oldest]
@@ -277,15 +284,65 @@ class _MonitorDetectors:
             kind="hang", step=step, suspect_ranks=suspects, suspect_hosts=[self.host],
             detected_after_s=round(detected_after, 3),
             action="restart" if will_restart else "report",
-            evidence=sorted(d.path for d in dumps.values() if d.path),
+            evidence=sorted([d.path for d in stacks.values() if d.path] + fr_files),
             detail={"timeout_s": round(timeout, 3), "stalled_ranks": stalled, "reason": where.reason,
-                    "groups": where.groups, "stack_tools": {str(r): d.tool for r, d in dumps.items()},
+                    "groups": where.groups, "stack_tools": {str(r): d.tool for r, d in stacks.items()},
                     "stack_dump_s": round(dump_s, 3),
-                    # Per rank with a readable stack: waiting in a collective (for a peer, maybe on
-                    # another node) or not (stuck itself). Node blame uses it (watchdog/nodes.py).
-                    "in_collective": {str(r): in_collective(d.frames) for r, d in dumps.items()
+                    # Per rank with a readable stack: inside a collective call or not. Evidence
+                    # only where collectives block the host (gloo); on NCCL a waiting rank sits
+                    # in .item() (verdict below, node blame in watchdog/nodes.py).
+                    "in_collective": {str(r): in_collective(d.frames) for r, d in stacks.items()
                                       if d.frames},
-                    # Per rank, per process group: collectives issued / started (None: unreadable).
-                    "flight_recorder": {str(r): s for r, s in sequences.items()}},
+                    "collectives_block_host": block_host,
+                    # Per rank, per process group: progress from its flight recorder (None: unreadable).
+                    "flight_recorder": {str(r): v for r, v in views.items()},
+                    "verdict": hang_verdict(where, block_host)},
         )
         return self._record(fault)
+
+    def _keep_dumps(self, dumps: dict, tag: str) -> list[str]:
+        """Write each rank's raw flight-recorder dumps under ``stacks/`` (evidence); their paths."""
+        paths = []
+        for rank, d in sorted(dumps.items()):
+            if not d:
+                continue
+            path = self.run_dir / "stacks" / f"{tag}-rank{rank}.fr.json"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(d) + "\n")
+                paths.append(str(path))
+            except OSError as exc:  # the verdict is in faults.jsonl anyway
+                log.warning("robust watchdog: could not keep rank %d's flight recorder in %s: %r", rank, path, exc)
+        return paths
+
+    def rejudge_hang(self, fault: Fault, nodes: list[dict]) -> None:
+        """Judge ``fault`` (a hang this monitor recorded) again on every node's flight-recorder views
+        (``nodes``: each ``{"node", "ranks", "views"}``, this node's included; see
+        :func:`~robust_plugins.watchdog.nodes.exchange_hang_views`): every group compared over all
+        its members, not this node's only. Updates the fault's suspects, reason and verdict."""
+        merged: dict = {}
+        node_of: dict[int, str] = {}
+        for entry in nodes:
+            for r, v in (entry.get("views") or {}).items():
+                merged[str(r)] = v
+                node_of[int(r)] = str(entry.get("node"))
+        where = localize_by_sequence(_flight.from_json(merged)) if merged else None
+        detail = fault.detail
+        detail["flight_recorder_nodes"] = sorted({str(e.get("node")) for e in nodes})
+        if where is None:
+            if any(v for v in merged.values()):
+                # Every rank of the job issued every collective: the hang is inside one (a link,
+                # a device); nothing names a rank.
+                detail["verdict"] = hang_verdict(None, detail.get("collectives_block_host"),
+                                                 why="the flight recorders of every node agree: every rank "
+                                                     "entered every collective; the hang is inside one")
+            return
+        fault.suspect_ranks = where.suspects
+        fault.suspect_hosts = sorted({node_of.get(r, self.host) for r in where.suspects})
+        detail["reason"] = where.reason
+        detail["verdict"] = hang_verdict(where, detail.get("collectives_block_host"))
+        with self._lock:
+            steps = [self.ranks[r].progress.last_step for r in where.suspects
+                     if r in self.ranks and self.ranks[r].progress.last_step is not None]
+        if steps:
+            fault.step = min(steps) + 1

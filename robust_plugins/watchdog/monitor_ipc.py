@@ -149,6 +149,8 @@ class _MonitorIPC:
                 st.emergency = {k: msg.get(k) for k in ("phase", "s", "ok", "sec", "error")}
             elif kind == "exit":
                 st.finished = True
+            elif kind == "comm":
+                st.device_type = msg.get("dev")
             elif kind == "history":
                 # Step times a rank loaded from its checkpoint: only a launcher that has learned
                 # nothing yet uses them (its own measurements are newer), once per rank.

@@ -31,6 +31,8 @@ class _RankState:
     """(step, compute seconds, wall time) of the latest steps: step time minus collective time."""
     straggling: bool = False
     """Reported as a straggler in this incarnation (once, until it recovers)."""
+    device_type: str | None = None
+    """What its default group's collectives move (``cpu``: gloo, ``cuda``: NCCL), said at its first step."""
     emergency: dict[str, Any] | None = None
     """Its emergency saver (``watchdog.on_emergency``): ``{"phase": registered|start|done, ...}``."""
 

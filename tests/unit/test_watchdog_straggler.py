@@ -90,7 +90,7 @@ def test_client_splits_each_step_into_compute_and_collective_time_and_slows_from
             client.step_end(step, loss=1.0)
             if step == 1:
                 client.step_end(1, loss=1.0)  # a second report of the same step: ignored
-        msgs = [json.loads(srv.recv(65536)) for _ in range(7)]
+        msgs = [json.loads(srv.recv(65536)) for _ in range(8)]
     finally:
         dist.destroy_process_group()
         srv.close()
@@ -98,7 +98,9 @@ def test_client_splits_each_step_into_compute_and_collective_time_and_slows_from
         if c is not None and c.comm is not None:
             c.comm.__exit__(None, None, None)
     kinds = [m["k"] for m in msgs]
-    assert kinds == ["hello", "end", "end", "inject", "end", "end", "end"]
+    # The first step also says what the default group's collectives move (the hang verdict's input).
+    assert kinds == ["hello", "comm", "end", "end", "inject", "end", "end", "end"]
+    assert msgs[1]["dev"] == "cpu"
     ends = {m["s"]: m for m in msgs if m["k"] == "end"}
     assert "w" not in ends[1] and set(ends) == {1, 2, 3, 4, 5}
     assert all("c" in ends[s] for s in (2, 3, 4, 5))
@@ -125,7 +127,11 @@ def test_client_counts_time_inside_collectives(tmp_path, monkeypatch):
         inside = c.comm.seconds
         time.sleep(0.1)  # compute
         client.step_end(2)
-        msgs = [json.loads(srv.recv(65536)) for _ in range(3)]
+        msgs = []
+        while len(msgs) < 3:  # hello, the two steps (the first step also says its backend: "comm")
+            msg = json.loads(srv.recv(65536))
+            if msg["k"] != "comm":
+                msgs.append(msg)
     finally:
         dist.destroy_process_group()
         srv.close()
