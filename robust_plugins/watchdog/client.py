@@ -200,12 +200,14 @@ class _Client:
                 self.step_times.append(wall)
                 del self.step_times[:-STEP_TIMES_KEPT]
             if self.comm is not None:
-                comm = self.comm.seconds - self.last_comm_s  # of which inside collectives
+                # Of which inside collectives, as far as the device has finished them: read
+                # without waiting (a collective still running counts in a later step).
+                comm = self.comm.settled_seconds() - self.last_comm_s
         self.last_end = now
         if self.mark_steps:
             self.step_mark = _device_mark()
         if self.comm is not None:
-            self.last_comm_s = self.comm.seconds
+            self.last_comm_s = self.comm.settled_seconds()
         bad = any(v is not None and not math.isfinite(v) for v in (loss, grad_norm))
         if self.ring is not None:
             self.ring.write(step, loss, grad_norm, wall, comm, now)
