@@ -154,6 +154,58 @@ def stragglers(compute: Mapping[int, Sequence[float]], factor: float, window: in
     return out
 
 
+@dataclass
+class StragglerEpisode:
+    """One rank's straggling, from its first detection to its end: reported once, when it ends.
+
+    The detector (:func:`stragglers`) names a rank once its window's median compute time crosses
+    the bar; from then on every step of the rank is judged on its own (``compute > factor x
+    peers``), and the episode ends once ``window`` of its steps in a row were not slow. A rank
+    that slows down again within that stays in the same episode: a load that moves now and then
+    makes one report, not one per move.
+    """
+
+    rank: int
+    first_step: int
+    """The first step of the slow run that made the detector name the rank."""
+    onset_wall: float
+    detected_wall: float
+    last_slow_step: int
+    last_slow_wall: float
+    seen_step: int
+    """The newest step judged."""
+    slow: list[float] = field(default_factory=list)
+    """Compute seconds of each slow step."""
+    ratios: list[float] = field(default_factory=list)
+    """Each slow step's compute over its peers' median."""
+    peers: list[float] = field(default_factory=list)
+
+    def observe(self, step: int, compute_s: float, peers_s: float, factor: float, wall: float) -> None:
+        """Judge one step of the rank (steps already judged are ignored)."""
+        if step <= self.seen_step:
+            return
+        self.seen_step = step
+        if peers_s > 0 and compute_s > factor * peers_s:
+            self.slow.append(compute_s)
+            self.ratios.append(compute_s / peers_s)
+            self.peers.append(peers_s)
+            self.last_slow_step, self.last_slow_wall = step, wall
+
+    def over(self, window: int) -> bool:
+        """``window`` steps in a row judged not slow: the episode has ended."""
+        return self.seen_step - self.last_slow_step >= window
+
+    def summary(self) -> dict[str, Any]:
+        """The report's numbers: duration, count of slow steps, median and highest ratio."""
+        med = statistics.median(self.slow) if self.slow else 0.0
+        peers = statistics.median(self.peers) if self.peers else 0.0
+        return {"first_step": self.first_step, "last_slow_step": self.last_slow_step,
+                "duration_s": round(max(0.0, self.last_slow_wall - self.onset_wall), 3),
+                "slow_steps": len(self.slow), "compute_s": round(med, 4), "peers_compute_s": round(peers, 4),
+                "ratio": round(statistics.median(self.ratios), 2) if self.ratios else 0.0,
+                "ratio_max": round(max(self.ratios), 2) if self.ratios else 0.0}
+
+
 def is_bad_number(value: float | None) -> bool:
     """True for NaN and +-Inf; ``None`` (not reported) is fine."""
     return value is not None and not math.isfinite(value)

@@ -161,6 +161,7 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
 
     def begin_incarnation(self, pids: dict[int, int]) -> None:
         """New ranks ``{global_rank: pid}`` started; forget the previous incarnation's state."""
+        self._end_straggler_episodes("restart")
         with self._recv_lock:
             # The previous ranks are stopped by now: whatever they wrote since the last poll
             # (steps past a fault extend a rollback's bad range) is read under their incarnation.
@@ -198,6 +199,7 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
             self._close_rings(self._pending_rings)
             self._rings, self._pending_rings = {}, {}
         self._sock.close()
+        self._end_straggler_episodes("job end")
         self._flush_pending()
         try:
             os.unlink(self.address)

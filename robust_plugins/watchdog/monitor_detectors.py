@@ -12,6 +12,7 @@ from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import stacks as _stacks
 from robust_plugins.watchdog.detect import (
     RunningMedian,
+    StragglerEpisode,
     collectives_block_host,
     hang_verdict,
     in_collective,
@@ -203,52 +204,83 @@ class _MonitorDetectors:
         return True
 
     def _check_stragglers(self, now_wall: float) -> None:
-        """Report (never restart for) ranks whose compute time stays above its peers'."""
-        window = self.cfg.straggler_window
+        """Follow stragglers (ranks whose compute time stays above their peers'), never restarting
+        for one: an episode starts when the detector names the rank (said in the log) and is
+        written to ``faults.jsonl`` once, when it ends (:class:`~.detect.StragglerEpisode`)."""
+        window, factor = self.cfg.straggler_window, self.cfg.straggler_factor
+        ended = []
         with self._lock:
             # The detector judges the last `window` steps: copy only those (the deque keeps 512,
             # and copying all of them every check was most of a check's CPU).
+            live = {r: st for r, st in self.ranks.items() if st.registered and not st.finished}
             compute = {r: [st.compute[i][1] for i in range(-min(window, len(st.compute)), 0)]
-                       for r, st in self.ranks.items() if st.registered and not st.finished}
-            found = stragglers(compute, self.cfg.straggler_factor, window)
-            slow = {s.rank for s in found}
-            for r, st in self.ranks.items():
-                if r not in slow:
-                    st.straggling = False  # recovered (or never slow): may be reported again
-            new = [s for s in found if not self.ranks[s.rank].straggling]
-            for s in new:
-                self.ranks[s.rank].straggling = True
-            recent = {s.rank: list(self.ranks[s.rank].compute) for s in new}
-            last_step = self._max_step()
-        for s in new:
-            # Onset: the first step of the latest run of steps above factor x the peers' median.
-            onset, step = recent[s.rank][-1][2], recent[s.rank][-1][0]
-            slow_run: list[float] = []
-            for st_step, c, t in reversed(recent[s.rank]):
-                if c <= self.cfg.straggler_factor * s.peers_s:
-                    break
-                onset, step = t, st_step
-                slow_run.append(c)
-            # The window's median crosses the bar when about half the window is slow, so it sits
-            # between the fast and the slow time; the user is told the slow steps' own median.
-            slow_s = statistics.median(slow_run) if slow_run else s.compute_s
-            fault = Fault(
-                kind="straggler", step=step, suspect_ranks=[s.rank], suspect_hosts=[self.host],
-                detected_after_s=round(max(0.0, now_wall - onset), 3), action="report",
-                incarnation=self.incarnation,
-                detail={"compute_s": round(slow_s, 4), "peers_compute_s": round(s.peers_s, 4),
-                        "ratio": round(slow_s / s.peers_s, 2), "factor": self.cfg.straggler_factor,
-                        "window": window, "window_median_s": round(s.compute_s, 4),
-                        "slow_steps": len(slow_run), "reported_at_step": last_step,
-                        "reason": f"rank {s.rank} computes {slow_s * 1e3:.0f} ms a step over its "
-                                  f"last {len(slow_run)} steps, {slow_s / s.peers_s:.1f} x its peers' "
-                                  f"median {s.peers_s * 1e3:.0f} ms (time in collectives excluded)"},
-            )
-            with self._lock:
-                self.reports.append(fault)
-            self.faults.write(fault)
-            log.warning("robust watchdog: straggler rank %d on %s: %s", s.rank, self.host,
-                        fault.detail["reason"])
+                       for r, st in live.items()}
+            found = {s.rank: s for s in stragglers(compute, factor, window)}
+            if len(compute) >= 2 and all(len(v) >= window for v in compute.values()):
+                medians = {r: statistics.median(v[-window:]) for r, v in compute.items()}
+            else:
+                medians = {}
+            for r, st in live.items():
+                ep = st.straggling
+                if ep is None and r in found:
+                    ep = st.straggling = self._episode_start(r, st, found[r], now_wall)
+                if ep is None or not medians:
+                    continue
+                peers = statistics.median(m for q, m in medians.items() if q != r)
+                for step, c, t in st.compute:
+                    if step > ep.seen_step:  # from the slow run's first step, once each
+                        ep.observe(step, c, peers, factor, t)
+                if r not in found and ep.over(window):
+                    st.straggling = None
+                    ended.append((ep, "recovered"))
+        for ep, why in ended:
+            self._write_episode(ep, why)
+
+    def _episode_start(self, rank: int, st, s, now_wall: float) -> StragglerEpisode:
+        """A new episode of ``rank`` (under ``_lock``), from the first step of its latest slow run."""
+        onset, step = st.compute[-1][2], st.compute[-1][0]
+        for st_step, c, t in reversed(st.compute):
+            if c <= self.cfg.straggler_factor * s.peers_s:
+                break
+            onset, step = t, st_step
+        ep = StragglerEpisode(rank=rank, first_step=step, onset_wall=onset, detected_wall=now_wall,
+                              last_slow_step=step, last_slow_wall=onset, seen_step=step - 1)
+        log.warning("robust watchdog: straggler rank %d on %s from step %d: it computes %.0f ms a step, "
+                    "%.1f x its peers' median %.0f ms (time in collectives excluded); reported in "
+                    "faults.jsonl when it ends", rank, self.host, step, s.compute_s * 1e3, s.ratio,
+                    s.peers_s * 1e3)
+        return ep
+
+    def _write_episode(self, ep: StragglerEpisode, why: str) -> None:
+        """Write the one ``faults.jsonl`` row of an episode that ended (``why``: ``recovered``,
+        ``restart``, ``job end``)."""
+        sm = ep.summary()
+        fault = Fault(
+            kind="straggler", step=ep.first_step, suspect_ranks=[ep.rank], suspect_hosts=[self.host],
+            detected_after_s=round(max(0.0, ep.detected_wall - ep.onset_wall), 3), action="report",
+            incarnation=self.incarnation,
+            detail={**sm, "factor": self.cfg.straggler_factor, "window": self.cfg.straggler_window,
+                    "ended": why, "reported_at_step": ep.seen_step,
+                    "reason": f"rank {ep.rank} computes {sm['compute_s'] * 1e3:.0f} ms a step over "
+                              f"{sm['slow_steps']} slow steps from step {ep.first_step} to "
+                              f"{ep.last_slow_step} ({sm['duration_s']:.1f} s), {sm['ratio']:.1f} x its "
+                              f"peers' median {sm['peers_compute_s'] * 1e3:.0f} ms (at most "
+                              f"{sm['ratio_max']:.1f} x; time in collectives excluded); {why}"},
+        )
+        with self._lock:
+            self.reports.append(fault)
+        self.faults.write(fault)
+        log.warning("robust watchdog: straggler episode of rank %d on %s ended (%s): %s", ep.rank, self.host,
+                    why, fault.detail["reason"])
+
+    def _end_straggler_episodes(self, why: str) -> None:
+        """Write every open episode (the incarnation or the job ends)."""
+        with self._lock:
+            open_eps = [st.straggling for st in self.ranks.values() if st.straggling is not None]
+            for st in self.ranks.values():
+                st.straggling = None
+        for ep in open_eps:
+            self._write_episode(ep, why)
 
     def _hang(self, stalled: list[int], timeout: float, will_restart: bool, now: float) -> Fault:
         with self._lock:

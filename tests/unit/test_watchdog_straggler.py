@@ -174,3 +174,54 @@ def test_monitor_reports_a_straggler_once_without_stopping_the_ranks(tmp_path):
     assert line["detail"]["ratio"] == pytest.approx(6.0)
     assert "rank 2 computes 300 ms" in line["detail"]["reason"]
     assert mon.all_faults == [] and len(mon.reports) == 1
+
+
+@pytest.mark.timeout(60)
+def test_an_episode_ends_only_after_a_window_of_fast_steps_and_sums_up_its_slow_ones():
+    ep = detect.StragglerEpisode(rank=2, first_step=4, onset_wall=100.0, detected_wall=103.0,
+                                 last_slow_step=4, last_slow_wall=100.0, seen_step=3)
+    walls = iter(range(100, 200))
+    for step in range(4, 30):
+        # Slow 4-11, fast 12-13 (a moved load), slow again 14-17, then fast for good.
+        slow = 4 <= step <= 11 or 14 <= step <= 17
+        ep.observe(step, 0.3 if slow else 0.05, 0.05, 2.0, float(next(walls)))
+        if step == 13:
+            assert not ep.over(5)  # two fast steps: still the same episode
+    ep.observe(29, 0.3, 0.05, 2.0, 500.0)  # already judged: ignored
+    assert ep.over(5)
+    sm = ep.summary()
+    assert sm["slow_steps"] == 12 and sm["last_slow_step"] == 17 and sm["ratio"] == pytest.approx(6.0)
+    assert sm["duration_s"] == pytest.approx(113.0 - 100.0) and sm["compute_s"] == pytest.approx(0.3)
+
+
+@pytest.mark.timeout(60)
+def test_monitor_reports_a_flapping_straggler_once_per_episode_when_it_ends(tmp_path):
+    # The load moves: rank 1 is slow for 12 steps, fast for 2, slow for 6, then fast for 12 (the
+    # episode ends), then slow again to the job's end (a second episode). Two rows, not one a move.
+    from robust_plugins.watchdog.monitor import Monitor
+
+    mon = Monitor(WatchdogConfig(straggler_factor=2.0, straggler_window=5), tmp_path, host="n")
+    tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    slow_steps = set(range(3, 15)) | set(range(17, 23)) | set(range(35, 45))
+    try:
+        mon.begin_incarnation({0: 100, 1: 101, 2: 102})
+        now = time.time()
+        for step in range(1, 45):
+            for r in (0, 1, 2):
+                compute = 0.3 if (r == 1 and step in slow_steps) else 0.05
+                tx.sendto(json.dumps({"k": "end", "r": r, "i": 0, "s": step, "t": now + step, "l": 1.0,
+                                      "w": 0.4, "c": 0.4 - compute}).encode(), mon.address)
+            assert _wait_for(lambda: all(mon.ranks[r].progress.last_step == step for r in (0, 1, 2)))
+            assert mon.check(will_restart=True) is None
+        first = read_faults(tmp_path / "faults.jsonl")
+        mon.flush_faults()  # the job ends with rank 1 slow: its open episode is written now
+    finally:
+        tx.close()
+        mon.close()
+    (ended,) = first
+    assert (ended["kind"], ended["suspect_ranks"], ended["step"]) == ("straggler", [1], 3)
+    assert ended["detail"]["ended"] == "recovered" and ended["detail"]["slow_steps"] == 18
+    assert ended["detail"]["last_slow_step"] == 22 and ended["detail"]["duration_s"] == pytest.approx(19.0)
+    rows = read_faults(tmp_path / "faults.jsonl")
+    assert len(rows) == 2 and rows[1]["step"] == 35 and rows[1]["detail"]["ended"] == "job end"
+    assert len(mon.reports) == 2 and mon.all_faults == []
