@@ -107,6 +107,18 @@ def test_rng_state_saved_and_restored_for_the_current_device_only(monkeypatch):
         dev.set_device_rng_state([torch.zeros(4, dtype=torch.uint8)])
 
 
+@pytest.mark.timeout(60)
+def test_hf_trainer_binding_saves_and_restores_the_current_devices_rng_only(monkeypatch):
+    # A snapshot of every visible GPU's state could not be restored with fewer GPUs visible.
+    from robust_plugins.patches.transformers_trainer import _rng_states, _set_rng_states
+
+    fake = _FakeCudaRng(monkeypatch, index=2)
+    state = _rng_states()
+    assert fake.calls == [("get", 2)] and state["cuda"].tolist() == [2, 2, 2, 2]
+    _set_rng_states(state)
+    assert fake.calls[-1] == ("set", 2, [2, 2, 2, 2])
+
+
 def test_rng_state_on_cpu_has_no_cuda_entry():
     from robust_plugins.patches.deepspeed_memory import _rng_state
 
