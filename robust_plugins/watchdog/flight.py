@@ -16,7 +16,8 @@ per-group progress (:func:`views`), and the agents of a multi-node job exchange 
 compares every rank of every group, not one node's. A torch without the worker server, or a rank
 that cannot bind its socket, leaves the monitor with stacks alone (logged), and on NCCL then no
 node is blamed. ``ROBUST_WATCHDOG_NO_FLIGHT=1`` starts no server (the socket also answers stack
-dumps to anyone who may open it: its folder's permissions decide).
+dumps to anyone who may open it: its folder's permissions decide); ``ROBUST_WATCHDOG_FLIGHT_ALWAYS=1``
+starts one on gloo too.
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ _MAX_SOCKET_PATH = 100
 FETCH_TIMEOUT_S = 2.0
 
 ENV_NO_FLIGHT = "ROBUST_WATCHDOG_NO_FLIGHT"
+#: ``1``: serve the flight recorder on every backend, gloo too (where stacks also tell who hangs).
+ENV_FLIGHT_ALWAYS = "ROBUST_WATCHDOG_FLIGHT_ALWAYS"
 
 _servers: list[Any] = []  # kept alive for the process's life (the server stops when collected)
 
@@ -95,9 +98,10 @@ def collective_device_type() -> str | None:
 
 def serve_if_needed(run_dir: str | os.PathLike | None, rank: int) -> str | None:
     """:func:`serve` where the default process group's collectives move device tensors (NCCL),
-    whose hangs stacks cannot localize; None elsewhere."""
+    whose hangs stacks cannot localize (or everywhere with ``ROBUST_WATCHDOG_FLIGHT_ALWAYS=1``);
+    None elsewhere."""
     kind = collective_device_type()
-    if kind is None or kind == "cpu":
+    if kind is None or (kind == "cpu" and os.environ.get(ENV_FLIGHT_ALWAYS) != "1"):
         return None
     return serve(run_dir, rank)
 
