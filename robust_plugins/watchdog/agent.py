@@ -381,8 +381,9 @@ def _agent_class():
             if node_blame(fault, {w.global_rank for w in workers}) is not None:
                 return False
             hold = self.monitor.cfg.stack_dump_timeout_s
-            log.warning("robust run: rank(s) %s wait inside a collective for a peer on another node; "
-                        "this node restarts in %.0f s unless that node restarts first", fault.suspect_ranks, hold)
+            log.warning("robust run: rank(s) %s wait inside a collective for a peer on another node (suspects "
+                        "%s); this node restarts in %.0f s unless that node restarts first",
+                        sorted(w.global_rank for w in workers), fault.suspect_ranks, hold)
             self._hold_until = time.monotonic() + hold
             return True
 
