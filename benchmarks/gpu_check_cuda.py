@@ -1,4 +1,4 @@
-"""The one-GPU check of issue 18: the package's CUDA and NCCL paths on one device, in one call.
+"""The one-GPU check of issues 18 and 30: the package's CUDA and NCCL paths on one device, in one call.
 
 A task lent a GPU (one H200 so far) gets minutes of it in all, so everything is one command that
 writes ``$OUT/gpu_check_cuda.json`` after every part (a run cut short returns what it finished)
@@ -22,7 +22,14 @@ NCCL refuses two ranks on one GPU, but a 1-rank NCCL group works:
 ``kernels``     kernels at n = 2**31 + 256 (int64 indexing), stochastic rounding CPU vs GPU,
                 ``reduce_requantize`` under ``torch.compile`` and in a CUDA graph;
 ``simulate``    ``simulate_all_reduce`` W = 2..8, CPU reference vs GPU kernels, bitwise;
-``snapshots``, ``deepspeed``, ``megatron``: see ``gpu_check_hosts.py``.
+``snapshots``, ``deepspeed``, ``megatron``: see ``gpu_check_hosts.py``;
+``device``, ``overlap``, ``flight``, ``wire_async``, ``rng``, ``param_hash``, ``nvml``, ``stream_save``:
+                the fault paths on NCCL (issue 30), see ``gpu_check_faults.py``.
+
+The check runs on the machine's last GPU (a device other than 0 where there are several: a device
+index taken from 0 or the global rank then fails a part; with one GPU ``device`` says it cannot
+show). Two ranks cannot share one GPU over NCCL: multi-rank paths (1-rank groups skip most
+collectives) are ``gpu_check_multi.py``'s, on an 8-GPU node.
 
 Without CUDA the distributed parts run over a 1-rank gloo group (so the script itself is tested on
 CPU: ``tests/unit/test_gpu_check_cuda.py``) and the parts that need a GPU print a skip line.
@@ -50,6 +57,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
+import gpu_check_faults as faults  # noqa: E402
 import gpu_check_hosts as hosts  # noqa: E402
 from gpu_check_hosts import Skip, _equal, _sync, need_cuda  # noqa: E402
 
@@ -131,17 +139,19 @@ def part_pipelined(ctx: dict) -> dict:
 
 def part_threads(ctx: dict) -> dict:
     from robust_plugins.comm import compressed_all_reduce
+    from robust_plugins.device import set_thread_device, thread_device
 
     dev = ctx["device"]
     x = torch.randn(1 << 22 if dev.type == "cuda" else 1 << 16, device=dev)
     main = compressed_all_reduce(x.clone(), codec="int8", op="sum")
     out: dict = {}
+    mine = thread_device()
 
     def body() -> None:
         try:
-            if dev.type == "cuda":
-                torch.cuda.set_device(dev)  # what every background thread of the package does first
+            set_thread_device(mine)  # the package's own first step on every thread it starts
             out["thread"] = compressed_all_reduce(x.clone(), codec="int8", op="sum")
+            out["device"] = torch.cuda.current_device() if dev.type == "cuda" else None
             _sync()
         except Exception:
             out["error"] = traceback.format_exc()[-2000:]
@@ -150,6 +160,8 @@ def part_threads(ctx: dict) -> dict:
     t.start()
     t.join(120)
     checks = {"thread bitwise equal": "thread" in out and _equal(out["thread"], main)}
+    if dev.type == "cuda":
+        checks["the thread ran on the rank's device"] = out.get("device") == dev.index
     if dev.type == "cuda":
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -267,13 +279,17 @@ def _host_parts() -> dict[str, Callable[[dict], dict]]:
 
 
 PARTS = ("auto", "coord", "heatmap", "pipelined", "threads", "timing", "kernels", "simulate",
-         "snapshots", "deepspeed", "megatron")
+         "snapshots", "deepspeed", "megatron", *faults.PARTS)
 
 
 def _init_group() -> tuple[str, torch.device]:
     if torch.cuda.is_available():
-        dev = torch.device("cuda", 0)
+        # The last GPU: with more than one, a device index taken from 0 or the global rank
+        # anywhere in the package shows as a failure (gpu_check_faults.part_device).
+        dev = torch.device("cuda", torch.cuda.device_count() - 1)
         torch.cuda.set_device(dev)
+        # What `robust run` gives its ranks: a flight recorder that records (part flight).
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
         return "nccl", dev
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -304,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     backend, device = _init_group()
     report["env"]["backend"] = backend
     ctx = {"device": device, "backend": backend, "out": args.out, "snapshot_gb": args.snapshot_gb}
-    fns = {**{p: globals()[f"part_{p}"] for p in PARTS[:8]}, **_host_parts()}
+    fns = {**{p: globals()[f"part_{p}"] for p in PARTS[:8]}, **_host_parts(), **faults.PARTS}
+    # What `robust run` sets; memory snapshots (the deepspeed part's memory_every) refuse to run without.
+    os.environ.setdefault("ROBUST_JOB_ID", f"gpu-check-{os.getpid()}")
     failed = False
     for name in wanted:
         t0 = time.perf_counter()
@@ -330,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = f" failed checks: {bad_checks}" if bad_checks else (" error" if res.get("error") else "")
         print(f"part {name}: {res['status']}{why}{extra} [{res['seconds']} s]", flush=True)
     dist.destroy_process_group()
-    print("GPU CHECK (issue 18)", "FAILED" if failed else "PASSED", flush=True)
+    print("GPU CHECK (issues 18, 30)", "FAILED" if failed else "PASSED", flush=True)
     return 1 if failed else 0
 
 

@@ -2,9 +2,10 @@
 
 **Emergency save** (``checkpoint.emergency_save``, on by default; only under ``robust run``):
 the engine registers a saver with :func:`robust_plugins.watchdog.on_emergency`. When a peer rank
-dies, this rank's next collective fails (gloo: "Connection closed by peer"); the uncaught error
-calls the saver with the last step the engine reported, before the process exits, bounded by
-``watchdog.emergency_save_timeout_s``. ``engine.save_checkpoint`` cannot run then: it starts with
+dies, the saver runs with the last step the engine reported, bounded by
+``watchdog.emergency_save_timeout_s``: on gloo from the uncaught error of this rank's failing
+collective ("Connection closed by peer"), on NCCL (no Python exception comes) when the node
+monitor asks, on a stream of its own (``robust_plugins.watchdog.emergency_rank``). ``engine.save_checkpoint`` cannot run then: it starts with
 ``dist.barrier()`` and every step of the verified save waits for all ranks, the dead one included.
 So the saver writes alone (``robust_plugins.checkpoint.emergency``):
 

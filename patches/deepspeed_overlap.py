@@ -13,8 +13,10 @@ With ``compression.overlap`` (default: on where supported) a post-accumulate-gra
 parameter counts, on the gradient-accumulation boundary micro-step only, the gradients backward
 has finished; when every gradient of the next bucket in plan order is final, the training thread
 routes the bucket (error-feedback key, statistics: :meth:`GradientSync.compress_key`) and submits its
-reduction to one background thread (:class:`robust_plugins.comm.overlap.SyncThread`) that runs
-the buckets in plan order on its own clones of the data-parallel groups. DeepSpeed's reduction
+reduction to a :class:`robust_plugins.comm.overlap.SyncThread`, which runs the buckets in plan
+order: on CPU on one background thread over its own clones of the data-parallel groups, on CUDA
+launched from the training thread onto a side stream over DeepSpeed's own groups (one host thread
+drives every NCCL communicator). DeepSpeed's reduction
 point (``buffered_allreduce_fallback``) then submits what is left (buckets holding a parameter
 that received no gradient get DeepSpeed's zero gradient first), waits for every bucket and
 returns. Without overlap the same buckets are reduced there, in the same order, with the same

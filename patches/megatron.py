@@ -28,7 +28,9 @@ megatron's preamble and hands the group's collectives to one background thread, 
 stored in ``grad_reduce_handle`` is completed by that thread; ``finish_grad_sync`` waits on it. The
 thread runs the groups in dispatch order, one at a time, on its own clones of the data-parallel
 process groups (made once at :func:`enable`, a collective; the thread, its handles and the clones
-are :mod:`robust_plugins.comm.overlap`, shared with the DeepSpeed integration): every rank dispatches the same groups in
+are :mod:`robust_plugins.comm.overlap`, shared with the DeepSpeed integration; on CUDA there is
+no thread and no clone: the dispatch launches the reduction onto a side stream from the training
+thread, which drives megatron's NCCL groups, so one host thread issues every collective): every rank dispatches the same groups in
 the same order (megatron's backward hooks are deterministic), so every rank issues the same
 sequence of collectives, and they never interleave with collectives the training thread issues on
 megatron's groups. Every bucket group then goes through the thread, uncompressed ones (warm-up,

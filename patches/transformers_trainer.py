@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from robust_plugins._logging import announce, current_rank, get_logger
+from robust_plugins.device import device_rng_state, set_device_rng_state
 from robust_plugins.errors import ConfigError, UnsupportedError
 from robust_plugins.patches import _guard
 
@@ -202,7 +203,8 @@ def _rng_states() -> dict:
     """The RNG states in the layout of the Trainer's ``rng_state_<i>.pth``."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.random.get_rng_state_all()
+        # This rank's device only (a restart with fewer visible GPUs can load it): robust_plugins.device.
+        state["cuda"] = device_rng_state()
     return state
 
 
@@ -211,8 +213,8 @@ def _set_rng_states(state: dict) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))  # a snapshot returns the tuple's middle as a list
     np.random.set_state(state["numpy"])
     torch.random.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.random.set_rng_state_all(state["cuda"])
+    if "cuda" in state:
+        set_device_rng_state(state["cuda"])  # one state, or an older snapshot's list of every device's
 
 
 def _exportable(trainer) -> list:

@@ -7,6 +7,7 @@ backend type associated with device type cpu") and a job on gloo never touches a
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -83,6 +84,14 @@ def current_stream(device: torch.device | str | None):
         return None
     device = torch.device(device)
     return getattr(torch, device.type).current_stream(device)
+
+
+def on_stream(stream):
+    """``stream`` as the calling thread's current stream inside a ``with`` block (nothing for None:
+    CPU work has no streams)."""
+    if stream is None:
+        return contextlib.nullcontext()
+    return getattr(torch, stream.device.type).stream(stream)
 
 
 def record_event(stream):

@@ -14,6 +14,7 @@ Each function is a ``torch.library.custom_op`` in the ``robust_plugins`` namespa
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -28,6 +29,15 @@ def _impl(kernel: str, device: torch.device, backend: str):
     if _backend.resolve(backend, device) == "reference":
         return ref
     return _backend.kernel_module(kernel, device)
+
+
+def _device_guard(device: torch.device):
+    """The tensors' own device as the current one while a call runs (a CUDA device; nothing for the
+    CPU). Triton launches on the current device and stream: a caller on another thread or with
+    another current device would otherwise run the kernel on the wrong GPU with these pointers."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _own(t: Tensor) -> Tensor:
@@ -45,7 +55,9 @@ def _quantize_ef_op(
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     impl = _impl("quantize_ef", grad.device, backend)
-    codes, scales = impl.quantize_ef(grad, residual, codec=codec, block_size=block_size, rounding=rounding, seed=seed)
+    with _device_guard(grad.device):
+        codes, scales = impl.quantize_ef(grad, residual, codec=codec, block_size=block_size, rounding=rounding,
+                                         seed=seed)
     return _own(codes), _own(scales)
 
 
@@ -90,7 +102,8 @@ def quantize_ef(
 @torch.library.custom_op("robust_plugins::dequantize", mutates_args=())
 def _dequantize_op(codes: Tensor, scales: Tensor, codec: str, block_size: int, numel: int, backend: str) -> Tensor:
     impl = _impl("dequantize", codes.device, backend)
-    return _own(impl.dequantize(codes, scales, codec=codec, block_size=block_size, numel=numel))
+    with _device_guard(codes.device):
+        return _own(impl.dequantize(codes, scales, codec=codec, block_size=block_size, numel=numel))
 
 
 @_dequantize_op.register_fake
@@ -105,8 +118,9 @@ def _dequantize_into_op(
     codes: Tensor, scales: Tensor, out: Tensor, codec: str, block_size: int, accumulate: bool, backend: str
 ) -> None:
     impl = _impl("dequantize", codes.device, backend)
-    impl.dequantize(codes, scales, codec=codec, block_size=block_size, numel=out.numel(), out=out,
-                    accumulate=accumulate)
+    with _device_guard(codes.device):
+        impl.dequantize(codes, scales, codec=codec, block_size=block_size, numel=out.numel(), out=out,
+                        accumulate=accumulate)
 
 
 @_dequantize_into_op.register_fake
@@ -180,10 +194,11 @@ def _reduce_requantize_op(
     scale_factor: float, valid_numel: Optional[int], rounding: str, seed: Optional[int], backend: str,
 ) -> tuple[Tensor, Tensor]:
     impl = _impl("reduce_requantize", codes_list[0].device, backend)
-    codes, scales = impl.reduce_requantize(
-        codes_list, scales_list, codec=codec, block_size=block_size, residual=residual,
-        scale_factor=scale_factor, valid_numel=valid_numel, rounding=rounding, seed=seed,
-    )
+    with _device_guard(codes_list[0].device):
+        codes, scales = impl.reduce_requantize(
+            codes_list, scales_list, codec=codec, block_size=block_size, residual=residual,
+            scale_factor=scale_factor, valid_numel=valid_numel, rounding=rounding, seed=seed,
+        )
     return _own(codes), _own(scales)
 
 

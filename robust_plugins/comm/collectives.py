@@ -20,12 +20,11 @@ from typing import Any, Hashable
 import torch
 import torch.distributed as dist
 
-from robust_plugins.comm import _twophase, wire
+from robust_plugins.comm import _twophase
 from robust_plugins.comm.state import CompressionState
 from robust_plugins.config import CompressionConfig
 from robust_plugins.device import default_piece_numel
 from robust_plugins.errors import ConfigError, RobustPluginsError
-from robust_plugins.timing import Clock
 
 OPS = ("avg", "sum")
 
@@ -183,14 +182,10 @@ def _pipelined(flat: torch.Tensor, layout: _twophase.Layout, rank: int, group: A
     to_decode: list = []  # (work, gathered, row, start, length): all-gathers in flight
 
     def wait(work) -> None:
-        # A WireCounter times only the launch of an async call: the wait is reported to it, so the
-        # watchdog's straggler detector still sees this time as communication, not compute. On a
-        # GPU work.wait() only makes the current stream wait for NCCL's: CUDA events around it
-        # time that wait on the device, read when the counter is (no host stall here).
-        clock = Clock(flat.device).start()
+        # A WireCounter times each async call to its work's completion (wire.timing_path), so
+        # this time stays communication for the straggler detector; on a GPU work.wait() only
+        # makes the current stream wait for NCCL's (no host stall here).
         work.wait()
-        seconds = clock.stop(wait=False)
-        wire.add_wait_seconds(clock if seconds is None else seconds, group)
 
     def reduce_next() -> None:
         work, received, _sent, start, length = to_reduce.pop(0)

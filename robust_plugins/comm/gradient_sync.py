@@ -279,6 +279,11 @@ class GradientSync:
             from robust_plugins.topology import hierarchical_all_reduce
 
             groups = self._hierarchy(group)
+            if groups.plan is None and groups.group is not group:
+                # The flat fallback reduces over the group this call was given (a sync thread's
+                # clone on gloo), never over the one the hierarchy was planned with: that is the
+                # host's, which the training thread drives (comm/overlap.py).
+                groups = dataclasses.replace(groups, group=group)
             if self.auto is not None and groups.plan is not None:
                 return self._auto_route(tensor, group, groups, key)
             per_node = len(groups.intra_ranks) if groups.plan is not None else 1

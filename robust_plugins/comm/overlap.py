@@ -1,4 +1,4 @@
-"""Overlapping gradient reductions with backward: one ordered background thread, host-agnostic.
+"""Overlapping gradient reductions with backward: ordered, host-agnostic, one driver per communicator.
 
 A host integration (``patches/megatron.py`` for megatron-core's bucket groups,
 ``patches/deepspeed_overlap.py`` for DeepSpeed ZeRO 0) hands each gradient bucket to a
@@ -7,19 +7,25 @@ A host integration (``patches/megatron.py`` for megatron-core's bucket groups,
 
 * :class:`SyncThread` runs submitted work one item at a time, in submission order. Every rank
   submits the same buckets in the same order (the hosts make sure of it), so every rank issues
-  the same sequence of collectives.
-* :func:`clone_groups` gives the thread its own copies of the process groups it reduces over, so
-  that its collectives never interleave with collectives the training thread issues on the
-  host's groups (gloo matches collectives by their order on a group).
-* On a GPU the thread runs on its own device and stream (:class:`SyncThread`'s ``device``): the
-  device is set first on the thread (a new thread starts on GPU 0, where Triton and NCCL would
-  then run with another GPU's pointers); each item's stream waits for an event the caller
-  recorded on its current stream at :meth:`SyncThread.submit` (the kernels that produced the
-  gradients), the tensors it used are ``record_stream``-ed on the thread's stream, and
-  :meth:`SyncHandle.wait` makes the caller's current stream wait for an event recorded after the
-  item. Neither side blocks the host for the other's kernels, codec kernels do not queue behind
-  backward, and a training loop on any stream reads reduced gradients only. On CPU none of that
-  exists (no streams, no events) and the thread runs the work as it is.
+  the same sequence of collectives. Where it runs is :func:`runs_inline`'s decision:
+
+  - **CUDA (NCCL): on the training thread, onto a side stream.** NCCL launches are
+    asynchronous, so the host needs no thread to overlap; the reduction is launched where it is
+    submitted, on the thread's side stream, ordered by events: the side stream waits for an
+    event the caller's current stream recorded at :meth:`SyncThread.submit` (the kernels that
+    produced the gradients), the tensors are ``record_stream``-ed on the side stream, and
+    :meth:`SyncHandle.wait` makes the caller's current stream wait for an event recorded after
+    the item. One host thread then drives every communicator, in program order, the same on
+    every rank: NCCL documents two threads issuing collectives on communicators in orders that
+    differ between ranks (megatron's TP all-reduces during backward, parameter all-gathers
+    beside the gradient reduction) as able to deadlock. The host's own process groups are used
+    (:func:`clone_groups` clones none), and so is every group the reduction reaches (the
+    hierarchy's node and rail groups, its flat fallback): all on the one thread.
+  - **CPU (gloo): on one background thread.** A gloo collective blocks its host until done, so
+    overlap needs a thread; it reduces over its own clones of the host's groups
+    (:func:`clone_groups`, made on the main thread, in one order on every rank), never shared
+    with the training thread (gloo matches collectives by their order on a group).
+
 * :func:`plan_buckets` is the pure planner of DeepSpeed's buckets: parameters in reverse order
   of registration (the order backward finishes them, as in PyTorch DDP), cut into buckets of
   about ``bucket_numel`` elements, one dtype a bucket.
@@ -29,15 +35,15 @@ Nothing here imports DeepSpeed or megatron-core.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 from typing import Any, Callable, Hashable, Iterable, Sequence
 
 import torch
 
-from robust_plugins.device import (collective_device, current_stream, device_type_for_backend, record_event,
-                                   set_thread_device, side_stream)
+from robust_plugins.device import (current_stream, device_type_for_backend, record_event, set_thread_device,
+                                   side_stream)
+from robust_plugins.device import on_stream as _on
 from robust_plugins.errors import ConfigError, RobustPluginsError
 
 #: Upper bound of a ``wait()`` on an overlapped sync. The collectives themselves time out with
@@ -100,104 +106,115 @@ class SyncHandle:
         return self._done.is_set()
 
 
+def runs_inline(device: Any) -> bool:
+    """Whether a :class:`SyncThread` for tensors on ``device`` runs its work on the submitting
+    thread (pure): yes on a device whose collectives launch asynchronously (CUDA: NCCL), so that
+    one host thread drives every communicator; no on the CPU (gloo blocks the host: a thread
+    overlaps) and for None."""
+    return device is not None and torch.device(device).type != "cpu"
+
+
 class SyncThread:
-    """One background thread running submitted work in submission order.
+    """Submitted work run in submission order, overlapping the caller (see the module docstring).
 
     Args:
-        name: the thread's name (shows in py-spy dumps).
+        name: the thread's name (shows in py-spy dumps; CPU only).
         what: what the items are, for the handles' error messages.
-        on_event: called with ``start`` and ``done`` around every item (on the sync thread).
-        device: the device of the tensors the work reduces (None or CPU: no device handling).
-            On a GPU the thread sets it as its current device before anything else and runs
-            every item on its own stream, ordered against the caller's stream by events (see
-            the module docstring).
+        on_event: called with ``start`` and ``done`` around every item (on the thread that runs it).
+        device: the device of the tensors the work reduces. CUDA (:func:`runs_inline`): the work
+            runs on the submitting thread, on a side stream made here, ordered against the
+            caller's stream by events; no thread is started. CPU or None: one background thread.
     """
 
     def __init__(self, name: str, what: str, on_event: EventFn | None = None, device: Any = None):
         self._what = what
         self._on_event = on_event
         self._device = torch.device(device) if device is not None else None
+        self.inline = runs_inline(self._device)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if self.inline:
+            self._stream = side_stream(self._device)  # on the caller's thread and device
+        else:
+            self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+            self._thread.start()
 
     def submit(self, name: str, work: Callable[[], None], tensors: Iterable[torch.Tensor] = ()) -> SyncHandle:
-        """Queue ``work`` (run after everything submitted before it); its handle.
+        """Run ``work`` after everything submitted before it; its handle.
 
         ``tensors``: the device tensors ``work`` reads or writes (GPU: ``record_stream``-ed on the
-        thread's stream, so their memory is not reused before its kernels finished)."""
+        side stream, so their memory is not reused before its kernels finished)."""
         handle = SyncHandle(name, self._what, self._on_event, self._device)
-        # On the caller's thread: the thread's stream starts this item after what the caller's
+        # On the caller's thread: the side stream starts this item after what the caller's
         # current stream has queued so far (the kernels that produced these gradients).
         ready = record_event(current_stream(self._device))
-        self._queue.put((handle, work, ready, tuple(tensors)))
+        item = (handle, work, ready, tuple(tensors))
+        if self.inline:
+            self._run(item, self._stream)
+        else:
+            self._queue.put(item)
         return handle
 
     def _loop(self) -> None:
-        set_thread_device(self._device)  # first: every kernel and NCCL call below uses it
+        set_thread_device(self._device)  # first: every kernel and collective below uses it
         stream = side_stream(self._device)
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            handle, work, ready, tensors = item
-            try:
-                if self._on_event is not None:
-                    self._on_event("start", handle.name)
-                with _on(stream):
-                    if ready is not None:
-                        stream.wait_event(ready)
-                    work()
-                    if stream is not None:
-                        for t in tensors:
-                            t.record_stream(stream)
-                        handle._finished = record_event(stream)
-                if self._on_event is not None:
-                    self._on_event("done", handle.name)
-            except BaseException as exc:  # handed to the waiting thread by wait()
-                handle.error = exc
-            finally:
-                handle._done.set()
+            self._run(item, stream)
+
+    def _run(self, item: tuple, stream) -> None:
+        handle, work, ready, tensors = item
+        try:
+            if self._on_event is not None:
+                self._on_event("start", handle.name)
+            with _on(stream):
+                if ready is not None:
+                    stream.wait_event(ready)
+                work()
+                if stream is not None:
+                    for t in tensors:
+                        t.record_stream(stream)
+                    handle._finished = record_event(stream)
+            if self._on_event is not None:
+                self._on_event("done", handle.name)
+        except BaseException as exc:  # handed to the waiting thread by wait()
+            handle.error = exc
+        finally:
+            handle._done.set()
 
     @property
     def alive(self) -> bool:
-        """Whether the thread is still running."""
-        return self._thread.is_alive()
+        """Whether work can still be submitted (inline: always; else the thread is running)."""
+        return self.inline or (self._thread is not None and self._thread.is_alive())
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the thread after the work already submitted (bounded by ``timeout_s``)."""
-        self._queue.put(None)
-        self._thread.join(timeout_s)
-
-
-def _on(stream):
-    """``stream`` as the current stream inside the block (nothing for None: CPU)."""
-    if stream is None:
-        return contextlib.nullcontext()
-    return getattr(torch, stream.device.type).stream(stream)
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
 
 
 def needs_eager_init(backend: str) -> bool:
-    """Whether a new group of ``backend`` must be initialised by a first collective (pure).
-
-    NCCL (and the other device-only backends) create a communicator lazily, at the group's
-    first collective. For a sync thread's clone that would happen on the thread, during
-    backward, interleaved with the training thread's first collectives on its own groups in an
-    order that can differ between ranks: NCCL documents that as a possible deadlock. gloo
-    connects every pair inside ``new_group``: nothing to do.
-    """
+    """Whether a new group of ``backend`` creates its communicator lazily, at its first
+    collective (pure): NCCL and the other device-only backends do; gloo connects every pair
+    inside ``new_group``."""
     return device_type_for_backend(backend) != "cpu"
 
 
 def clone_groups(groups: list) -> dict:
-    """Clone each process group in ``groups`` (same ranks, same backend) for a sync thread.
+    """The groups a :class:`SyncThread` reduces over, for each of ``groups``: ``{id(group): group
+    to use}``.
 
-    Returns ``{id(group): clone}``. ``new_group`` is collective over the whole job and must be
-    called in the same order on every rank, also by ranks outside the group: the rank lists are
-    gathered first and every rank creates the union, sorted. Clones of lazily initialised
-    backends (:func:`needs_eager_init`) then run one tiny all-reduce each, here on the calling
-    (main) thread, in that sorted order: every rank initialises its communicators in one global
-    order, before any thread uses them.
+    A group whose collectives move device tensors (:func:`needs_eager_init`: NCCL) is its own
+    answer: its :class:`SyncThread` runs inline (:func:`runs_inline`), on the training thread,
+    which already drives that group; a clone would be a second communicator for nothing. A gloo
+    group gets a clone (same ranks, same backend) for the background thread, never shared with
+    the training thread. ``new_group`` is collective over the whole job and must be called in the
+    same order on every rank, also by ranks outside the group: the rank lists are gathered first
+    and every rank creates the union, sorted (gloo connects in ``new_group``: nothing lazy is
+    left for the thread to initialise).
     """
     import torch.distributed as dist
 
@@ -206,16 +223,12 @@ def clone_groups(groups: list) -> dict:
     dist.all_gather_object(gathered, sorted(mine.items()))
     clones = {}
     for ranks, backend in sorted({item for part in gathered for item in part}):
+        if needs_eager_init(backend):
+            continue  # the same decision on every rank: the backend is the group's
         group = dist.new_group(ranks=list(ranks), backend=backend)
         if ranks in mine:
             clones[ranks] = group
-    # After every new_group (collective over the job), in the same sorted order on every rank:
-    # a rank waits in a group's first all-reduce only for members, which finished the lower groups.
-    for ranks in sorted(clones):
-        if needs_eager_init(mine[ranks]):
-            group = clones[ranks]
-            dist.all_reduce(torch.zeros(1, device=collective_device(group)), group=group)
-    return {id(g): clones[tuple(dist.get_process_group_ranks(g))] for g in groups}
+    return {id(g): clones.get(tuple(dist.get_process_group_ranks(g)), g) for g in groups}
 
 
 def plan_buckets(params: Sequence[tuple[int, Hashable]], bucket_numel: int) -> list[list[int]]:

@@ -153,8 +153,13 @@ class CompressionState:
     def residual_sq_norm(self) -> float:
         """Squared L2 norm of every residual this rank holds (sender and server side), for
         telemetry: a residual that keeps growing means the codec is losing too much."""
-        tables = (self._sender, self._server)
-        return float(sum(float(buf.float().pow(2).sum()) for table in tables for buf in table.values()))
+        # Summed on each device first: one read of the host per device (a read per residual was
+        # a host sync per bucket on a GPU).
+        per_device: dict = {}
+        for table in (self._sender, self._server):
+            for buf in table.values():
+                per_device.setdefault(buf.device, []).append(buf.float().pow(2).sum())
+        return float(sum(float(torch.stack(parts).double().sum()) for parts in per_device.values()))
 
     def keys(self) -> list[str]:
         """String forms (:func:`key_to_str`) of every key holding a residual."""

@@ -144,24 +144,109 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
             rank, world = dist.get_rank(group), dist.get_world_size(group)
             nbytes = measure(a, rank, world) if world > 1 and rank >= 0 else 0
         _tls.depth = 1
-        # Host time on the CPU; on a CUDA tensor events on the current stream, read later: NCCL's
-        # host call returns at launch, and a synchronous one makes the current stream wait for the
-        # collective, so the events bracket the collective itself. An async_op call is its launch
-        # only (its wait is not seen unless the caller reports it: add_wait_seconds).
         clock = Clock(_device_of(args, kwargs)).start()
         try:
             result = original(*args, **kwargs)
         finally:
             _tls.depth = 0
-        seconds = clock.stop(wait=False)
         with _lock:
             counters = list(_active)
+        block = _coalescing(group, known=_count_bytes)
+        path = timing_path(result, block is not None)
+        if path == "sync":
+            # Host time on the CPU; on a CUDA tensor events on the current stream, read later: a
+            # synchronous call makes the current stream wait for the collective, so the events
+            # bracket the collective itself.
+            seconds = clock.stop(wait=False)
+            for counter in counters:
+                counter._add(name, nbytes, group, clock if seconds is None else seconds)
+            return result
         for counter in counters:
-            counter._add(name, nbytes, group, clock if seconds is None else seconds)
+            counter._add(name, nbytes, group, 0.0)  # the call; its time comes when it completes
+        if path == "future":
+            _time_until_done(result, clock, counters, group)
+        elif path == "coalesced":
+            # Inside a coalescing block the collective is launched at the block's end: timed from
+            # the block's first call to the coalesced work's completion (_CoalescingManager.append,
+            # async blocks; a synchronous block's end is not seen: its calls count their launch).
+            pending = getattr(_tls, "coalesced", None)
+            if pending is None or pending[0] is not block:  # a new block (a synchronous one left no append)
+                _tls.coalesced = (block, clock, counters, group)
         return result
 
     counted._robust_wire_counter = True
     return counted
+
+
+def timing_path(result: Any, coalescing: bool) -> str:
+    """How a counted call's time is taken (pure; by what the call returned):
+
+    - ``sync``: it returned no work (a synchronous call, outside a coalescing block): events (CUDA)
+      or host time around the call;
+    - ``future``: an asynchronous work (``async_op=True``): from the call to the work's completion,
+      read off its future (:func:`_time_until_done`) without waiting: the launch alone would read
+      ~0 s on NCCL, and overlapped reductions (megatron's ``overlap_grad_reduce``) are async;
+    - ``coalesced``: inside a coalescing block (``_coalescing_manager``): the block's end launches
+      the collective, timed from the block's first call to that work's completion;
+    - ``launch``: a work whose completion cannot be observed (no future): the launch only.
+    """
+    if coalescing:
+        return "coalesced"
+    if result is None:
+        return "sync"
+    illegal = getattr(c10d, "_IllegalWork", None)
+    if (illegal is not None and isinstance(result, illegal)) or not hasattr(result, "get_future"):
+        return "launch"
+    return "future"
+
+
+def _coalescing(group: Any, known: bool = True) -> list | None:
+    """The coalescing block (torch's ``_coalescing_manager``: its op list, a new list a block) that
+    calls on ``group`` join now, or None; with ``known`` False (a timing-only counter does not bind
+    the call's arguments), any block open now."""
+    state = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
+    if not state:
+        return None
+    if not known:
+        return next(iter(state.values()))
+    pg = group if group is not None else c10d.GroupMember.WORLD
+    return state.get(pg)
+
+
+def _time_until_done(work: Any, clock: Clock, counters: list, group: Any) -> None:
+    """Count the seconds from ``clock``'s start to ``work``'s completion, without waiting for it.
+
+    The work's future runs its callbacks once the collective is done (gloo: on its thread, when it
+    finished; NCCL: at once, with current streams that wait for the collective's stream), so the
+    clock stopped there ends when the collective does: host time on the CPU, a CUDA event on CUDA,
+    read when the counter is.
+    """
+    def done(_fut) -> None:
+        try:
+            seconds = clock.stop(wait=False)
+            for counter in counters:
+                counter._add_seconds(group, clock if seconds is None else seconds)
+        except Exception:  # a timer must never fail a collective's future
+            pass
+
+    try:
+        work.get_future().then(done)
+    except Exception:  # a work without a usable future: its launch was counted
+        pass
+
+
+def _append_timed(original: Callable) -> Callable:
+    """``_CoalescingManager.append`` that times the coalesced work from the block's first call."""
+    @functools.wraps(original)
+    def append(self, work=None):
+        pending = _tls.__dict__.pop("coalesced", None)
+        if work and pending:
+            _, clock, counters, group = pending
+            _time_until_done(work, clock, counters, group)
+        return original(self, work)
+
+    append._robust_wire_counter = True
+    return append
 
 
 def _patch(owner: Any, attr: str, wrapper: Callable) -> None:
@@ -180,6 +265,10 @@ def _install() -> None:
             # torch.distributed re-exports distributed_c10d: one wrapper per function object.
             wrapper = wrappers.setdefault(id(original), _make_wrapper(name, original))
             _patch(module, name, wrapper)
+    manager = getattr(c10d, "_CoalescingManager", None)
+    append = getattr(manager, "append", None)
+    if append is not None and not getattr(append, "_robust_wire_counter", False):
+        _patch(manager, "append", _append_timed(append))
     ds_comm = sys.modules.get("deepspeed.comm.comm")
     cdb = getattr(ds_comm, "cdb", None)
     for attr, name in _DEEPSPEED_BOUND.items():
@@ -240,11 +329,12 @@ class WireCounter:
         bytes_sent: total bytes (int).
         calls: ``collections.Counter`` of calls by function name.
         by_op: ``collections.Counter`` of bytes by function name.
-        seconds: time spent inside the counted calls (float; an ``async_op`` call counts
-            only its launch, plus the waits its caller reports with :func:`add_wait_seconds`).
-            Host time for CPU tensors; for CUDA tensors the device time between CUDA events on
-            the calling thread's current stream around the call (NCCL's host call returns at
-            launch): reading it waits for the counted collectives to finish.
+        seconds: time spent in the counted collectives (float; :func:`timing_path`): around a
+            synchronous call; from an ``async_op`` call (or a coalescing block's first call) to
+            its work's completion, seen through the work's future. Host time for CPU tensors; for
+            CUDA tensors device time between CUDA events (NCCL's host call returns at launch):
+            reading it waits for the counted collectives to finish (:meth:`settled_seconds`
+            does not).
     """
 
     def __init__(self, filter_group: Any = None, timing_only: bool = False):
@@ -293,6 +383,14 @@ class WireCounter:
                 self._seconds += self._pending.pop(0).seconds()
             return self._seconds
 
+    def settled_seconds(self) -> float:
+        """The seconds whose clocks have finished, without waiting for the device: what a step
+        signal reads (an unfinished collective counts once it finished, at a later read; an
+        asynchronous one once its completion was seen)."""
+        with self._mutex:
+            self._fold_done()
+            return self._seconds
+
     def _fold(self, seconds: "float | Clock") -> None:
         # Under self._mutex. Finished clocks are read without waiting; the rest wait for a read.
         if isinstance(seconds, Clock):
@@ -301,6 +399,17 @@ class WireCounter:
             self._seconds += seconds
         while self._pending and (self._pending[0].done() or len(self._pending) > _MAX_PENDING):
             self._seconds += self._pending.pop(0).seconds()
+
+    def _fold_done(self) -> None:
+        # Under self._mutex. Clocks finish out of order (async collectives end after later sync
+        # ones): every finished one is folded (a scan: once a step, not once a call).
+        still = []
+        for clock in self._pending:
+            if clock.done():
+                self._seconds += clock.seconds()
+            else:
+                still.append(clock)
+        self._pending = still
 
     def _add(self, name: str, nbytes: int, group: Any, seconds: "float | Clock" = 0.0) -> None:
         if not self._matches(group):
@@ -328,9 +437,9 @@ def add_wait_seconds(seconds: "float | Clock", group: Any = None) -> None:
     :class:`~robust_plugins.timing.Clock` (``stop(wait=False)``, CUDA events around ``work.wait()``)
     is read when the counter's ``seconds`` is, so reporting never stalls the host.
 
-    A counter sees only the launch of an asynchronous call; code that launches collectives
-    asynchronously and waits for them itself (the pipelined compressed all-reduce) reports its
-    waits here, so that time inside communication stays time inside communication for the
+    A counter times an asynchronous call to its completion itself (:func:`timing_path`); this is
+    for waits on communication it cannot see (collectives issued from C++, another library's
+    transport), so that time inside communication stays time inside communication for the
     watchdog's straggler detector (compute = step - communication) and telemetry's bandwidth.
     """
     with _lock:

@@ -90,15 +90,17 @@ class WatchdogConfig(Section):
     straggler_factor: _Factor = 2.0
     """A rank whose median compute time per step (step time minus time inside torch.distributed
     collectives) over the last ``straggler_window`` steps exceeds this many times the median of
-    its peers' is reported as a straggler (``faults.jsonl``, action ``report``: no restart).
-    0 turns the detector off."""
+    its peers' is a straggler: one ``faults.jsonl`` row per episode, written when it ends (its
+    duration, slow steps and ratio; action ``report``: no restart). 0 turns the detector off."""
 
     straggler_window: Annotated[int, Field(ge=3), Hint(why="(a median of fewer steps is one slow step)")] = 20
-    """Steps per rank in the straggler medians; nothing is judged before every rank has this many."""
+    """Steps per rank in the straggler medians; nothing is judged before every rank has this many.
+    A straggler's episode ends after this many of its steps in a row were not slow."""
 
     exclude_after_blames: Annotated[int, Field(ge=0), Hint(why="(0: never exclude a node)")] = 2
     """Multi-node jobs (``--nnodes MIN:MAX`` > 1, c10d rendezvous): a node blamed for this many
-    faults (a crash by a signal or an injected one, or an SDC minority on its ranks; see
+    faults (a crash by a signal or an injected one, an SDC minority on its ranks, or a hang whose
+    flight recorder shows its rank stuck outside every collective; see
     ``watchdog/nodes.py``) is excluded: written to ``excluded_nodes.json`` and refused at the next
     rendezvous (its agent exits 3); the others continue within ``MIN:MAX``. 0 turns exclusion off."""
 

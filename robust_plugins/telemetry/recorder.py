@@ -110,6 +110,8 @@ class Telemetry:
                       device_name or device.type)
         self._sums = [0.0] * len(metrics.FIELDS)
         self._losses: list[torch.Tensor] = []
+        self._comm_counters: list = []
+        """This window's gradient-reduction counters, whose seconds are read at its end."""
         self._last_step_end: float | None = None
         self._window_start: float | None = None
         self._closed = False
@@ -189,7 +191,9 @@ class Telemetry:
         with self._wire_cls() as counter:
             yield
         self._sums[metrics.INDEX["grad_bytes"]] += counter.bytes_sent
-        self._sums[metrics.INDEX["grad_comm_s"]] += counter.seconds
+        # Read at the window's end (_aggregate), not here: on CUDA the seconds are events that
+        # reading would wait for, at every backward.
+        self._comm_counters.append(counter)
 
     def _start_window(self) -> None:
         if self._window_start is None:
@@ -222,6 +226,8 @@ class Telemetry:
         if self._losses:
             s[metrics.INDEX["loss_sum"]] = float(torch.stack([x.float() for x in self._losses]).sum())
             s[metrics.INDEX["loss_n"]] = float(len(self._losses))
+        s[metrics.INDEX["grad_comm_s"]] += sum(c.seconds for c in self._comm_counters)
+        self._comm_counters.clear()
         s[metrics.INDEX["mem_bytes"]] = peak_memory_bytes(self.device)[0]
         s[metrics.INDEX["residual_sq"]] = self._residual_sq_fn() if self._residual_sq_fn else 0.0
         norm = self._grad_norm_fn() if self._grad_norm_fn else None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from robust_plugins.topology.records import RankRecord, TopologyError
-from robust_plugins.topology.sources import K8sEnv, k8s_info, nvml_info
+from robust_plugins.topology.sources import K8sEnv, current_gpu_bus_id, k8s_info, nvml_info
 
 SIM_ENV = "ROBUST_TOPOLOGY_SIM"
 _HOST_KEYS = ("nvlink_domain", "switches", "ranks")
@@ -231,7 +231,7 @@ def local_info(env: Mapping[str, str] | None = None, *, k8s: K8sEnv | None = Non
         domain = from_k8s.get("nvlink_domain")
     local = env.get("LOCAL_RANK")
     local_rank = int(local) if local not in (None, "") else None
-    from_nvml = nvml_info(local_rank or 0, env, nvml) if use_nvml else None
+    from_nvml = nvml_info(local_rank or 0, env, nvml, current_gpu_bus_id()) if use_nvml else None
     if from_nvml is not None:
         domain = from_nvml["nvlink_domain"]
     return {"host": host, "local_rank": local_rank, "switches": switches, "nvlink_domain": domain,

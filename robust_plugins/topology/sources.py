@@ -105,7 +105,30 @@ def visible_gpu(local_index: int, visible: Sequence[str]) -> int:
     return local_index
 
 
-def _device_handle(nvml: Any, local_index: int, env: Mapping[str, str]):
+def pci_bus_id(domain: int, bus: int, device: int) -> str:
+    """NVML's form of a PCI address (``nvmlDeviceGetHandleByPciBusId``), e.g. ``00000000:3B:00.0``."""
+    return f"{int(domain):08X}:{int(bus):02X}:{int(device):02X}.0"
+
+
+def current_gpu_bus_id() -> str | None:
+    """The PCI address of this thread's current CUDA device (the rank's own GPU once the host set
+    it), or None where CUDA is not in use: what NVML is asked about, whatever order CUDA and NVML
+    number the GPUs in."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    if not all(hasattr(props, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+        return None
+    return pci_bus_id(props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
+
+
+def _device_handle(nvml: Any, local_index: int, env: Mapping[str, str], bus_id: str | None = None):
+    if bus_id is not None:
+        # The rank's current device by its PCI address: right even where CUDA numbers the GPUs
+        # fastest-first and NVML by PCI bus (CUDA_DEVICE_ORDER unset), and whatever LOCAL_RANK is.
+        return nvml.nvmlDeviceGetHandleByPciBusId(bus_id)
     visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if visible:
         pick = visible[visible_gpu(local_index, visible)]
@@ -115,11 +138,14 @@ def _device_handle(nvml: Any, local_index: int, env: Mapping[str, str]):
     return nvml.nvmlDeviceGetHandleByIndex(local_index)
 
 
-def nvml_info(local_index: int, env: Mapping[str, str] | None = None, nvml: Any = None) -> dict[str, Any] | None:
+def nvml_info(local_index: int, env: Mapping[str, str] | None = None, nvml: Any = None,
+              bus_id: str | None = None) -> dict[str, Any] | None:
     """This rank's NVLink domain from NVML fabric info, or ``None`` when NVML cannot tell.
 
     ``nvml`` is the ``pynvml`` module (imported here when ``None``; absent -> ``None``). The GPU is
-    the ``local_index``-th visible device (``CUDA_VISIBLE_DEVICES`` indices or UUIDs honoured).
+    the one at PCI address ``bus_id`` (the rank's current CUDA device, :func:`current_gpu_bus_id`)
+    when known; else the ``local_index``-th visible device (``CUDA_VISIBLE_DEVICES`` indices or
+    UUIDs honoured; indices are NVML's only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``).
     """
     env = os.environ if env is None else env
     if nvml is None:
@@ -134,7 +160,7 @@ def nvml_info(local_index: int, env: Mapping[str, str] | None = None, nvml: Any 
     try:
         if nvml.nvmlDeviceGetCount() == 0:
             return None
-        handle = _device_handle(nvml, local_index, env)
+        handle = _device_handle(nvml, local_index, env, bus_id)
         info = nvml.c_nvmlGpuFabricInfo_t()
         try:
             nvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))

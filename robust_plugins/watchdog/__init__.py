@@ -11,7 +11,7 @@ The one call a training loop makes (a no-op outside ``robust run``)::
         if step % save_every == 0 and ok and watchdog.ok_to_save(step):
             save_checkpoint(step)
 
-Layout: :mod:`.client` (rank side), :mod:`.inject` (``--inject`` specs), :mod:`.detect` (pure
+Layout: :mod:`.client` (rank side; emergency saves in :mod:`.emergency_rank`), :mod:`.inject` (``--inject`` specs), :mod:`.detect` (pure
 detection logic), :mod:`.stacks` (py-spy / faulthandler), :mod:`.monitor` (node monitor),
 :mod:`.faults` (``faults.jsonl``), :mod:`.agent` (the elastic agent). ``FORMAT.md`` documents
 ``faults.jsonl`` and the resume contract.
@@ -23,11 +23,11 @@ from robust_plugins.watchdog.client import (
     check_params,
     grad_accumulation,
     load_state_dict,
-    on_emergency,
     ok_to_save,
     skip_batch,
     state_dict,
     step_end,
 )
+from robust_plugins.watchdog.emergency_rank import on_emergency
 
 __all__ = ["check_params", "grad_accumulation", "load_state_dict", "on_emergency", "ok_to_save", "skip_batch", "state_dict", "step_end"]

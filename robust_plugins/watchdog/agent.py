@@ -39,7 +39,8 @@ from robust_plugins.watchdog.detect import restart_delay
 from robust_plugins.watchdog.client import ENV_LAUNCH_WORLD
 from robust_plugins.watchdog.jobfaults_sync import STORE_TIMEOUT_S, JobFaultView
 from robust_plugins.watchdog.monitor import Monitor
-from robust_plugins.watchdog.nodes import NodeExcluded, NodeRegistry, exiting_ranks, node_blame
+from robust_plugins.watchdog.nodes import (NodeExcluded, NodeRegistry, exchange_hang_views, exiting_ranks,
+                                           node_blame)
 from robust_plugins.watchdog.standby import StandbyPool, target_of
 
 log = get_logger(__name__)
@@ -150,6 +151,7 @@ def _agent_class():
 
         def _blame(self, fault) -> None:
             if fault is not None and fault.kind == "hang":
+                self._judge_hang_jobwide(fault)
                 # Read before any blame or hold: a suspect caught exiting is no evidence (nodes.py).
                 exiting = exiting_ranks(fault.suspect_ranks, fault.evidence)
                 if exiting:
@@ -175,6 +177,26 @@ def _agent_class():
             if record is not None:
                 print(f"robust run: node {self.node} reached {record['blames']} blames and is "
                       f"excluded from the job ({self.registry.path})", flush=True)
+
+        def _judge_hang_jobwide(self, fault) -> None:
+            # A multi-node job: every node's flight-recorder views, so that a group is judged over
+            # all its members (nodes.exchange_hang_views); one node's view alone compares only its
+            # own ranks, and on NCCL its waiting ranks look stuck to their stacks.
+            workers = self._worker_group.workers
+            store = self._worker_group.store
+            views = fault.detail.get("flight_recorder") or {}
+            if not workers or store is None or workers[0].world_size <= len(workers):
+                return
+            if not any(views.values()):
+                return  # no flight recorder here (gloo: stacks decide; NCCL without a server)
+            payload = {"ranks": [w.global_rank for w in workers], "views": views}
+            entries = exchange_hang_views(store, str(self._round), self.node, payload,
+                                          self._worker_group.group_world_size,
+                                          self.monitor.cfg.stack_dump_timeout_s)
+            try:
+                self.monitor.rejudge_hang(fault, entries)
+            except Exception:  # the local verdict stands; its blame rule is as strict
+                log.exception("robust run: the job-wide hang verdict failed; judging on this node's view")
 
         def _rendezvous(self, worker_group) -> None:
             self._refuse_if_excluded()
@@ -359,8 +381,9 @@ def _agent_class():
             if node_blame(fault, {w.global_rank for w in workers}) is not None:
                 return False
             hold = self.monitor.cfg.stack_dump_timeout_s
-            log.warning("robust run: rank(s) %s wait inside a collective for a peer on another node; "
-                        "this node restarts in %.0f s unless that node restarts first", fault.suspect_ranks, hold)
+            log.warning("robust run: rank(s) %s wait inside a collective for a peer on another node (suspects "
+                        "%s); this node restarts in %.0f s unless that node restarts first",
+                        sorted(w.global_rank for w in workers), fault.suspect_ranks, hold)
             self._hold_until = time.monotonic() + hold
             return True
 

@@ -106,6 +106,10 @@ class _Client:
         self._next_beat_check = 0.0
         self.fh_path = self._register_faulthandler()
         self.fr_served = False
+        self.mark_steps = False
+        """An emergency saver is registered: each step_end records where the device stood."""
+        self.step_mark = None
+        """The CUDA event recorded at the last step_end (``mark_steps``; None on CPU)."""
         _die_with_parent()
         # Waits (bounded) for room: the monitor learns the faulthandler file from it, and removes
         # the ring's file name once the rank has mapped it.
@@ -179,6 +183,9 @@ class _Client:
             self._open_comm_timer()
         if not self.fr_served:  # at the first step, once the host built its process group
             self.fr_served = True
+            kind = _flight.collective_device_type()
+            if kind is not None:  # the monitor's hang verdict: do collectives block the host?
+                self.send({"k": "comm", "dev": kind}, wait=True)
             _flight.serve_if_needed(os.environ.get(ENV_RUN_DIR), self.rank)
         if self.injections or self.slow_s:  # one check a step when nothing is armed
             loss, grad_norm = _inject_rank.fire_at_step(self, step, loss, grad_norm)
@@ -193,10 +200,14 @@ class _Client:
                 self.step_times.append(wall)
                 del self.step_times[:-STEP_TIMES_KEPT]
             if self.comm is not None:
-                comm = self.comm.seconds - self.last_comm_s  # of which inside collectives
+                # Of which inside collectives, as far as the device has finished them: read
+                # without waiting (a collective still running counts in a later step).
+                comm = self.comm.settled_seconds() - self.last_comm_s
         self.last_end = now
+        if self.mark_steps:
+            self.step_mark = _device_mark()
         if self.comm is not None:
-            self.last_comm_s = self.comm.seconds
+            self.last_comm_s = self.comm.settled_seconds()
         bad = any(v is not None and not math.isfinite(v) for v in (loss, grad_norm))
         if self.ring is not None:
             self.ring.write(step, loss, grad_norm, wall, comm, now)
@@ -342,6 +353,13 @@ def load_state_dict(state: dict[str, Any] | None) -> None:
 def parse_skip_steps(text: str) -> frozenset[int]:
     """``"25,40"`` -> ``{25, 40}`` (the ``ROBUST_SKIP_STEPS`` value ``robust run`` sets)."""
     return frozenset(int(x) for x in text.split(",") if x.strip())
+
+
+def _device_mark():
+    """An event on this thread's current CUDA stream, recorded now (no wait); None without CUDA."""
+    from robust_plugins.device import current_stream, record_event, thread_device
+
+    return record_event(current_stream(thread_device()))
 
 
 def _die_with_parent() -> None:
@@ -494,106 +512,6 @@ def grad_accumulation(global_batch: int, micro_batch: int, world_size: int | Non
     return accum
 
 
-#: Set by ``robust run``: seconds a rank may spend in its emergency save (``emergency_save_timeout_s``).
+#: Set by ``robust run``: seconds a rank may spend in its emergency save (``emergency_save_timeout_s``;
+#: the saver itself is :mod:`.emergency_rank`).
 ENV_EMERGENCY_TIMEOUT = "ROBUST_EMERGENCY_TIMEOUT_S"
-
-_emergency: dict[str, Any] = {}
-
-
-def _is_collective_failure(exc: BaseException) -> bool:
-    # What a rank sees when a peer died under it: torch's DistError family (DistBackendError,
-    # DistNetworkError), or, from older code paths, a RuntimeError naming the transport.
-    try:
-        import torch.distributed as dist
-
-        if isinstance(exc, getattr(dist, "DistError", ())):
-            return True
-    except ImportError:
-        return False
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("Gloo", "gloo", "NCCL", "Connection closed by peer", "Connection reset by peer"))
-
-
-def on_emergency(save: Any) -> None:
-    """Register ``save(step)``: this rank's emergency checkpoint when a peer dies under it.
-
-    Under ``robust run``, when an exception from a failed collective (a peer rank died; torch's
-    ``DistError`` family) ends this process, ``save`` is called once with the last step reported by
-    :func:`step_end`, before the process exits, with SIGTERM held off and a bound of the watchdog's
-    ``emergency_save_timeout_s`` (after which the rank exits anyway). The monitor waits for it
-    (bounded) before it stops the node's ranks, and records in ``faults.jsonl`` whether it happened.
-
-    Only the script knows whether its state then is the state of ``step``: it is when the failing
-    collective runs before the optimizer step (a gradient all-reduce does), and only a replicated
-    state (plain data parallelism, ZeRO 0) saved from one live rank restores every rank. ``save``
-    must not call collectives (the peer is gone). Outside ``robust run`` nothing is registered.
-    """
-    client = get_client()
-    if client is None:
-        return
-    if not _emergency:
-        previous = sys.excepthook
-
-        def hook(kind, exc, tb):
-            stopped = _is_collective_failure(exc) and _emergency_save(client)
-            previous(kind, exc, tb)
-            if stopped:
-                # A SIGTERM held during the save: act on it (lost, the agent waited out 30 s).
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        sys.excepthook = hook
-    _emergency["save"] = save
-    client.send({"k": "emerg", "phase": "registered"}, wait=True)
-
-
-def _emergency_save(client: _Client) -> bool:
-    """Run the registered save (bounded); True if a SIGTERM came meanwhile (held for the caller)."""
-    import threading
-
-    save = _emergency.get("save")
-    step = client.last_step
-    if save is None or step is None or _emergency.get("done"):
-        return False
-    _emergency["done"] = True
-    timeout = float(os.environ.get(ENV_EMERGENCY_TIMEOUT, "30") or 30)
-    if timeout <= 0:
-        return False  # emergency_save_timeout_s = 0: turned off
-    # The agent stops the node's ranks with SIGTERM once it sees the dead one: not during the save
-    # (it waits for our "done", bounded, and SIGKILLs after its own timeout anyway). Held: an
-    # ignored one is gone, and the rank outlives its stop.
-    held: list[int] = []
-    old = signal.signal(signal.SIGTERM, lambda signum, frame: held.append(signum))
-    client.send({"k": "emerg", "phase": "start", "s": step}, wait=True)
-    t0 = time.monotonic()
-    outcome: dict[str, Any] = {}
-    from robust_plugins.device import set_thread_device, thread_device
-
-    device = thread_device()  # a new thread starts on GPU 0: the save runs on this rank's GPU
-
-    def run() -> None:
-        try:
-            set_thread_device(device)
-            save(step)
-            outcome["ok"] = True
-        except BaseException as exc:  # reported, then the rank exits as it was going to
-            outcome["error"] = repr(exc)
-            # A saver that knows it cannot save (checkpoint.emergency.EmergencySkip: a sharded
-            # state) says why; that is a decision, not a failure.
-            outcome["skipped"] = type(exc).__name__ == "EmergencySkip"
-
-    worker = threading.Thread(target=run, name="robust-emergency-save", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    seconds = round(time.monotonic() - t0, 3)
-    if worker.is_alive():
-        outcome["error"] = f"timed out after {timeout:g} s (emergency_save_timeout_s)"
-    ok = bool(outcome.get("ok"))
-    verdict = ("done" if ok else f"skipped ({outcome['error']})" if outcome.get("skipped")
-               else "FAILED: " + outcome.get("error", "?"))
-    print(f"robust_plugins: rank {client.rank} emergency save of step {step} {verdict} in {seconds} s",
-          file=sys.stderr, flush=True)
-    client.send({"k": "emerg", "phase": "done", "s": step, "ok": ok, "sec": seconds,
-                 "error": outcome.get("error")}, wait=True)
-    signal.signal(signal.SIGTERM, old)
-    return bool(held)

@@ -154,6 +154,58 @@ def stragglers(compute: Mapping[int, Sequence[float]], factor: float, window: in
     return out
 
 
+@dataclass
+class StragglerEpisode:
+    """One rank's straggling, from its first detection to its end: reported once, when it ends.
+
+    The detector (:func:`stragglers`) names a rank once its window's median compute time crosses
+    the bar; from then on every step of the rank is judged on its own (``compute > factor x
+    peers``), and the episode ends once ``window`` of its steps in a row were not slow. A rank
+    that slows down again within that stays in the same episode: a load that moves now and then
+    makes one report, not one per move.
+    """
+
+    rank: int
+    first_step: int
+    """The first step of the slow run that made the detector name the rank."""
+    onset_wall: float
+    detected_wall: float
+    last_slow_step: int
+    last_slow_wall: float
+    seen_step: int
+    """The newest step judged."""
+    slow: list[float] = field(default_factory=list)
+    """Compute seconds of each slow step."""
+    ratios: list[float] = field(default_factory=list)
+    """Each slow step's compute over its peers' median."""
+    peers: list[float] = field(default_factory=list)
+
+    def observe(self, step: int, compute_s: float, peers_s: float, factor: float, wall: float) -> None:
+        """Judge one step of the rank (steps already judged are ignored)."""
+        if step <= self.seen_step:
+            return
+        self.seen_step = step
+        if peers_s > 0 and compute_s > factor * peers_s:
+            self.slow.append(compute_s)
+            self.ratios.append(compute_s / peers_s)
+            self.peers.append(peers_s)
+            self.last_slow_step, self.last_slow_wall = step, wall
+
+    def over(self, window: int) -> bool:
+        """``window`` steps in a row judged not slow: the episode has ended."""
+        return self.seen_step - self.last_slow_step >= window
+
+    def summary(self) -> dict[str, Any]:
+        """The report's numbers: duration, count of slow steps, median and highest ratio."""
+        med = statistics.median(self.slow) if self.slow else 0.0
+        peers = statistics.median(self.peers) if self.peers else 0.0
+        return {"first_step": self.first_step, "last_slow_step": self.last_slow_step,
+                "duration_s": round(max(0.0, self.last_slow_wall - self.onset_wall), 3),
+                "slow_steps": len(self.slow), "compute_s": round(med, 4), "peers_compute_s": round(peers, 4),
+                "ratio": round(statistics.median(self.ratios), 2) if self.ratios else 0.0,
+                "ratio_max": round(max(self.ratios), 2) if self.ratios else 0.0}
+
+
 def is_bad_number(value: float | None) -> bool:
     """True for NaN and +-Inf; ``None`` (not reported) is fine."""
     return value is not None and not math.isfinite(value)
@@ -240,52 +292,167 @@ def in_collective(frames: Sequence[Frame]) -> bool:
     return False
 
 
-#: Flight-recorder counters per process group (``pg_status`` of torch's
-#: ``_dump_fr_trace_json``): collectives this rank issued (enqueued) and whose kernel began.
+#: Flight-recorder counters per process group (``pg_status`` of torch's dump): collectives this
+#: rank issued (enqueued), whose kernel began (NCCL with ``TORCH_NCCL_ENABLE_TIMING``; -1 where not
+#: tracked) and that completed.
 ENQUEUED, STARTED = "last_enqueued_collective", "last_started_collective"
 COMPLETED = "last_completed_collective"
 
 
-def localize_by_sequence(
-        status: Mapping[int, Mapping[str, Mapping[str, Any]] | None]) -> Localization | None:
-    """Name the ranks that cause a hang from every rank's flight-recorder sequence numbers (pure).
+@dataclass
+class GroupSeq:
+    """One rank's progress on one process group, from its flight recorder (see :func:`group_view`)."""
 
-    ``status[rank]`` maps a process group id to its counters (``pg_status``); None: unreadable.
-    Process groups are created in the same order on every rank (``new_group`` is collective over
-    the world), so an id names the same group everywhere. On a group, the ranks that issued fewer
-    collectives than its others never issued the one the others wait in; of those, the ones with
-    no collective of their own unfinished on any group are stuck themselves and are the suspects
-    (a rank behind on one group because it waits in another group's collective is a victim; when
-    every lagging rank waits somewhere, all of them are named). Failing that, where every rank
-    issued as many, ranks whose device has not *started* the latest one (``last_started`` below
-    the others'; NCCL tracks it, -1 where not tracked) are stuck before it on their own device. None when the numbers agree (every rank entered every
-    collective: the hang is inside one, e.g. a link or a peer's device) or nothing was readable;
-    the caller then falls back to stacks (:func:`localize`).
+    members: list[int]
+    """Global ranks of the group (``pg_config``), [] where the dump did not say."""
+    enqueued: int
+    """Sequence number of the newest collective this rank issued on the group (0: none)."""
+    completed: int
+    """... of the newest one that completed on its device."""
+    started: int = -1
+    """... of the newest one whose kernel started (-1: not tracked)."""
+    pending_p2p: list[tuple[str, int]] = field(default_factory=list)
+    """Unfinished point-to-point operations: (``send``/``recv``, the peer's global rank)."""
+    pending_unknown_p2p: bool = False
+    """An unfinished point-to-point operation whose peer the record does not name (coalesced)."""
+
+    @property
+    def waiting(self) -> bool:
+        """Whether this rank has work of its own unfinished on the group (it waits for peers)."""
+        return self.enqueued > self.completed or bool(self.pending_p2p) or self.pending_unknown_p2p
+
+
+def _ranks_of(text: Any) -> list[int]:
+    # pg_config's "ranks" is a string such as "[0, 1, 2]" (a list in a pickled dump).
+    if isinstance(text, (list, tuple)):
+        return [int(r) for r in text]
+    return [int(x) for x in re.findall(r"-?\d+", str(text or ""))]
+
+
+def _p2p_peer(profiling_name: str) -> tuple[str, int] | None:
+    """(``send``/``recv``, the peer's group rank) from ``nccl:send 0->1`` / ``nccl:recv 1<-0``."""
+    name = str(profiling_name).split(":", 1)[-1].strip()
+    m = re.fullmatch(r"send (\d+)->(\d+)", name)
+    if m:
+        return "send", int(m.group(2))
+    m = re.fullmatch(r"recv (\d+)<-(\d+)", name)
+    if m:
+        return "recv", int(m.group(2))
+    return None
+
+
+def group_view(dumps: Mapping[str, Mapping[str, Any]]) -> dict[str, GroupSeq]:
+    """One rank's progress per process group, from its flight-recorder dumps (pure).
+
+    ``dumps`` maps a recorder's label (``"nccl"``, ``"gloo"``: a process group with both backends
+    counts on each separately) to torch's JSON dump (``includecollectives=true``,
+    ``onlyactive=false``). A group is named by its global name (``process_group[0]`` of its
+    entries; ``new_group`` names groups alike on every rank), never by the dump's ``pg_id``, a
+    per-process counter that differs between ranks outside the group's creation order. Its
+    members come from ``pg_config`` (NCCL records them; gloo's recorder does not, torch 2.13:
+    then ``members`` is [] and point-to-point peers cannot be named). Sequence
+    numbers come from the entries, the newest record of each group in the ring: collectives by
+    ``collective_seq_id``, point-to-point operations by their peer (``nccl:send 0->1``); a group
+    with no entry left in the ring is left out (nothing comparable to say about it).
     """
-    known = {r: s for r, s in status.items() if s}
-    unknown = sorted(r for r in status if not status[r])
+    out: dict[str, GroupSeq] = {}
+    for label, dump in sorted(dumps.items()):
+        if not isinstance(dump, Mapping):
+            continue
+        members = {str(name): _ranks_of(info.get("ranks")) for name, info in (dump.get("pg_config") or {}).items()
+                   if isinstance(info, Mapping)}
+        for e in dump.get("entries") or ():
+            pg = e.get("process_group") or [e.get("pg_id"), ""]
+            key = f"{label}:{pg[0]}"
+            seq = out.get(key)
+            if seq is None:
+                seq = out[key] = GroupSeq(members=members.get(str(pg[0]), []), enqueued=0, completed=0)
+            state = str(e.get("state", ""))
+            # Done: its end event completed (NCCL), or retired (the backend saw the work finish;
+            # gloo records no events, so its entries stay "scheduled" and only retire).
+            done = state == "completed" or bool(e.get("retired"))
+            if e.get("is_p2p"):
+                if done:
+                    continue
+                peer = _p2p_peer(e.get("profiling_name", ""))
+                if peer is None or not seq.members or peer[1] >= len(seq.members):
+                    seq.pending_unknown_p2p = True
+                else:
+                    seq.pending_p2p.append((peer[0], seq.members[peer[1]]))
+                continue
+            n = int(e.get("collective_seq_id", 0))
+            seq.enqueued = max(seq.enqueued, n)
+            if state == "started" or done:
+                seq.started = max(seq.started, n)
+            if done:
+                seq.completed = max(seq.completed, n)
+    return out
+
+
+def localize_by_sequence(views: Mapping[int, Mapping[str, GroupSeq] | None]) -> Localization | None:
+    """Name the ranks that cause a hang from every rank's flight recorder (pure).
+
+    ``views[rank]`` is :func:`group_view` of that rank's dumps (None: unreadable); the ranks may
+    come from several nodes (the agents exchange their views, :mod:`.nodes`). What is true on
+    NCCL, where a healthy rank waiting for a peer sits in ``.item()`` or a ``synchronize`` and its
+    stack says nothing:
+
+    1. On a group, the members that issued fewer collectives than its others never issued the one
+       the others wait in (the lowest sequence numbers name them).
+    2. A rank with an unfinished send or recv whose peer has no matching operation posted waits for
+       that peer (pipeline stages): the peer did not enter.
+    3. Of the ranks so named, those with no work of their own unfinished on any group are stuck
+       outside every collective (``stuck``): the evidence against them. A named rank that waits in
+       another group's collective is a victim; when every named rank waits somewhere (a cycle: the
+       collectives were issued in different orders), all are suspects and none is ``stuck``.
+    4. Where every rank issued as many, ranks whose device did not *start* the latest one
+       (``started`` tracked) are stuck before it on their own device.
+
+    Returns None when the numbers agree (every rank entered every collective: the hang is inside
+    one, a link or a device) or nothing was readable; ranks whose view is None are never cleared
+    (suspects, never ``stuck``).
+    """
+    known = {r: v for r, v in views.items() if v}
+    unknown = sorted(r for r in views if not views[r])
     if not known:
         return None
-    for key, what in ((ENQUEUED, "issued"), (STARTED, "started on the device")):
+    waiting = {r for r, v in known.items() if any(g.waiting for g in v.values())}
+    for what in ("issued", "started on the device"):
         lagging: dict[int, str] = {}
-        for pg in sorted({pg for s in known.values() for pg in s}):
-            seqs = {r: int(s[pg].get(key, -1)) for r, s in known.items() if pg in s}
-            if key == STARTED and min(seqs.values()) < 0:
-                continue  # not tracked on this group (gloo; NCCL without timing)
+        for key in sorted({k for v in known.values() for k in v}):
+            seqs = {r: (v[key].enqueued if what == "issued" else v[key].started)
+                    for r, v in known.items() if key in v}
+            if len(seqs) < 2 or (what != "issued" and min(seqs.values()) < 0):
+                continue  # one rank read, or not tracked on this group (gloo; NCCL without timing)
             top = max(seqs.values())
             ahead = sorted(q for q, m in seqs.items() if m == top)
-            for r, n in seqs.items():
+            for r, n in sorted(seqs.items()):
                 if n < top and r not in lagging:
-                    lagging[r] = f"{what} collective {n} of group {pg}, ranks {ahead} {top}"
+                    lagging[r] = f"{what} collective {n} of group {key}, ranks {ahead} {top}"
+        if what == "issued":
+            for r, v in sorted(known.items()):
+                for key, g in sorted(v.items()):
+                    for op, peer in g.pending_p2p:
+                        mate = "recv" if op == "send" else "send"
+                        pv = known.get(peer)
+                        if pv is None or peer in lagging:
+                            continue
+                        peer_g = pv.get(key)
+                        if peer_g is not None and peer_g.pending_unknown_p2p:
+                            continue  # a batch whose peers the record does not name: may match
+                        if peer_g is None or (mate, r) not in peer_g.pending_p2p:
+                            lagging[peer] = f"posted no {mate} for rank {r}'s pending {op} on group {key}"
         if lagging:
-            waiting = {r for r, s in known.items()
-                       if any(int(c.get(ENQUEUED, -1)) > int(c.get(COMPLETED, -1)) for c in s.values())}
-            stuck = {r: why for r, why in lagging.items() if r not in waiting} or lagging
-            reason = "flight recorder: " + "; ".join(f"rank {r} {why}" for r, why in sorted(stuck.items()))
-            victims = sorted(set(lagging) - set(stuck))
+            stuck = {r: why for r, why in lagging.items() if r not in waiting}
+            named = stuck or lagging
+            reason = "flight recorder: " + "; ".join(f"rank {r} {why}" for r, why in sorted(named.items()))
+            victims = sorted(set(lagging) - set(named))
             if victims:
-                reason += f"; ranks {victims} lag too but wait in a collective they issued"
-            return Localization(sorted(set(stuck) | set(unknown)), [], reason)
+                reason += f"; ranks {victims} lag too but wait in work of their own"
+            if not stuck:
+                reason += "; every rank named waits in work of its own (collectives issued in different orders?)"
+            return Localization(sorted(set(named) | set(unknown)), [], reason, by="flight_recorder",
+                                stuck=sorted(stuck))
     return None
 
 
@@ -302,6 +469,53 @@ class Localization:
     groups: list[list[int]]
     """Ranks with identical stacks, largest group first."""
     reason: str
+    by: str = "stacks"
+    """The evidence: ``flight_recorder`` (sequence numbers, true on every backend) or ``stacks``."""
+    stuck: list[int] = field(default_factory=list)
+    """Suspects the flight recorder shows stuck outside every collective (the evidence that blames
+    a node); [] for a verdict from stacks."""
+
+
+def collectives_block_host(device_types: Iterable[str | None]) -> bool | None:
+    """Whether the ranks' collectives block their host until done (pure): True when every rank's
+    default group moves CPU tensors (gloo), False when one moves device tensors (NCCL: the host
+    call returns at launch), None when a rank did not say (no step yet)."""
+    kinds = list(device_types)
+    if not kinds or any(k is None for k in kinds):
+        return None
+    return all(k == "cpu" for k in kinds)
+
+
+def hang_verdict(where: Localization | None, block_host: bool | None, why: str | None = None) -> dict[str, Any]:
+    """What a hang's evidence supports (pure; ``faults.jsonl``'s ``detail.verdict``).
+
+    ``by``: ``flight_recorder``, ``stacks`` or ``none``; ``stuck``: ranks the evidence shows stuck
+    outside every collective; ``blame``: whether the evidence may count against a node
+    (:func:`~robust_plugins.watchdog.nodes.blame_reason` then checks which node's ranks):
+
+    - flight recorder: when it names stuck ranks (a cycle of waiting ranks names none);
+    - stacks: only where collectives block the host (gloo), so that "inside a collective call"
+      means "waiting for a peer"; on NCCL a waiting rank sits in ``.item()`` or a
+      ``synchronize`` and its stack looks like a stuck one's: no blame;
+    - nothing that names a rank (``where`` None, every stack alike): no blame, said in ``why``.
+    """
+    if where is None:
+        return {"by": "none", "blame": False, "stuck": [],
+                "why": why or "no evidence names a rank: no node is blamed"}
+    if where.by == "flight_recorder":
+        if where.stuck:
+            return {"by": where.by, "blame": True, "stuck": list(where.stuck),
+                    "why": f"the flight recorder shows ranks {where.stuck} stuck outside every collective"}
+        return {"by": where.by, "blame": False, "stuck": [],
+                "why": "every rank the flight recorder names waits in work of its own: no node is blamed"}
+    if block_host:
+        return {"by": "stacks", "blame": True, "stuck": [],
+                "why": "collectives block the host (gloo): a rank inside one waits for a peer"}
+    return {"by": "stacks", "blame": False, "stuck": [],
+            "why": ("no flight recorder could be read, and stacks cannot tell a rank waiting for a peer "
+                    "from a stuck one where collectives return at launch (NCCL): no node is blamed"
+                    if block_host is False else
+                    "no flight recorder could be read and the ranks' backend is unknown: no node is blamed")}
 
 
 def localize(stacks: Mapping[int, Sequence[Frame] | None],

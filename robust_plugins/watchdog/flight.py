@@ -1,24 +1,28 @@
-"""Read every rank's flight-recorder sequence numbers after a hang, through torch's worker server.
+"""Read every rank's flight recorder after a hang, through torch's worker server.
 
 On NCCL a stack does not say who hangs (:func:`~robust_plugins.watchdog.detect.in_collective`):
-the host returns from a collective at launch. torch counts, per process group, the collectives a
-rank issued and those its device started (the flight recorder's ``pg_status``), and its C++
+the host returns from a collective at launch, and a healthy rank waiting for a peer sits in
+``.item()`` or a ``synchronize``. torch's flight recorder keeps, per process group, the
+sequence number of every collective a rank issued and its state on the device, and its C++
 worker server answers ``POST /handler/<name>`` (:data:`HANDLERS`) on a Unix socket from its own
-thread, so the numbers come back while the rank's Python thread is blocked in a collective, a
-``.item()`` or a ``synchronize`` (checked on torch 2.13 over gloo: 2 ms with the main thread inside an
-``all_reduce``). At its first step the rank's watchdog client starts the server where the
-default group is NCCL (:func:`serve_if_needed`; on gloo stacks suffice, and torch logs three
-lines per server), at a path the monitor derives from the rank and its pid
-(:func:`socket_path`); the monitor reads it (:func:`collect`) and localizes by sequence first
-(:func:`~robust_plugins.watchdog.detect.localize_by_sequence`). A torch without the worker
-server, or a rank that cannot bind its socket, leaves the monitor with stacks alone (logged).
-``ROBUST_WATCHDOG_NO_FLIGHT=1`` starts no server (the socket also answers stack dumps to anyone
-who may open it: its folder's permissions decide).
+thread, so the records come back while the rank's Python thread is blocked. At its first step
+the rank's watchdog client starts the server where the default group is NCCL
+(:func:`serve_if_needed`; on gloo a collective blocks the host and stacks suffice), at a path the
+monitor derives from the rank and its pid (:func:`socket_path`). ``robust run`` sizes the
+recorder's ring (:func:`recorder_env`; torch records nothing by default). After a hang the
+monitor reads every local rank (:func:`collect`), keeps the dumps as evidence, reduces them to
+per-group progress (:func:`views`), and the agents of a multi-node job exchange those views
+(:mod:`.nodes`) so that the verdict (:func:`~robust_plugins.watchdog.detect.localize_by_sequence`)
+compares every rank of every group, not one node's. A torch without the worker server, or a rank
+that cannot bind its socket, leaves the monitor with stacks alone (logged), and on NCCL then no
+node is blamed. ``ROBUST_WATCHDOG_NO_FLIGHT=1`` starts no server (the socket also answers stack
+dumps to anyone who may open it: its folder's permissions decide); ``ROBUST_WATCHDOG_FLIGHT_ALWAYS=1``
+starts one on gloo too.
 """
-
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import http.client
 import json
 import os
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from robust_plugins._logging import get_logger
+from robust_plugins.watchdog.detect import GroupSeq, group_view
 
 log = get_logger(__name__)
 
@@ -38,6 +43,8 @@ _MAX_SOCKET_PATH = 100
 FETCH_TIMEOUT_S = 2.0
 
 ENV_NO_FLIGHT = "ROBUST_WATCHDOG_NO_FLIGHT"
+#: ``1``: serve the flight recorder on every backend, gloo too (where stacks also tell who hangs).
+ENV_FLIGHT_ALWAYS = "ROBUST_WATCHDOG_FLIGHT_ALWAYS"
 
 _servers: list[Any] = []  # kept alive for the process's life (the server stops when collected)
 
@@ -77,16 +84,24 @@ def serve(run_dir: str | os.PathLike | None, rank: int) -> str | None:
     return path
 
 
-def serve_if_needed(run_dir: str | os.PathLike | None, rank: int) -> str | None:
-    """:func:`serve` where the default process group's collectives move CUDA tensors (NCCL), whose
-    hangs stacks cannot localize; None elsewhere."""
+def collective_device_type() -> str | None:
+    """The device type the default process group's collectives move (``cpu`` for gloo, ``cuda``
+    for NCCL), or None without an initialized process group."""
     import torch.distributed as dist
 
     from robust_plugins.device import device_type_for_backend
 
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    if device_type_for_backend(dist.get_backend()) == "cpu":
+    return device_type_for_backend(dist.get_backend())
+
+
+def serve_if_needed(run_dir: str | os.PathLike | None, rank: int) -> str | None:
+    """:func:`serve` where the default process group's collectives move device tensors (NCCL),
+    whose hangs stacks cannot localize (or everywhere with ``ROBUST_WATCHDOG_FLIGHT_ALWAYS=1``);
+    None elsewhere."""
+    kind = collective_device_type()
+    if kind is None or (kind == "cpu" and os.environ.get(ENV_FLIGHT_ALWAYS) != "1"):
         return None
     return serve(run_dir, rank)
 
@@ -103,9 +118,27 @@ class _UnixHTTP(http.client.HTTPConnection):
         self.sock = sock
 
 
-#: The worker server's flight-recorder handlers: NCCL's own recorder (CUDA builds), then the one
-#: every other backend (gloo) writes; a build without one answers 404 for it.
-HANDLERS = ("dump_nccl_trace_json?onlyactive=true", "fr_trace_json?onlyactive=true")
+#: The worker server's flight-recorder handlers, by label: NCCL's own recorder (CUDA builds), then
+#: the one every other backend (gloo) writes; a build without one answers 404 for it. The whole
+#: ring (``onlyactive=false``): the newest record of every group names it and its sequence
+#: numbers (:func:`~robust_plugins.watchdog.detect.group_view`), completed or not.
+HANDLERS = {"nccl": "dump_nccl_trace_json?includecollectives=true&onlyactive=false",
+            "gloo": "fr_trace_json?includecollectives=true&onlyactive=false"}
+
+#: Variables a rank needs for its flight recorder to record anything (torch's default ring is 0
+#: entries, which leaves ``pg_status`` and the entries empty), and the value ``robust run`` sets
+#: when the user set neither name. 2,000 records is torch's documented example; a record holds
+#: sizes and names, no tensor.
+BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+BUFFER_DEFAULT = "2000"
+
+
+def recorder_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What ``robust run`` adds to the ranks' environment so that their flight recorder records
+    (pure): the ring size, unless the user chose one (0 included: their choice, said in the log)."""
+    if any(name in environ for name in BUFFER_ENV):
+        return {}
+    return {BUFFER_ENV[0]: BUFFER_DEFAULT}
 
 
 def _post(path: str, handler: str, timeout: float) -> dict[str, Any] | None:
@@ -116,8 +149,8 @@ def _post(path: str, handler: str, timeout: float) -> dict[str, Any] | None:
         body = resp.read()
         if resp.status != 200:
             return None
-        status = json.loads(body).get("pg_status")
-        return status if isinstance(status, dict) else None
+        dump = json.loads(body)
+        return dump if isinstance(dump, dict) else None
     except (OSError, ValueError, http.client.HTTPException):
         return None
     finally:
@@ -125,21 +158,37 @@ def _post(path: str, handler: str, timeout: float) -> dict[str, Any] | None:
 
 
 def fetch(path: str, timeout: float = FETCH_TIMEOUT_S) -> dict[str, dict[str, Any]] | None:
-    """One rank's ``pg_status`` (process group -> its counters) from every recorder it has (NCCL's
-    and gloo's groups together), or None if nothing answered."""
-    merged: dict[str, dict[str, Any]] = {}
-    answered = False
-    for handler in HANDLERS:
-        status = _post(path, handler, timeout)
-        if status is not None:
-            answered = True
-            merged.update(status)
-    return merged if answered else None
+    """One rank's flight-recorder dumps by label (:data:`HANDLERS`: NCCL's and gloo's groups are
+    counted apart), or None if nothing answered."""
+    dumps = {label: d for label, handler in HANDLERS.items() if (d := _post(path, handler, timeout)) is not None}
+    return dumps or None
 
 
 def collect(paths: Mapping[int, str | None], timeout: float = FETCH_TIMEOUT_S) -> dict[int, Any]:
-    """Every rank's ``pg_status`` by rank (None where it has no server or did not answer)."""
+    """Every rank's dumps by rank (None where it has no server or did not answer)."""
     return {r: fetch(p, timeout) if p else None for r, p in paths.items()}
+
+
+def views(dumps: Mapping[int, Mapping[str, Any] | None]) -> dict[int, dict[str, Any] | None]:
+    """Every rank's :func:`~robust_plugins.watchdog.detect.group_view` as plain data (JSON: what
+    ``faults.jsonl`` records and the agents exchange), None where unreadable."""
+    out: dict[int, dict[str, Any] | None] = {}
+    for rank, d in dumps.items():
+        out[rank] = None if not d else {k: dataclasses.asdict(g) for k, g in group_view(d).items()}
+    return out
+
+
+def from_json(views_json: Mapping[Any, Mapping[str, Any] | None]) -> dict[int, dict[str, GroupSeq] | None]:
+    """:func:`views` read back (rank keys as JSON strings or ints)."""
+    out: dict[int, dict[str, GroupSeq] | None] = {}
+    for rank, v in views_json.items():
+        out[int(rank)] = None if v is None else {
+            k: GroupSeq(members=list(g["members"]), enqueued=int(g["enqueued"]), completed=int(g["completed"]),
+                        started=int(g.get("started", -1)),
+                        pending_p2p=[(str(op), int(peer)) for op, peer in g.get("pending_p2p", [])],
+                        pending_unknown_p2p=bool(g.get("pending_unknown_p2p", False)))
+            for k, g in v.items()}
+    return out
 
 
 def served_paths(run_dir: str | os.PathLike, pids: Mapping[int, int]) -> dict[int, str]:

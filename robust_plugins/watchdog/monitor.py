@@ -22,6 +22,7 @@ from typing import Any, Iterable
 
 from robust_plugins._logging import get_logger
 from robust_plugins.config import WatchdogConfig
+from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import hold as _hold
 from robust_plugins.watchdog import inject as _inject
 from robust_plugins.watchdog import ring as _ring
@@ -144,6 +145,8 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
             client.ENV_EMERGENCY_TIMEOUT: str(self.cfg.emergency_save_timeout_s),
             ENV_ROLLBACK_MAX_STEP: self._rollback_max_step(),
             _hold.ENV_SPIKE: f"{self.cfg.spike_factor:g},{self.cfg.spike_window},{self.cfg.spike_warmup_steps}",
+            # The flight recorder records nothing by default; the hang verdict on NCCL needs it.
+            **_flight.recorder_env(os.environ),
         }
 
     def _rollback_max_step(self) -> str:
@@ -158,6 +161,7 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
 
     def begin_incarnation(self, pids: dict[int, int]) -> None:
         """New ranks ``{global_rank: pid}`` started; forget the previous incarnation's state."""
+        self._end_straggler_episodes("restart")
         with self._recv_lock:
             # The previous ranks are stopped by now: whatever they wrote since the last poll
             # (steps past a fault extend a rollback's bad range) is read under their incarnation.
@@ -195,6 +199,7 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
             self._close_rings(self._pending_rings)
             self._rings, self._pending_rings = {}, {}
         self._sock.close()
+        self._end_straggler_episodes("job end")
         self._flush_pending()
         try:
             os.unlink(self.address)

@@ -12,6 +12,9 @@ from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import stacks as _stacks
 from robust_plugins.watchdog.detect import (
     RunningMedian,
+    StragglerEpisode,
+    collectives_block_host,
+    hang_verdict,
     in_collective,
     is_bad_number,
     learned_timeout,
@@ -201,52 +204,83 @@ class _MonitorDetectors:
         return True
 
     def _check_stragglers(self, now_wall: float) -> None:
-        """Report (never restart for) ranks whose compute time stays above its peers'."""
-        window = self.cfg.straggler_window
+        """Follow stragglers (ranks whose compute time stays above their peers'), never restarting
+        for one: an episode starts when the detector names the rank (said in the log) and is
+        written to ``faults.jsonl`` once, when it ends (:class:`~.detect.StragglerEpisode`)."""
+        window, factor = self.cfg.straggler_window, self.cfg.straggler_factor
+        ended = []
         with self._lock:
             # The detector judges the last `window` steps: copy only those (the deque keeps 512,
             # and copying all of them every check was most of a check's CPU).
+            live = {r: st for r, st in self.ranks.items() if st.registered and not st.finished}
             compute = {r: [st.compute[i][1] for i in range(-min(window, len(st.compute)), 0)]
-                       for r, st in self.ranks.items() if st.registered and not st.finished}
-            found = stragglers(compute, self.cfg.straggler_factor, window)
-            slow = {s.rank for s in found}
-            for r, st in self.ranks.items():
-                if r not in slow:
-                    st.straggling = False  # recovered (or never slow): may be reported again
-            new = [s for s in found if not self.ranks[s.rank].straggling]
-            for s in new:
-                self.ranks[s.rank].straggling = True
-            recent = {s.rank: list(self.ranks[s.rank].compute) for s in new}
-            last_step = self._max_step()
-        for s in new:
-            # Onset: the first step of the latest run of steps above factor x the peers' median.
-            onset, step = recent[s.rank][-1][2], recent[s.rank][-1][0]
-            slow_run: list[float] = []
-            for st_step, c, t in reversed(recent[s.rank]):
-                if c <= self.cfg.straggler_factor * s.peers_s:
-                    break
-                onset, step = t, st_step
-                slow_run.append(c)
-            # The window's median crosses the bar when about half the window is slow, so it sits
-            # between the fast and the slow time; the user is told the slow steps' own median.
-            slow_s = statistics.median(slow_run) if slow_run else s.compute_s
-            fault = Fault(
-                kind="straggler", step=step, suspect_ranks=[s.rank], suspect_hosts=[self.host],
-                detected_after_s=round(max(0.0, now_wall - onset), 3), action="report",
-                incarnation=self.incarnation,
-                detail={"compute_s": round(slow_s, 4), "peers_compute_s": round(s.peers_s, 4),
-                        "ratio": round(slow_s / s.peers_s, 2), "factor": self.cfg.straggler_factor,
-                        "window": window, "window_median_s": round(s.compute_s, 4),
-                        "slow_steps": len(slow_run), "reported_at_step": last_step,
-                        "reason": f"rank {s.rank} computes {slow_s * 1e3:.0f} ms a step over its "
-                                  f"last {len(slow_run)} steps, {slow_s / s.peers_s:.1f} x its peers' "
-                                  f"median {s.peers_s * 1e3:.0f} ms (time in collectives excluded)"},
-            )
-            with self._lock:
-                self.reports.append(fault)
-            self.faults.write(fault)
-            log.warning("robust watchdog: straggler rank %d on %s: %s", s.rank, self.host,
-                        fault.detail["reason"])
+                       for r, st in live.items()}
+            found = {s.rank: s for s in stragglers(compute, factor, window)}
+            if len(compute) >= 2 and all(len(v) >= window for v in compute.values()):
+                medians = {r: statistics.median(v[-window:]) for r, v in compute.items()}
+            else:
+                medians = {}
+            for r, st in live.items():
+                ep = st.straggling
+                if ep is None and r in found:
+                    ep = st.straggling = self._episode_start(r, st, found[r], now_wall)
+                if ep is None or not medians:
+                    continue
+                peers = statistics.median(m for q, m in medians.items() if q != r)
+                for step, c, t in st.compute:
+                    if step > ep.seen_step:  # from the slow run's first step, once each
+                        ep.observe(step, c, peers, factor, t)
+                if r not in found and ep.over(window):
+                    st.straggling = None
+                    ended.append((ep, "recovered"))
+        for ep, why in ended:
+            self._write_episode(ep, why)
+
+    def _episode_start(self, rank: int, st, s, now_wall: float) -> StragglerEpisode:
+        """A new episode of ``rank`` (under ``_lock``), from the first step of its latest slow run."""
+        onset, step = st.compute[-1][2], st.compute[-1][0]
+        for st_step, c, t in reversed(st.compute):
+            if c <= self.cfg.straggler_factor * s.peers_s:
+                break
+            onset, step = t, st_step
+        ep = StragglerEpisode(rank=rank, first_step=step, onset_wall=onset, detected_wall=now_wall,
+                              last_slow_step=step, last_slow_wall=onset, seen_step=step - 1)
+        log.warning("robust watchdog: straggler rank %d on %s from step %d: it computes %.0f ms a step, "
+                    "%.1f x its peers' median %.0f ms (time in collectives excluded); reported in "
+                    "faults.jsonl when it ends", rank, self.host, step, s.compute_s * 1e3, s.ratio,
+                    s.peers_s * 1e3)
+        return ep
+
+    def _write_episode(self, ep: StragglerEpisode, why: str) -> None:
+        """Write the one ``faults.jsonl`` row of an episode that ended (``why``: ``recovered``,
+        ``restart``, ``job end``)."""
+        sm = ep.summary()
+        fault = Fault(
+            kind="straggler", step=ep.first_step, suspect_ranks=[ep.rank], suspect_hosts=[self.host],
+            detected_after_s=round(max(0.0, ep.detected_wall - ep.onset_wall), 3), action="report",
+            incarnation=self.incarnation,
+            detail={**sm, "factor": self.cfg.straggler_factor, "window": self.cfg.straggler_window,
+                    "ended": why, "reported_at_step": ep.seen_step,
+                    "reason": f"rank {ep.rank} computes {sm['compute_s'] * 1e3:.0f} ms a step over "
+                              f"{sm['slow_steps']} slow steps from step {ep.first_step} to "
+                              f"{ep.last_slow_step} ({sm['duration_s']:.1f} s), {sm['ratio']:.1f} x its "
+                              f"peers' median {sm['peers_compute_s'] * 1e3:.0f} ms (at most "
+                              f"{sm['ratio_max']:.1f} x; time in collectives excluded); {why}"},
+        )
+        with self._lock:
+            self.reports.append(fault)
+        self.faults.write(fault)
+        log.warning("robust watchdog: straggler episode of rank %d on %s ended (%s): %s", ep.rank, self.host,
+                    why, fault.detail["reason"])
+
+    def _end_straggler_episodes(self, why: str) -> None:
+        """Write every open episode (the incarnation or the job ends)."""
+        with self._lock:
+            open_eps = [st.straggling for st in self.ranks.values() if st.straggling is not None]
+            for st in self.ranks.values():
+                st.straggling = None
+        for ep in open_eps:
+            self._write_episode(ep, why)
 
     def _hang(self, stalled: list[int], timeout: float, will_restart: bool, now: float) -> Fault:
         with self._lock:
@@ -254,16 +288,21 @@ class _MonitorDetectors:
             last_steps = {r: st.progress.last_step for r, st in self.ranks.items()}
             injected = {r: st.injected for r, st in self.ranks.items() if st.injected}
             oldest = min(self.ranks[r].progress.last_progress for r in stalled)
+            kinds = [st.device_type for st in self.ranks.values()]
         t0 = time.monotonic()
         tag = f"hang-inc{self.incarnation}"
-        # Sequence numbers first: on NCCL a healthy rank's stack does not show that it waits for a
-        # peer (detect.in_collective); they tell who never issued the collective the others wait in.
+        # The flight recorder first: on NCCL a healthy rank's stack does not show that it waits
+        # for a peer (detect.in_collective); sequence numbers tell who never issued what the
+        # others wait in. The raw dumps are kept as evidence beside the stacks.
         served = _flight.served_paths(self.run_dir, {r: pid for r, (pid, _) in targets.items()})
-        sequences = _flight.collect({r: served.get(r) for r in targets}) if served else {}
-        dumps = _stacks.collect(targets, self.run_dir / "stacks", tag, self.cfg.stack_dump_timeout_s)
+        dumps = _flight.collect({r: served.get(r) for r in targets}) if served else {}
+        fr_files = self._keep_dumps(dumps, tag)
+        views = _flight.views(dumps)
+        stacks = _stacks.collect(targets, self.run_dir / "stacks", tag, self.cfg.stack_dump_timeout_s)
         dump_s = time.monotonic() - t0
-        where = (localize_by_sequence(sequences) if sequences else None) or localize(
-            {r: dumps[r].frames if r in dumps else None for r in targets}, last_steps)
+        where = (localize_by_sequence(_flight.from_json(views)) if views else None) or localize(
+            {r: stacks[r].frames if r in stacks else None for r in targets}, last_steps)
+        block_host = collectives_block_host(kinds)
         suspects = where.suspects
         # The fault began when the first suspect stopped making progress.
         started = [self.ranks[r].progress.last_progress for r in suspects if r in self.ranks] or [oldest]
@@ -277,15 +316,65 @@ class _MonitorDetectors:
             kind="hang", step=step, suspect_ranks=suspects, suspect_hosts=[self.host],
             detected_after_s=round(detected_after, 3),
             action="restart" if will_restart else "report",
-            evidence=sorted(d.path for d in dumps.values() if d.path),
+            evidence=sorted([d.path for d in stacks.values() if d.path] + fr_files),
             detail={"timeout_s": round(timeout, 3), "stalled_ranks": stalled, "reason": where.reason,
-                    "groups": where.groups, "stack_tools": {str(r): d.tool for r, d in dumps.items()},
+                    "groups": where.groups, "stack_tools": {str(r): d.tool for r, d in stacks.items()},
                     "stack_dump_s": round(dump_s, 3),
-                    # Per rank with a readable stack: waiting in a collective (for a peer, maybe on
-                    # another node) or not (stuck itself). Node blame uses it (watchdog/nodes.py).
-                    "in_collective": {str(r): in_collective(d.frames) for r, d in dumps.items()
+                    # Per rank with a readable stack: inside a collective call or not. Evidence
+                    # only where collectives block the host (gloo); on NCCL a waiting rank sits
+                    # in .item() (verdict below, node blame in watchdog/nodes.py).
+                    "in_collective": {str(r): in_collective(d.frames) for r, d in stacks.items()
                                       if d.frames},
-                    # Per rank, per process group: collectives issued / started (None: unreadable).
-                    "flight_recorder": {str(r): s for r, s in sequences.items()}},
+                    "collectives_block_host": block_host,
+                    # Per rank, per process group: progress from its flight recorder (None: unreadable).
+                    "flight_recorder": {str(r): v for r, v in views.items()},
+                    "verdict": hang_verdict(where, block_host)},
         )
         return self._record(fault)
+
+    def _keep_dumps(self, dumps: dict, tag: str) -> list[str]:
+        """Write each rank's raw flight-recorder dumps under ``stacks/`` (evidence); their paths."""
+        paths = []
+        for rank, d in sorted(dumps.items()):
+            if not d:
+                continue
+            path = self.run_dir / "stacks" / f"{tag}-rank{rank}.fr.json"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(d) + "\n")
+                paths.append(str(path))
+            except OSError as exc:  # the verdict is in faults.jsonl anyway
+                log.warning("robust watchdog: could not keep rank %d's flight recorder in %s: %r", rank, path, exc)
+        return paths
+
+    def rejudge_hang(self, fault: Fault, nodes: list[dict]) -> None:
+        """Judge ``fault`` (a hang this monitor recorded) again on every node's flight-recorder views
+        (``nodes``: each ``{"node", "ranks", "views"}``, this node's included; see
+        :func:`~robust_plugins.watchdog.nodes.exchange_hang_views`): every group compared over all
+        its members, not this node's only. Updates the fault's suspects, reason and verdict."""
+        merged: dict = {}
+        node_of: dict[int, str] = {}
+        for entry in nodes:
+            for r, v in (entry.get("views") or {}).items():
+                merged[str(r)] = v
+                node_of[int(r)] = str(entry.get("node"))
+        where = localize_by_sequence(_flight.from_json(merged)) if merged else None
+        detail = fault.detail
+        detail["flight_recorder_nodes"] = sorted({str(e.get("node")) for e in nodes})
+        if where is None:
+            if any(v for v in merged.values()):
+                # Every rank of the job issued every collective: the hang is inside one (a link,
+                # a device); nothing names a rank.
+                detail["verdict"] = hang_verdict(None, detail.get("collectives_block_host"),
+                                                 why="the flight recorders of every node agree: every rank "
+                                                     "entered every collective; the hang is inside one")
+            return
+        fault.suspect_ranks = where.suspects
+        fault.suspect_hosts = sorted({node_of.get(r, self.host) for r in where.suspects})
+        detail["reason"] = where.reason
+        detail["verdict"] = hang_verdict(where, detail.get("collectives_block_host"))
+        with self._lock:
+            steps = [self.ranks[r].progress.last_step for r in where.suspects
+                     if r in self.ranks and self.ranks[r].progress.last_step is not None]
+        if steps:
+            fault.step = min(steps) + 1

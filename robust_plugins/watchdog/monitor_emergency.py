@@ -1,10 +1,16 @@
-"""The node monitor's emergency-save coordination: a bounded wait for the live ranks' saves after a crash."""
+"""The node monitor's emergency-save coordination: asking the live ranks (NCCL) and a bounded wait for
+their saves after a crash (the rank side is :mod:`.emergency_rank`)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
+
+from robust_plugins._logging import get_logger
+
+log = get_logger("robust_plugins.watchdog.monitor")
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -21,6 +27,15 @@ def _pid_alive(pid: int | None) -> bool:
 EMERGENCY_START_MIN_S = 1.0
 
 
+def asks_rank(via: str | None, device_type: str | None) -> bool:
+    """Whether the monitor asks a rank that registered a saver with ``via`` to save (pure): always
+    for ``monitor``; for ``auto`` when its collectives move device tensors (NCCL: a dead peer
+    raises nothing on the host, :mod:`.emergency_rank`); never for ``exception``."""
+    if via == "monitor":
+        return True
+    return via == "auto" and device_type not in (None, "cpu")
+
+
 class _MonitorEmergency:
     """Part of :class:`~robust_plugins.watchdog.monitor.Monitor`: waiting, bounded, for the live ranks'
     emergency saves (``watchdog.on_emergency``) before the agent stops them. The state it uses is set
@@ -32,8 +47,23 @@ class _MonitorEmergency:
         still start. Without it a survivor that had not reached its failing collective yet was
         SIGTERMed 40 ms after the death, its save "not started"."""
         t0 = time.monotonic()
+        self._ask_for_saves()
         if self._await_emergency_saves(start_grace_s=self._emergency_start_grace_s()) is not None:
             self.emergency_hold_s = round(time.monotonic() - t0, 3)
+
+    def _ask_for_saves(self) -> None:
+        """Ask every live rank whose save would not start by itself (:func:`asks_rank`) to save:
+        one datagram to its listener."""
+        self._drain()
+        with self._lock:
+            asked = [(r, st.emergency["addr"]) for r, st in self.ranks.items()
+                     if st.emergency and st.emergency.get("phase") == "registered" and st.emergency.get("addr")
+                     and asks_rank(st.emergency.get("via"), st.device_type) and _pid_alive(st.pid)]
+        for rank, addr in asked:
+            try:
+                self._sock.sendto(json.dumps({"k": "emerg_now"}).encode(), addr)
+            except OSError as exc:  # the rank is gone: its save is "not started"
+                log.warning("robust watchdog: could not ask rank %d for its emergency save: %r", rank, exc)
 
     def _emergency_start_grace_s(self) -> float:
         # A live rank meets a collective at least once a step (the gradient reduction), so it
@@ -70,11 +100,12 @@ class _MonitorEmergency:
             time.sleep(0.05)
         out: dict[str, Any] = {}
         for r, (e, _) in sorted(savers.items()):
+            via = {"via": e["via"]} if e.get("via") in ("monitor", "exception") else {}
             if e["phase"] == "done":
-                out[str(r)] = {"step": e["s"], "ok": bool(e["ok"]), "seconds": e["sec"],
+                out[str(r)] = {"step": e["s"], "ok": bool(e["ok"]), "seconds": e["sec"], **via,
                                **({"error": e["error"]} if e.get("error") else {})}
             elif e["phase"] == "start":
-                out[str(r)] = {"step": e["s"], "ok": False,
+                out[str(r)] = {"step": e["s"], "ok": False, **via,
                                "error": f"not finished within emergency_save_timeout_s = {timeout:g} s"}
             else:
                 out[str(r)] = {"step": None, "ok": False, "error": "not started (no failed collective on this rank)"}

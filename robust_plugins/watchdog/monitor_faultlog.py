@@ -92,7 +92,9 @@ class _MonitorFaultLog:
                 self.faults.write(fault)
 
     def flush_faults(self) -> None:
-        """Write the faults still held for their resume step or an SDC verdict (the job ends)."""
+        """Write the faults still held for their resume step or an SDC verdict, and the straggler
+        episodes still open (the job ends)."""
+        self._end_straggler_episodes("job end")
         self._flush_pending()
 
     def fault_state(self) -> tuple[int, set[int]]:

@@ -146,9 +146,16 @@ class _MonitorIPC:
                     self.pending_injections = [i for i in self.pending_injections if i.spec() != spec]
                     self._fired += [(self.incarnation, int(msg["s"]), i) for i in fired]
             elif kind == "emerg":
+                before = st.emergency or {}
                 st.emergency = {k: msg.get(k) for k in ("phase", "s", "ok", "sec", "error")}
+                # Where the monitor asks the rank's listener to save (monitor_emergency), and how
+                # it may save: from the registration, kept through the later phases.
+                st.emergency["addr"] = addr if msg.get("phase") == "registered" else before.get("addr")
+                st.emergency["via"] = msg.get("via") or before.get("via")
             elif kind == "exit":
                 st.finished = True
+            elif kind == "comm":
+                st.device_type = msg.get("dev")
             elif kind == "history":
                 # Step times a rank loaded from its checkpoint: only a launcher that has learned
                 # nothing yet uses them (its own measurements are newer), once per rank.

@@ -29,8 +29,11 @@ class _RankState:
     """(step, what, value, wall time) of the first NaN/Inf reported in this incarnation."""
     compute: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     """(step, compute seconds, wall time) of the latest steps: step time minus collective time."""
-    straggling: bool = False
-    """Reported as a straggler in this incarnation (once, until it recovers)."""
+    straggling: Any = None
+    """Its open straggler episode (:class:`~robust_plugins.watchdog.detect.StragglerEpisode`), None
+    when it is not straggling."""
+    device_type: str | None = None
+    """What its default group's collectives move (``cpu``: gloo, ``cuda``: NCCL), said at its first step."""
     emergency: dict[str, Any] | None = None
     """Its emergency saver (``watchdog.on_emergency``): ``{"phase": registered|start|done, ...}``."""
 

@@ -19,15 +19,22 @@ peer"), and their agents each see a crash. Only evidence that points at the loca
   agent's own SIGTERM (SIGKILL by the OOM killer, SIGSEGV, SIGBUS, SIGABRT...);
 - a silent-data-corruption verdict whose minority ranks run on this node (every replica computes
   the same verdict from the all-gathered hashes);
-- a hang whose suspects on this node were stuck outside any collective (their stacks were read):
-  its peers elsewhere wait inside a collective, for it, and are not blamed. A suspect whose stack
+- a hang whose suspects on this node the flight recorder shows stuck outside every collective:
+  every peer of theirs issued the collective (or posted the send/recv) they never did, and they
+  wait in no work of their own (``detail.verdict``, :func:`~.detect.hang_verdict`). The agents of
+  a multi-node job exchange their ranks' flight-recorder views through the store first
+  (:func:`exchange_hang_views`), so a group is judged over all its members, not one node's. On
+  NCCL a rank waiting for a peer sits in ``.item()`` or a ``synchronize``, outside any collective
+  call, so stacks are no evidence there; where collectives block the host (gloo) they are: a
+  suspect stuck outside any collective while its peers wait inside one. A suspect whose stack
   shows its interpreter exiting (no frame of the program left, only an exception hook, atexit or
   finalizers: ``exiting_ranks``) was failing when its stack was read, not stuck: when two nodes'
   hang timeouts run out together and the node of the stuck rank restarts first, the other node
   reads the stacks of ranks that are just dying of the lost peer.
 
-A plain non-zero exit code, a hang without readable stacks or with the suspects inside a
-collective, NaN and spikes (data, not hardware) blame no node. So a real Python exception on a faulty node is not counted:
+A plain non-zero exit code, a hang whose evidence names no stuck rank (``verdict.blame`` false:
+every rank entered every collective, waiting ranks in a cycle, NCCL without a readable flight
+recorder), NaN and spikes (data, not hardware) blame no node. So a real Python exception on a faulty node is not counted:
 an honest gap, preferred to evicting healthy nodes whose ranks merely lost a peer.
 """
 
@@ -36,6 +43,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,10 +107,20 @@ def blame_reason(kind: str, step: int | None, suspects: set[int], detail: dict[s
     if kind == "sdc":
         return f"silent data corruption on rank(s) {sorted(suspects)} at step {step}"
     if kind == "hang":
-        # Each node sees only its own ranks' stacks. A rank waiting inside a collective waits for
+        exiting = set(detail.get("exiting") or [])
+        verdict = detail.get("verdict")
+        if verdict is not None and not verdict.get("blame"):
+            return None  # the evidence names no rank it may count against (its "why" says so)
+        if verdict is not None and verdict.get("by") == "flight_recorder":
+            stuck = sorted((set(verdict.get("stuck") or []) & suspects) - exiting)
+            if stuck:
+                return (f"rank(s) {stuck} hung outside every collective at step {step} (flight "
+                        f"recorder: every peer issued what they wait in)")
+            return None
+        # Stacks (only where collectives block the host, gloo; a record without a verdict too):
+        # each node sees only its own ranks' stacks. A rank waiting inside a collective waits for
         # a peer (perhaps on another node); one stuck outside any collective is the evidence.
         where = detail.get("in_collective") or {}
-        exiting = set(detail.get("exiting") or [])
         if all(where.get(str(r)) is False and r not in exiting for r in suspects):
             return f"rank(s) {sorted(suspects)} hung outside any collective at step {step}"
         return None
@@ -114,7 +132,7 @@ def exiting_ranks(suspects: list[int], evidence: list[str]) -> list[int]:
     shows their main thread exiting: no frame of the program left (see the module docstring)."""
     out = []
     for rank in suspects:
-        path = next((p for p in evidence if f"-rank{rank}." in os.path.basename(p)), None)
+        path = next((p for p in evidence if f"-rank{rank}." in os.path.basename(p) and p.endswith(".txt")), None)
         try:
             text = Path(path).read_text(errors="replace") if path else ""
         except OSError:
@@ -185,3 +203,42 @@ class NodeRegistry:
             log.warning("robust run: could not read the job's excluded nodes from the rendezvous "
                         "store (%r); using %s", exc, self.path)
         return self._known.get(self.node)
+
+
+#: Rendezvous-store keys of the hang views of one round (the per-round store of the rendezvous;
+#: the static rendezvous reuses its store, so the agent's round count is part of the key).
+_HANG_COUNT = "robust_run/hang_views/{round}/count"
+_HANG_ENTRY = "robust_run/hang_views/{round}/{index}"
+
+
+def exchange_hang_views(store: Any, round_key: str, node: str, payload: dict[str, Any], nodes: int,
+                        timeout_s: float, poll_s: float = 0.1) -> list[dict[str, Any]]:
+    """Publish this node's hang evidence and read every node's of the same round (this node's first).
+
+    ``payload``: ``{"ranks": [...], "views": {rank: view}}`` (the flight-recorder views of
+    :func:`~robust_plugins.watchdog.flight.views`). Every node's monitor sees the hang within about
+    one learned timeout of the others (their ranks stop in the same step), so the wait for the
+    ``nodes - 1`` others is short; a lost node's never comes, hence ``timeout_s``. Store errors
+    end the exchange with what was read (the verdict then rests on fewer nodes, never on none).
+    """
+    count_key = _HANG_COUNT.format(round=round_key)
+    mine = {"node": node, **payload}
+    seen: dict[int, dict[str, Any]] = {}
+    try:
+        index = int(store.add(count_key, 1))
+        store.set(_HANG_ENTRY.format(round=round_key, index=index), json.dumps(mine))
+        seen[index] = mine
+        deadline = time.monotonic() + timeout_s
+        while len({e.get("node") for e in seen.values()}) < nodes and time.monotonic() < deadline:
+            count = int(store.add(count_key, 0))
+            for i in range(1, count + 1):
+                key = _HANG_ENTRY.format(round=round_key, index=i)
+                if i not in seen and store.check([key]):
+                    seen[i] = json.loads(store.get(key))
+            if len({e.get("node") for e in seen.values()}) < nodes:
+                time.sleep(poll_s)
+    except Exception as exc:  # the store's host is gone: judge on what came
+        log.warning("robust run: the hang views of round %s could not be exchanged (%r); judging on "
+                    "%d node(s)", round_key, exc, len(seen))
+    others = [e for i, e in sorted(seen.items()) if e is not mine]
+    return [mine] + others

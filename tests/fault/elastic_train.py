@@ -8,7 +8,9 @@ step, atomically, to the shared ``--ckpt-dir``) restores any world size. Without
 the environment it runs alone without a process group (the reference the tests compare with).
 
 ``--emergency`` registers rank-side emergency saves (``watchdog.on_emergency``) of the same
-checkpoint. Rank 0 appends ``{"step", "world", "accum", "loss"}`` to ``<out>.steps.jsonl`` and writes the final
+checkpoint. ``--nccl-like`` reduces the way an NCCL rank's host experiences it: the all-reduces are
+launched and the host then waits for them without ever seeing an exception (a dead peer leaves an
+NCCL rank blocked in ``.item()`` until torch's watchdog tears it down from C++). Rank 0 appends ``{"step", "world", "accum", "loss"}`` to ``<out>.steps.jsonl`` and writes the final
 parameters to ``--out``.
 """
 
@@ -44,6 +46,8 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=1)
     p.add_argument("--emergency", action="store_true",
                    help="register an emergency save (watchdog.on_emergency)")
+    p.add_argument("--nccl-like", action="store_true",
+                   help="wait for the gradient all-reduce like an NCCL host: never raise, block")
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -88,7 +92,15 @@ def main() -> None:
                 loss = ((model(x) - y) ** 2).sum() / args.global_batch
                 loss.backward()
                 total += loss.detach()
-        if distributed:
+        if distributed and args.nccl_like:
+            works = [dist.all_reduce(t, async_op=True) for t in [*(p.grad for p in model.parameters()), total]]
+            for w in works:
+                while not w.is_completed():
+                    time.sleep(0.005)
+                if w.exception() is not None:
+                    while True:  # the NCCL host: blocked behind a kernel that never finishes
+                        time.sleep(0.1)
+        elif distributed:
             for prm in model.parameters():
                 dist.all_reduce(prm.grad)
             dist.all_reduce(total)

@@ -56,3 +56,20 @@ def test_live_rank_saves_before_the_restart_and_the_job_resumes_there(tmp_path):
     # Both end with the same parameters (float64, same sums in the same order).
     for g, w in zip(_params(tmp_path / "emergency"), _params(tmp_path / "plain"), strict=True):
         assert all(math.isclose(x, y, rel_tol=1e-12, abs_tol=1e-14) for x, y in zip(g, w, strict=True))
+
+
+@pytest.mark.timeout(120)
+def test_nccl_like_survivor_that_never_raises_saves_when_the_monitor_asks(tmp_path):
+    # The NCCL path on gloo: rank 0's host waits for its all-reduce and never sees an exception
+    # (--nccl-like), so the exception path cannot save. The monitor asks its listener instead
+    # (ROBUST_EMERGENCY_VIA=monitor: what `auto` does for a rank whose collectives move CUDA
+    # tensors), which saves step 6 while the training thread stays blocked.
+    job = robust_run(tmp_path, 2, "--max-restarts", "1", "--inject", "kill:rank=1,step=6", timeout_s=100,
+                     env={"ROBUST_EMERGENCY_VIA": "monitor"},
+                     script=[SCRIPT, "--steps", str(STEPS), "--save-every", "100", "--emergency", "--nccl-like"])
+    assert job.returncode == 0, job.output[-4000:]
+    (crash,) = [f for f in job.faults if f["kind"] == "crash"]
+    saves = crash["detail"]["emergency_save"]
+    assert saves["0"]["ok"] is True and saves["0"]["step"] == 6 and saves["0"]["via"] == "monitor", saves
+    assert crash["resumed_at_step"] == 7 and crash["lost_steps"] == 0, crash
+    assert "rank 0 emergency save of step 6 done" in job.output and "(via monitor)" in job.output

@@ -325,6 +325,32 @@ def test_job_fault_view_names_node_b_faults_once_with_warm_standbys(tmp_path):
 
 
 @pytest.mark.timeout(150)
+def test_the_agents_judge_a_hang_on_every_nodes_flight_recorder(tmp_path, monkeypatch):
+    # The NCCL path end to end, on gloo with the flight recorder served (as on NCCL): B's rank
+    # hangs (in Python) and never issues step 7's all-reduce; A's rank issued it and waits. Each
+    # node alone compares one rank (nothing to compare); the agents exchange their views through
+    # the rendezvous store and both name B's rank stuck: B is blamed, A never.
+    monkeypatch.setenv("ROBUST_WATCHDOG_FLIGHT_ALWAYS", "1")
+    hangs = ("--watchdog", "hang_warmup_steps=2", "--watchdog", "hang_factor=2",
+             "--watchdog", "hang_min_timeout_s=3", "--watchdog", "hang_initial_timeout_s=60")
+    a, b = _run_nodes(tmp_path, both_extra=hangs, b_extra=("--inject", "hang:rank=1,step=6"), timeout_s=120)
+    assert a.proc.returncode == 0, a.output[-4000:]
+    assert b.proc.returncode == 0, b.output[-4000:]
+    for node, blamed in ((a, False), (b, True)):
+        (hang,) = [f for f in node.jsonl("faults.jsonl") if f["kind"] == "hang"]
+        verdict = hang["detail"]["verdict"]
+        assert (verdict["by"], verdict["stuck"], verdict["blame"]) == ("flight_recorder", [1], True), hang
+        assert hang["suspect_ranks"] == [1] and hang["suspect_hosts"] == ["127.0.0.2"], hang
+        assert hang["detail"]["flight_recorder_nodes"] == ["127.0.0.1", "127.0.0.2"], hang
+        assert hang["detail"]["node_blamed"] is blamed, hang
+        assert any(p.endswith(".fr.json") for p in hang["evidence"]), hang
+    view = a.jsonl("job_faults.jsonl")
+    assert [(f["kind"], f["suspect_ranks"], f["node"], f["source"]) for f in view] == [
+        ("hang", [1], "127.0.0.2", "evidence")], view
+    _assert_close(json.loads((tmp_path / "result.json").read_text())["params"], _reference(tmp_path))
+
+
+@pytest.mark.timeout(150)
 def test_a_hang_on_node_b_is_named_on_b_though_node_a_detects_it_first(tmp_path):
     # B's rank hangs (in Python) at step 6; A's rank waits for it inside the all-reduce. A's hang
     # timeout (3 s) is shorter than B's (7 s), so A sees a hang first, with no evidence (its rank

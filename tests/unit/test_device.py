@@ -107,6 +107,18 @@ def test_rng_state_saved_and_restored_for_the_current_device_only(monkeypatch):
         dev.set_device_rng_state([torch.zeros(4, dtype=torch.uint8)])
 
 
+@pytest.mark.timeout(60)
+def test_hf_trainer_binding_saves_and_restores_the_current_devices_rng_only(monkeypatch):
+    # A snapshot of every visible GPU's state could not be restored with fewer GPUs visible.
+    from robust_plugins.patches.transformers_trainer import _rng_states, _set_rng_states
+
+    fake = _FakeCudaRng(monkeypatch, index=2)
+    state = _rng_states()
+    assert fake.calls == [("get", 2)] and state["cuda"].tolist() == [2, 2, 2, 2]
+    _set_rng_states(state)
+    assert fake.calls[-1] == ("set", 2, [2, 2, 2, 2])
+
+
 def test_rng_state_on_cpu_has_no_cuda_entry():
     from robust_plugins.patches.deepspeed_memory import _rng_state
 
@@ -182,32 +194,34 @@ class _Tensor:
         self.log.add("record_stream", self.name, stream.name)
 
 
-def test_sync_thread_on_a_gpu_orders_streams_by_events(monkeypatch):
+@pytest.mark.timeout(60)
+def test_sync_thread_on_a_gpu_runs_inline_on_a_side_stream_ordered_by_events(monkeypatch):
+    # CUDA: no thread; the training thread launches the reduction onto its side stream (NCCL
+    # launches are asynchronous), so one host thread drives every communicator.
     log = _Log(monkeypatch)
     cuda1 = torch.device("cuda", 1)
+    started = threading.active_count()
     thread = overlap.SyncThread("fake-gpu-sync", "test bucket", device=cuda1)
-    try:
-        handle = thread.submit("b0", lambda: log.add("work"), [_Tensor(log, "g0"), _Tensor(log, "g1")])
-        handle.wait(10)
-    finally:
-        thread.close()
-    main, sync = threading.current_thread().name, "fake-gpu-sync"
-    mine = [c for c in log.calls if c[0] == sync]
-    # The device comes first on the thread, before its stream and any work.
-    assert mine[:2] == [(sync, "set_thread_device", "cuda:1"), (sync, "side_stream", "cuda:1")]
-    assert mine[2:] == [
-        (sync, "enter", "side"),
-        (sync, "wait_event", "side", "event@main"),   # after the caller's kernels
-        (sync, "work"),
-        (sync, "record_stream", "g0", "side"), (sync, "record_stream", "g1", "side"),
-        (sync, "record_event", "side"),
-        (sync, "exit", "side"),
-    ]
-    theirs = [c for c in log.calls if c[0] == main]
-    assert theirs == [
+    assert thread.inline and threading.active_count() == started  # nothing started
+    handle = thread.submit("b0", lambda: log.add("work"), [_Tensor(log, "g0"), _Tensor(log, "g1")])
+    assert handle.is_completed()  # launched at submit; the device orders the rest
+    handle.wait(10)
+    thread.close()
+    main = threading.current_thread().name
+    assert {c[0] for c in log.calls} == {main}
+    assert log.calls == [
+        (main, "side_stream", "cuda:1"),                                         # at construction
         (main, "current_stream", "cuda:1"), (main, "record_event", "main"),    # at submit
+        (main, "enter", "side"),
+        (main, "wait_event", "side", "event@main"),   # after the caller's kernels
+        (main, "work"),
+        (main, "record_stream", "g0", "side"), (main, "record_stream", "g1", "side"),
+        (main, "record_event", "side"),
+        (main, "exit", "side"),
         (main, "current_stream", "cuda:1"), (main, "wait_event", "main", "event@side"),  # at wait
     ]
+    assert overlap.runs_inline(cuda1) and not overlap.runs_inline(torch.device("cpu"))
+    assert not overlap.runs_inline(None)
 
 
 def test_sync_thread_on_cpu_has_no_stream_work(monkeypatch):
@@ -244,17 +258,20 @@ class _FakeDist:
         monkeypatch.setattr(dist, "new_group", lambda ranks, backend: self.calls.append(("new", tuple(ranks)))
                             or tuple(ranks))
         monkeypatch.setattr(dist, "all_reduce", lambda t, group: self.calls.append(("init", group, t.device.type)))
-        monkeypatch.setattr(overlap, "collective_device", lambda g: torch.device("cpu"))
 
 
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
-def test_clone_groups_initialises_nccl_clones_on_the_main_thread_in_one_order(monkeypatch, backend):
+@pytest.mark.timeout(60)
+def test_clone_groups_clones_gloo_groups_in_one_order_and_never_nccl_ones(monkeypatch, backend):
     fake = _FakeDist(monkeypatch, backend)
     clones = overlap.clone_groups(["B", "A"])
+    if backend == "nccl":
+        # The inline sync runs on the training thread, which drives the host's groups already.
+        assert clones == {id("A"): "A", id("B"): "B"} and fake.calls == []
+        return
     assert clones == {id("A"): (0, 1), id("B"): (1, 2)}
-    news = [("new", (0, 1)), ("new", (0, 2)), ("new", (1, 2))]  # the union, sorted, on every rank
-    inits = [("init", (0, 1), "cpu"), ("init", (1, 2), "cpu")] if backend == "nccl" else []
-    assert fake.calls == news + inits  # every new_group first, then this rank's clones in sorted order
+    # The union, sorted, on every rank (gloo connects inside new_group: nothing left to initialise).
+    assert fake.calls == [("new", (0, 1)), ("new", (0, 2)), ("new", (1, 2))]
 
 
 def test_one_bit_adam_reads_host_step_counts_without_a_device_copy(monkeypatch):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 KERNELS = Path(__file__).resolve().parents[2] / "triton_ops" / "kernels"
 
 
@@ -69,3 +71,36 @@ def test_element_indices_come_from_int64_rows():
     fn = next(f for f in _jit_functions(ast.parse((KERNELS / "_tile.py").read_text())) if f.name == "tile_index")
     grp = next(n for n in ast.walk(fn) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "grp")
     assert any(_is_int64_cast(n) for n in ast.walk(grp.value)), ast.unparse(grp)
+
+
+@pytest.mark.timeout(120)
+def test_every_op_runs_its_implementation_on_the_tensors_own_device(monkeypatch):
+    """Triton launches on the current device: each op makes the tensors' device current for the call
+    (a CUDA device guard; nothing for the CPU), whatever the calling thread's current device is."""
+    import contextlib
+
+    import torch
+
+    from triton_ops import ops
+
+    guard = ops._device_guard(torch.device("cuda", 3))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 3  # built without touching CUDA
+    assert isinstance(ops._device_guard(torch.device("cpu")), contextlib.nullcontext)
+    entered = []
+
+    class Guard:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device.type)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(ops, "_device_guard", Guard)
+    g = torch.randn(512)
+    codes, scales = ops.quantize_ef(g, None, codec="int8", block_size=256)
+    ops.dequantize(codes, scales, codec="int8", block_size=256, numel=512)
+    ops.reduce_requantize([codes, codes], [scales, scales], codec="int8", block_size=256)
+    assert entered == ["cpu", "cpu", "cpu"]

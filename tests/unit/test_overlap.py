@@ -126,3 +126,26 @@ def test_megatron_refuses_an_overlap_or_bucket_size_it_would_not_follow():
     # An explicit value equal to the CPU default is still the user's setting, refused alike.
     with pytest.raises(UnsupportedError, match="bucket_mb = 4 sizes DeepSpeed ZeRO 0's buckets"):
         patch._refuse_config(patch._as_plugin_config({"compression": {"codec": "int8", "bucket_mb": 4}}), ddp)
+
+
+@pytest.mark.timeout(60)
+def test_the_hierarchys_flat_fallback_reduces_over_the_group_it_is_given(monkeypatch):
+    # A sync thread hands its own clone of the host's group; the uneven layout's flat fallback
+    # must reduce over that clone, not over the host's group the hierarchy was planned with
+    # (which the training thread drives).
+    import torch
+
+    from robust_plugins import topology
+    from robust_plugins.comm.gradient_sync import GradientSync
+    from robust_plugins.config import PluginConfig
+    from robust_plugins.topology.builder import TopologyGroups
+
+    cfg = PluginConfig.from_dict({"compression": {"codec": "int8"}, "topology": {"hierarchical": True}})
+    sync = GradientSync(cfg.compression, step_fn=lambda: 100, topology=cfg.topology)
+    sync._groups = TopologyGroups(plan=None, fallback_reason="uneven layout", group="host-group")
+    monkeypatch.setattr(sync, "_codec", lambda *a, **k: "int8")
+    seen = []
+    monkeypatch.setattr(topology, "hierarchical_all_reduce", lambda t, groups, **k: seen.append(groups.group) or t)
+    sync.all_reduce_sum(torch.zeros(8), "thread-clone", "b0")
+    sync.all_reduce_sum(torch.zeros(8), "host-group", "b0")
+    assert seen == ["thread-clone", "host-group"]

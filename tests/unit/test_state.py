@@ -120,3 +120,17 @@ def test_min_numel_sends_small_buckets_uncompressed():
     y = x.clone()
     compressed_all_reduce(y, state=st, key="small")
     assert torch.equal(x, y) and st.keys() == []
+
+
+@pytest.mark.timeout(60)
+def test_residual_norm_reads_the_host_once_per_device(monkeypatch):
+    # On a GPU a host read per residual was a sync per bucket at every telemetry window.
+    st = CompressionState(codec="int8")
+    st.sender_residual(("a", 0), 10).fill_(1.5)
+    st.sender_residual(("a", 1), 3).fill_(-2.0)
+    st.server_residual(("a", 0), 4).fill_(0.5)
+    reads = []
+    original = torch.Tensor.__float__
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda t: reads.append(1) or original(t))
+    assert st.residual_sq_norm() == pytest.approx(10 * 2.25 + 3 * 4.0 + 4 * 0.25)
+    assert len(reads) == 1

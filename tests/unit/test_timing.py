@@ -131,3 +131,44 @@ def test_wire_device_of_finds_the_calls_tensor():
     assert wire._device_of(([t, t], t), {}) == torch.device("cpu")
     assert wire._device_of((), {"tensor": t}) == torch.device("cpu")
     assert wire._device_of((None, 3), {"group": None}) is None
+
+
+@pytest.mark.timeout(60)
+def test_wire_counter_picks_how_to_time_a_call_by_what_it_returned():
+    """The branch selection of collective timing (what NCCL returns is only known on a GPU)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    class Work:  # anything with a future: an async_op call's work
+        def get_future(self):
+            return None
+
+    assert wire.timing_path(None, coalescing=False) == "sync"
+    assert wire.timing_path(Work(), coalescing=False) == "future"
+    assert wire.timing_path(object(), coalescing=False) == "launch"  # no future to watch
+    assert wire.timing_path(c10d._IllegalWork(), coalescing=False) == "launch"
+    assert wire.timing_path(None, coalescing=True) == "coalesced"
+    assert wire.timing_path(Work(), coalescing=True) == "coalesced"
+
+
+@pytest.mark.timeout(60)
+def test_settled_seconds_folds_finished_clocks_in_any_order_and_never_waits():
+    class Deferred(timing.Clock):
+        def __init__(self, s, finished):
+            super().__init__(None)
+            self.s, self.finished = s, finished
+
+        def done(self):
+            return self.finished
+
+        def seconds(self):
+            if not self.finished:
+                pytest.fail("settled_seconds waited for an unfinished clock")
+            return self.s
+
+    with WireCounter(timing_only=True) as counter:
+        late = Deferred(2.0, finished=False)
+        counter._add("all_reduce", 0, None, late)  # an async collective still running
+        counter._add("all_reduce", 0, None, Deferred(0.5, finished=True))
+        assert counter.settled_seconds() == pytest.approx(0.5)
+        late.finished = True
+        assert counter.settled_seconds() == pytest.approx(2.5) and not counter._pending

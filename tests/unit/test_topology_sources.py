@@ -132,3 +132,17 @@ def test_config_k8s_keys():
         PluginConfig.from_dict({"topology": {"k8s_switch_envs": ["R"]}})
     with pytest.raises(ConfigError, match="must be a list of environment variable names"):
         PluginConfig.from_dict({"topology": {"k8s_node_env": "N", "k8s_switch_envs": "R"}})
+
+
+@pytest.mark.timeout(60)
+def test_nvml_is_asked_about_the_current_device_by_its_pci_address():
+    # CUDA numbers GPUs fastest-first by default, NVML by PCI bus: LOCAL_RANK 0 with
+    # CUDA_VISIBLE_DEVICES=0 may be NVML's GPU 3. The rank's current device's PCI address decides.
+    from robust_plugins.topology.sources import pci_bus_id
+
+    nvml = fake_nvml({0: (UUID_A, 1, 3, 0), "00000000:3B:00.0": (UUID_B, 4, 3, 0)})
+    nvml.nvmlDeviceGetHandleByPciBusId = lambda bus: bus
+    bus = pci_bus_id(0, 0x3B, 0)
+    assert bus == "00000000:3B:00.0"
+    assert nvml_info(0, {"CUDA_VISIBLE_DEVICES": "0"}, nvml, bus) == {"nvlink_domain": f"nvl-{UUID_B.hex()}-4"}
+    assert nvml_info(0, {"CUDA_VISIBLE_DEVICES": "0"}, nvml)["nvlink_domain"].endswith("-1")  # no address: index

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from robust_plugins.config import WatchdogConfig
-from robust_plugins.watchdog.client import _is_collective_failure
+from robust_plugins.watchdog.emergency_rank import _is_collective_failure
 from robust_plugins.watchdog.monitor import Monitor
 
 
@@ -85,7 +85,7 @@ def test_collective_failures_are_recognised():
 RANK_SCRIPT = """
 import os, signal, sys, time
 from pathlib import Path
-from robust_plugins.watchdog import client
+from robust_plugins.watchdog import client, emergency_rank
 
 out = Path(sys.argv[1])
 
@@ -96,7 +96,7 @@ def save(step):
     time.sleep(0.3)
     (out / "saved").write_text(str(step))
 
-client.on_emergency(save)
+emergency_rank.on_emergency(save)
 client.step_end(5)
 raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
 """
@@ -187,3 +187,82 @@ def test_only_torchs_stop_after_a_failure_is_held():
     agent._pcontext.close()
     assert calls == [("hold", None), ("close", None), ("close", signal.SIGKILL), ("close", None)]
     assert "close" not in vars(agent._pcontext)
+
+
+@pytest.mark.timeout(60)
+def test_which_ranks_the_monitor_asks_to_save():
+    from robust_plugins.watchdog.monitor_emergency import asks_rank
+
+    assert asks_rank("auto", "cuda") and asks_rank("monitor", "cpu") and asks_rank("monitor", None)
+    assert not asks_rank("auto", "cpu") and not asks_rank("auto", None)  # gloo raises: its hook saves
+    assert not asks_rank("exception", "cuda") and not asks_rank(None, "cuda")
+
+
+@pytest.mark.timeout(60)
+def test_the_monitor_asks_an_nccl_ranks_listener_and_records_the_save_via_monitor(monitor):
+    # Rank 0's collectives move CUDA tensors ("comm"): a dead peer raises nothing there, so the
+    # monitor asks its listener (the address its registration came from) before the stop.
+    import threading
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind("")  # Linux autobind, as the rank's listener does
+    listener.settimeout(10)
+
+    def from_listener(**msg):
+        listener.sendto(json.dumps({"r": 0, "i": 0, "t": time.time(), **msg}).encode(), monitor.address)
+
+    from_listener(k="comm", dev="cuda")
+    from_listener(k="emerg", phase="registered", via="auto")
+    asked = []
+
+    def rank() -> None:
+        asked.append(json.loads(listener.recv(4096)))
+        monitor.send(0, phase="start", s=6, via="monitor")
+        monitor.send(0, phase="done", s=6, ok=True, sec=0.2, via="monitor")
+
+    t = threading.Thread(target=rank)
+    t.start()
+    try:
+        monitor.hold_for_emergency_saves()
+        t.join(10)
+    finally:
+        listener.close()
+    assert asked == [{"k": "emerg_now"}]
+    saves = _crash(monitor).detail["emergency_save"]
+    assert saves["0"] == {"step": 6, "ok": True, "seconds": 0.2, "via": "monitor"}
+
+
+class _FakeClient:
+    rank, incarnation, last_step, can_ask = 0, 0, 5, True
+
+    def __init__(self, mark=None):
+        self.step_mark = mark
+        self.sent = []
+
+    def send(self, msg, wait=False):
+        self.sent.append(msg)
+
+
+@pytest.mark.timeout(60)
+def test_the_monitor_path_saves_only_a_state_the_device_had_finished(monkeypatch, capsys):
+    from robust_plugins.watchdog import emergency_rank
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+    saved = []
+    for done, ok in ((False, False), (True, True)):
+        monkeypatch.setattr(emergency_rank, "_emergency", {"save": saved.append})
+        client = _FakeClient(Event(done))
+        emergency_rank._save_when_asked(client)
+        emergency_rank._save_when_asked(client)  # asked twice: saved once
+        (start, end) = client.sent
+        assert start["phase"] == "start" and start["via"] == "monitor" and end["ok"] is ok, client.sent
+        if not ok:
+            assert "had not finished the work queued before step 5" in end["error"]
+    assert saved == [5]
+    assert "emergency save of step 5 done" in capsys.readouterr().err

@@ -90,7 +90,7 @@ def test_client_splits_each_step_into_compute_and_collective_time_and_slows_from
             client.step_end(step, loss=1.0)
             if step == 1:
                 client.step_end(1, loss=1.0)  # a second report of the same step: ignored
-        msgs = [json.loads(srv.recv(65536)) for _ in range(7)]
+        msgs = [json.loads(srv.recv(65536)) for _ in range(8)]
     finally:
         dist.destroy_process_group()
         srv.close()
@@ -98,7 +98,9 @@ def test_client_splits_each_step_into_compute_and_collective_time_and_slows_from
         if c is not None and c.comm is not None:
             c.comm.__exit__(None, None, None)
     kinds = [m["k"] for m in msgs]
-    assert kinds == ["hello", "end", "end", "inject", "end", "end", "end"]
+    # The first step also says what the default group's collectives move (the hang verdict's input).
+    assert kinds == ["hello", "comm", "end", "end", "inject", "end", "end", "end"]
+    assert msgs[1]["dev"] == "cpu"
     ends = {m["s"]: m for m in msgs if m["k"] == "end"}
     assert "w" not in ends[1] and set(ends) == {1, 2, 3, 4, 5}
     assert all("c" in ends[s] for s in (2, 3, 4, 5))
@@ -125,7 +127,11 @@ def test_client_counts_time_inside_collectives(tmp_path, monkeypatch):
         inside = c.comm.seconds
         time.sleep(0.1)  # compute
         client.step_end(2)
-        msgs = [json.loads(srv.recv(65536)) for _ in range(3)]
+        msgs = []
+        while len(msgs) < 3:  # hello, the two steps (the first step also says its backend: "comm")
+            msg = json.loads(srv.recv(65536))
+            if msg["k"] != "comm":
+                msgs.append(msg)
     finally:
         dist.destroy_process_group()
         srv.close()
@@ -168,3 +174,54 @@ def test_monitor_reports_a_straggler_once_without_stopping_the_ranks(tmp_path):
     assert line["detail"]["ratio"] == pytest.approx(6.0)
     assert "rank 2 computes 300 ms" in line["detail"]["reason"]
     assert mon.all_faults == [] and len(mon.reports) == 1
+
+
+@pytest.mark.timeout(60)
+def test_an_episode_ends_only_after_a_window_of_fast_steps_and_sums_up_its_slow_ones():
+    ep = detect.StragglerEpisode(rank=2, first_step=4, onset_wall=100.0, detected_wall=103.0,
+                                 last_slow_step=4, last_slow_wall=100.0, seen_step=3)
+    walls = iter(range(100, 200))
+    for step in range(4, 30):
+        # Slow 4-11, fast 12-13 (a moved load), slow again 14-17, then fast for good.
+        slow = 4 <= step <= 11 or 14 <= step <= 17
+        ep.observe(step, 0.3 if slow else 0.05, 0.05, 2.0, float(next(walls)))
+        if step == 13:
+            assert not ep.over(5)  # two fast steps: still the same episode
+    ep.observe(29, 0.3, 0.05, 2.0, 500.0)  # already judged: ignored
+    assert ep.over(5)
+    sm = ep.summary()
+    assert sm["slow_steps"] == 12 and sm["last_slow_step"] == 17 and sm["ratio"] == pytest.approx(6.0)
+    assert sm["duration_s"] == pytest.approx(113.0 - 100.0) and sm["compute_s"] == pytest.approx(0.3)
+
+
+@pytest.mark.timeout(60)
+def test_monitor_reports_a_flapping_straggler_once_per_episode_when_it_ends(tmp_path):
+    # The load moves: rank 1 is slow for 12 steps, fast for 2, slow for 6, then fast for 12 (the
+    # episode ends), then slow again to the job's end (a second episode). Two rows, not one a move.
+    from robust_plugins.watchdog.monitor import Monitor
+
+    mon = Monitor(WatchdogConfig(straggler_factor=2.0, straggler_window=5), tmp_path, host="n")
+    tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    slow_steps = set(range(3, 15)) | set(range(17, 23)) | set(range(35, 45))
+    try:
+        mon.begin_incarnation({0: 100, 1: 101, 2: 102})
+        now = time.time()
+        for step in range(1, 45):
+            for r in (0, 1, 2):
+                compute = 0.3 if (r == 1 and step in slow_steps) else 0.05
+                tx.sendto(json.dumps({"k": "end", "r": r, "i": 0, "s": step, "t": now + step, "l": 1.0,
+                                      "w": 0.4, "c": 0.4 - compute}).encode(), mon.address)
+            assert _wait_for(lambda: all(mon.ranks[r].progress.last_step == step for r in (0, 1, 2)))
+            assert mon.check(will_restart=True) is None
+        first = read_faults(tmp_path / "faults.jsonl")
+        mon.flush_faults()  # the job ends with rank 1 slow: its open episode is written now
+    finally:
+        tx.close()
+        mon.close()
+    (ended,) = first
+    assert (ended["kind"], ended["suspect_ranks"], ended["step"]) == ("straggler", [1], 3)
+    assert ended["detail"]["ended"] == "recovered" and ended["detail"]["slow_steps"] == 18
+    assert ended["detail"]["last_slow_step"] == 22 and ended["detail"]["duration_s"] == pytest.approx(19.0)
+    rows = read_faults(tmp_path / "faults.jsonl")
+    assert len(rows) == 2 and rows[1]["step"] == 35 and rows[1]["detail"]["ended"] == "job end"
+    assert len(mon.reports) == 2 and mon.all_faults == []
