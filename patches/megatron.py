@@ -63,6 +63,7 @@ import torch
 from robust_plugins._logging import announce, current_rank, get_logger
 from robust_plugins.comm.overlap import Completed, SyncThread, clone_groups
 from robust_plugins.config import PluginConfig
+from robust_plugins.device import collective_device
 from robust_plugins.errors import CheckpointError, ConfigError, RobustPluginsError, UnsupportedError
 from robust_plugins.patches import _guard
 
@@ -398,7 +399,7 @@ def _attach_telemetry(ddp, plugin: MegatronPlugin) -> None:
                                       ps.get_position_embedding_group(check_initialized=False))
                       if g is not None}
     trainable = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
-    whole = torch.tensor([float(trainable)])
+    whole = torch.tensor([float(trainable)], device=collective_device(ps.get_model_parallel_group()))
     if dist.get_world_size(ps.get_model_parallel_group()) > 1:  # every stage and TP shard: the whole model
         dist.all_reduce(whole, group=ps.get_model_parallel_group())
     # Token ids enter the first stage only; its TP peers see the same ones.
@@ -421,7 +422,7 @@ def _attach_telemetry(ddp, plugin: MegatronPlugin) -> None:
                            "grad_dtype": str(grad_dtype), "trainable_params": trainable}}
     device = next(ddp.module.parameters()).device
     tel = Telemetry(plugin.config.telemetry, run_config=run_config, n_grad_elements=trainable,
-                    grad_element_size=torch.empty((), dtype=grad_dtype).element_size(), dp_world_size=dp,
+                    grad_element_size=torch.finfo(grad_dtype).bits // 8, dp_world_size=dp,
                     device=device, flops_per_token=6.0 * float(whole),
                     wire_filter=lambda group: id(group) not in model_parallel,
                     residual_sq_fn=state.residual_sq_norm if state is not None else None,
