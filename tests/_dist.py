@@ -152,14 +152,13 @@ def _script_rank(rank, world_size, script, argv, log_path):
 
     os.environ.update(LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", ROLE_RANK=str(rank),
                       ROLE_WORLD_SIZE=str(world_size), ROBUST_TEST_FORKED_RANK="1")
-    if log_path:
-        # One file for every rank, as torchrun's log: C-level output (gloo, DeepSpeed's ops) too.
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+    # This rank's own file, C-level output (gloo, DeepSpeed's ops) included; run_script merges them.
+    fd = os.open(f"{log_path}.rank{rank}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
     is_path = script.endswith(".py")
     sys.argv = [script, *argv]
     if is_path:
@@ -175,18 +174,61 @@ def _script_rank(rank, world_size, script, argv, log_path):
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+    # A normal interpreter exit runs the atexit handlers (W&B's finish, the plugin's clean-up);
+    # the fork server's child leaves with os._exit, so run them here, unless the script asked to
+    # leave without teardown (tests/integration/_exit.py).
+    if not os.environ.get("ROBUST_TEST_LEFT_WITHOUT_TEARDOWN"):
+        import atexit
+        import multiprocessing.util
+
+        # multiprocessing's own handler would stop the result queue before this rank reports;
+        # the child's exit runs it after the report.
+        atexit.unregister(multiprocessing.util._exit_function)
+        atexit._run_exitfuncs()
 
 
-def run_script(script: str, argv=(), nproc: int = 2, timeout_s: float = 300.0, env=None, log_path=None):
+def _merge_logs(log_path: str, nproc: int) -> str:
+    """Join the ranks' files into ``log_path`` with torchrun's ``[defaultN]:`` prefixes; return
+    the last lines of each rank (for an error message)."""
+    tails = []
+    with open(log_path, "w") as out:
+        for rank in range(nproc):
+            part = f"{log_path}.rank{rank}"
+            try:
+                with open(part, errors="replace") as f:
+                    lines = f.read().splitlines()
+                os.unlink(part)
+            except FileNotFoundError:
+                lines = ["(no output)"]
+            out.writelines(f"[default{rank}]:{line}\n" for line in lines)
+            tails.append(f"--- rank {rank}, last lines ---\n" + "\n".join(lines[-25:]))
+    return "\n".join(tails)
+
+
+def run_script(script, argv=(), nproc: int = 2, timeout_s: float = 300.0, env: dict | None = None,
+               log_path=None) -> None:
     """Run a torchrun-style ``script`` (a ``.py`` path or a module name) on ``nproc`` forked ranks.
 
-    What ``torchrun --nproc-per-node N script argv...`` would run, without N fresh interpreters
-    importing torch, DeepSpeed and megatron-core: each rank is forked from the preloaded server,
-    gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
-    ``MASTER_PORT``, and runs the script as ``__main__`` with ``sys.argv`` set; the script forms
-    its own process group (``deepspeed.init_distributed``, ``dist.init_process_group``). Every
-    rank's output is appended to ``log_path``. A non-zero exit or an exception on any rank raises
-    ``RuntimeError`` with the ranks' tracebacks; past ``timeout_s``, ``TimeoutError``.
+    What ``torchrun --nproc-per-node N --tee 3 script argv...`` runs, without N fresh
+    interpreters importing torch, DeepSpeed and megatron-core: each rank is forked from the
+    preloaded server, gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT``, and runs the script as ``__main__`` with ``sys.argv`` set;
+    the script forms its own process group (``deepspeed.init_distributed``,
+    ``dist.init_process_group``). Every rank's output goes to ``log_path`` (a temporary file when
+    None), each line prefixed ``[defaultN]:`` as torchrun's. A non-zero exit, an exception or a
+    death on any rank raises ``RuntimeError`` with the tracebacks and each rank's last lines;
+    past ``timeout_s``, ``TimeoutError``.
     """
-    return run_ranks(_script_rank, nproc, timeout_s, str(script), [str(a) for a in argv],
-                     str(log_path) if log_path else None, env=env, init=False)
+    import tempfile
+
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix="robust-test-", suffix=".log")
+        os.close(fd)
+    log_path = str(log_path)
+    try:
+        run_ranks(_script_rank, nproc, timeout_s, str(script), [str(a) for a in argv], log_path,
+                  env=env, init=False)
+    except (RuntimeError, TimeoutError) as exc:
+        raise type(exc)(f"{script} {' '.join(map(str, argv))}: {exc}\nlog: {log_path}\n"
+                        + _merge_logs(log_path, nproc)) from None
+    _merge_logs(log_path, nproc)

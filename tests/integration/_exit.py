@@ -29,6 +29,7 @@ def leave_without_teardown() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     if os.environ.get("ROBUST_TEST_FORKED_RANK"):
+        os.environ["ROBUST_TEST_LEFT_WITHOUT_TEARDOWN"] = "1"
         # A rank forked by tests/_dist.run_script reports back to its parent and then leaves
         # with os._exit itself (multiprocessing's child exit): no interpreter teardown either.
         raise SystemExit(0)

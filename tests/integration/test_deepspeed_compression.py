@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -30,7 +30,7 @@ STEPS = 200
 @pytest.fixture(scope="module", params=[0, 1, 2], ids=lambda s: f"zero{s}")
 def stage_results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"zero{request.param}")
-    run_torchrun(WORKER, ["--stage", str(request.param), "--steps", str(STEPS), "--out", str(out)],
+    run_script(WORKER, ["--stage", str(request.param), "--steps", str(STEPS), "--out", str(out)],
                  nproc=2, timeout_s=800, log_path=out / "launch.log")
     return request.param, out, json.loads((out / "results.json").read_text())
 

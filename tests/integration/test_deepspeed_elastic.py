@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -33,7 +33,7 @@ WORKER = str(Path(__file__).with_name("ds_elastic_worker.py"))
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"elastic_zero{request.param}")
     for phase, nproc in (("save", 2), ("shrink", 1), ("grow", 4)):
-        run_torchrun(WORKER, ["--stage", str(request.param), "--out", str(out), "--phase", phase], nproc=nproc,
+        run_script(WORKER, ["--stage", str(request.param), "--out", str(out), "--phase", phase], nproc=nproc,
                      timeout_s=180, log_path=out / f"{phase}.log")
     return request.param, out, {p: json.loads((out / f"{p}.json").read_text()) for p in ("save", "shrink", "grow")}
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -25,7 +25,7 @@ STEPS = 20
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("hier")
-    run_torchrun(WORKER, ["--out", str(out), "--steps", str(STEPS)], nproc=4, timeout_s=400,
+    run_script(WORKER, ["--out", str(out), "--steps", str(STEPS)], nproc=4, timeout_s=400,
                  env={"ROBUST_TOPOLOGY_SIM": "2x2"}, log_path=out / "launch.log")
     return json.loads((out / "results.json").read_text())
 

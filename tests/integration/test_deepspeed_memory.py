@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -32,7 +32,7 @@ WORKER = str(Path(__file__).with_name("ds_memory_worker.py"))
 @pytest.fixture(scope="module", params=[0, 1, 2], ids=lambda s: f"zero{s}")
 def run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"mem_zero{request.param}")
-    run_torchrun(WORKER, ["--stage", str(request.param), "--out", str(out)], nproc=2, timeout_s=240,
+    run_script(WORKER, ["--stage", str(request.param), "--out", str(out)], nproc=2, timeout_s=240,
                  log_path=out / "launch.log")
     return request.param, out, json.loads((out / "results.json").read_text())
 

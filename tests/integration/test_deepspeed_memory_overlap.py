@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
 
@@ -26,7 +26,7 @@ WORKER = str(Path(__file__).with_name("ds_memory_overlap_worker.py"))
 def ranks(tmp_path_factory):
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("mem_overlap")
-    run_torchrun(WORKER, ["--out", str(out)], nproc=2, timeout_s=180, log_path=out / "launch.log")
+    run_script(WORKER, ["--out", str(out)], nproc=2, timeout_s=180, log_path=out / "launch.log")
     return json.loads((out / "results.json").read_text())
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -28,7 +28,7 @@ WORKER = str(Path(__file__).with_name("ds_onebit_worker.py"))
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("onebit")
-    run_torchrun(WORKER, ["--out", str(out)], nproc=2, timeout_s=240, log_path=out / "launch.log")
+    run_script(WORKER, ["--out", str(out)], nproc=2, timeout_s=240, log_path=out / "launch.log")
     return json.loads((out / "results.json").read_text())
 
 

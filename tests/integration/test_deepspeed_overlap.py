@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -32,7 +32,7 @@ GAS = 2
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("overlap")
-    run_torchrun(WORKER, ["--out", str(out), "--steps", str(STEPS)], nproc=2, timeout_s=220,
+    run_script(WORKER, ["--out", str(out), "--steps", str(STEPS)], nproc=2, timeout_s=220,
                  env={"ROBUST_TOPOLOGY_SIM": "2x1"}, log_path=out / "launch.log")
     return json.loads((out / "results.json").read_text())
 

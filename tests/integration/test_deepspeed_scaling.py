@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 
@@ -29,7 +29,7 @@ NAN_STEP, NAN_STEPS = 2, 5  # ds_scaling_worker's
 def results(tmp_path_factory):
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("scaling")
-    run_torchrun(WORKER, ["--out", str(out)], nproc=2, timeout_s=420, log_path=out / "launch.log")
+    run_script(WORKER, ["--out", str(out)], nproc=2, timeout_s=420, log_path=out / "launch.log")
     return json.loads((out / "results.json").read_text())
 
 

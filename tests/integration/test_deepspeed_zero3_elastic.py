@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
 
@@ -26,7 +26,7 @@ SAVE_AT = 6  # ds_elastic_worker.SAVE_AT
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("elastic_zero3")
     for phase, nproc in (("save", 2), ("shrink", 1), ("grow", 4)):
-        run_torchrun(WORKER, ["--stage", "3", "--out", str(out), "--phase", phase], nproc=nproc,
+        run_script(WORKER, ["--stage", "3", "--out", str(out), "--phase", phase], nproc=nproc,
                      timeout_s=60, log_path=out / f"{phase}.log")
     return out, {p: json.loads((out / f"{p}.json").read_text()) for p in ("save", "shrink", "grow")}
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -36,7 +36,7 @@ _spec.loader.exec_module(_fault)  # its job helpers: process-session clean-up af
 
 def _launch(tmp_path_factory, stage: int, runs: str, *extra: str) -> tuple[Path, dict, str]:
     out = tmp_path_factory.mktemp(f"hf_zero{stage}")
-    run_torchrun(WORKER, ["--stage", str(stage), "--steps", str(STEPS), "--out", str(out), "--runs", runs, *extra],
+    run_script(WORKER, ["--stage", str(stage), "--steps", str(STEPS), "--out", str(out), "--runs", runs, *extra],
                  nproc=2, timeout_s=800, log_path=out / "launch.log")
     return out, json.loads((out / "results.json").read_text()), (out / "launch.log").read_text(errors="replace")
 
@@ -170,7 +170,7 @@ def test_active_line_on_rank_0_of_a_plain_script(tmp_path):
     """The same line from a plain DeepSpeed script where nobody set up logging; the library adds
     no handler (root or its own)."""
     out = tmp_path / "plain.json"
-    run_torchrun(str(HERE / "hf_plain_worker.py"), [str(out)], nproc=2, timeout_s=300, log_path=tmp_path / "launch.log")
+    run_script(str(HERE / "hf_plain_worker.py"), [str(out)], nproc=2, timeout_s=300, log_path=tmp_path / "launch.log")
     log = (tmp_path / "launch.log").read_text(errors="replace")
     lines = [ln for ln in log.splitlines() if "robust_plugins active:" in ln]
     # torchrun prefixes each local rank's stream ("[default0]:").

@@ -16,7 +16,7 @@ import math
 import pytest
 
 from _dist import run_ranks
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.integration, pytest.mark.distributed]
@@ -63,7 +63,7 @@ def test_recipe_applies_the_rank_order_at_launch(tmp_path):
     topo = tmp_path / "topo.json"
     topo.write_text(json.dumps(HOSTS))
     out = tmp_path / "res.json"
-    run_torchrun("robust_plugins.recipes.megatron_gpt.train",
+    run_script("robust_plugins.recipes.megatron_gpt.train",
                  ["--preset", "cpu-tiny", "--tp", "2", "--steps", "3", "--codec", "int8",
                   "--topology-file", str(topo), "--out", str(out)], nproc=4, timeout_s=140,
                  log_path=tmp_path / "log")

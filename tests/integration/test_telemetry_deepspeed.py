@@ -14,7 +14,7 @@ import pytest
 
 from robust_plugins.cli._runs import RECIPE_MODULE, recipe_config
 from robust_plugins.config import load_json
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 from robust_plugins.telemetry import read_records
 from robust_plugins.telemetry.report import CHART_IDS, build
 
@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
     plan = {"runs": [{"name": "baseline", "config": _config("baseline.json", out, "baseline", False)},
                      {"name": "plugin", "config": _config("plugin.json", out, "plugin", True)}]}
     (out / "plan.json").write_text(json.dumps(plan))
-    run_torchrun(RECIPE_MODULE, ["--plan", str(out / "plan.json"), "--out-dir", str(out), "--steps", str(STEPS),
+    run_script(RECIPE_MODULE, ["--plan", str(out / "plan.json"), "--out-dir", str(out), "--steps", str(STEPS),
                                  "--preset", "tiny"], nproc=2, timeout_s=200, log_path=out / "launch.log")
     return out
 
