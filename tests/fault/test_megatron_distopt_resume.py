@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_megatron_resume import _kill, _start, _wait_for
 
-from robust_plugins.launch import run_torchrun
+from _dist import run_script
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(300)]
@@ -23,7 +23,7 @@ ARGS = ["--noise", "torch", "--preset", "cpu-tiny", "--codec", "int8", "--distri
 
 
 def _run(out: Path, *extra: str) -> dict:
-    run_torchrun(MODULE, [*ARGS, "--steps", str(STEPS), "--out", str(out), *extra], nproc=2, timeout_s=120,
+    run_script(MODULE, [*ARGS, "--steps", str(STEPS), "--out", str(out), *extra], nproc=2, timeout_s=120,
                  log_path=out.with_suffix(".log"))
     return json.loads(out.read_text())
 

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 
 from robust_plugins.checkpoint.manifest import read_manifest
-from robust_plugins.launch import free_port, run_torchrun, torchrun_command
+from robust_plugins.launch import free_port, torchrun_command
+
+from _dist import run_script
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(300)]
@@ -36,7 +38,7 @@ COMMON = ["--noise", "torch", "--preset", "cpu-tiny", "--codec", "int8", "--log-
 
 
 def _run(out: Path, *extra: str) -> dict:
-    run_torchrun(MODULE, [*COMMON, "--steps", str(STEPS), "--out", str(out), *extra], nproc=2, timeout_s=120,
+    run_script(MODULE, [*COMMON, "--steps", str(STEPS), "--out", str(out), *extra], nproc=2, timeout_s=120,
                  log_path=out.with_suffix(".log"))
     return json.loads(out.read_text())
 
