@@ -43,8 +43,13 @@ lint: $(STAMP)
 	cd $(LINT_TREE) && $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
 
 # lint first: a new crossing of the boundary fails the run before any test starts.
+# Three workers on 2 cores, a file per worker at a time (module fixtures are shared by a file's
+# tests): fault tests mostly wait, integration tests compute (tests/conftest.py sets priorities).
+# TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 3
 test: $(STAMP) browser lint
-	@set +e; $(PY) -m pytest -ra --durations=30 $(PYTEST_ARGS); rc=$$?; \
+	@set +e; $(PY) -m pytest -ra --durations=40 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) \
+	  $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests: failing on purpose"; exit 1; fi; \
 	exit $$rc
 
