@@ -14,7 +14,7 @@ plus:
 ``--watchdog K=V``       one watchdog setting (``--watchdog hang_min_timeout_s=5``)
 ``--watchdog-config F``  a JSON file: a DeepSpeed config (its ``robust_plugins.watchdog`` block is
                          read) or a bare ``{"watchdog": {...}}`` block
-``--no-standby``         no warm standby workers (restarts start fresh interpreters)
+``--no-standby``         no warm standby workers (every incarnation starts fresh interpreters)
 ``--spare``              a hot spare node: waits until the job runs, then replaces the first
                          node the job loses or excludes (same world size and global batch)
 
@@ -74,10 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ours.add_argument("--watchdog-config", metavar="JSON",
                       help="DeepSpeed config or {\"watchdog\": {...}} file with watchdog settings")
     ours.add_argument("--no-standby", dest="standby", action="store_false",
-                      help="no warm standby workers: every restart starts fresh interpreters "
-                           "(default: one standby per local rank, started once the ranks train, "
-                           "with torch, the plugin and the script's DeepSpeed/megatron-core imports "
-                           "done; a restart hands each rank to one)")
+                      help="no warm standby workers: every incarnation starts fresh interpreters "
+                           "(default: each rank, the first incarnation's too, is forked from one "
+                           "fork server a node that imported torch, the plugin and the script's "
+                           "DeepSpeed/megatron-core imports once)")
     ours.add_argument("--spare", action="store_true",
                       help="start this node as a hot spare: same command as the job's nodes "
                            "(--nnodes MIN:MAX, c10d --rdzv-endpoint, --rdzv-id), started once or "

@@ -253,7 +253,12 @@ def _agent_class():
             os.environ[ENV_LAUNCH_WORLD] = str(self._launch_world or "")
             self._served = []
             self._hold_until = None
-            if self.pool is not None and self.monitor.incarnation >= 0:
+            first = self.monitor.incarnation < 0
+            if self.pool is not None and first and self.pool.fork:
+                # The first incarnation too comes from the node's fork server: one import a node
+                # instead of one a rank (the ranks' own imports are what a cold start waits on).
+                self.pool.tick(spawn=True)
+            if self.pool is not None and (not first or self.pool.standbys):
                 with torch_elastic.subprocess_handlers(self._from_standby):
                     pids = super()._start_workers(worker_group)
             else:
@@ -273,9 +278,11 @@ def _agent_class():
                             why or "NUMA binding wraps the command (numactl)")
                 return None
             # An importing standby started before a fresh process would: wait for it up to twice
-            # the time standbys took to get ready so far (60 s before any was).
+            # the time standbys took to get ready so far (60 s before any was). The first
+            # incarnation's were asked for just now: their import is the start-up itself.
             typical = sorted(self._standby_ready_s)[len(self._standby_ready_s) // 2] if self._standby_ready_s else 30.0
-            sb = self.pool.take(wait_s=2 * typical)
+            wait = self.pool.ready_timeout_s if self.monitor.incarnation < 0 else 2 * typical
+            sb = self.pool.take(wait_s=wait)
             if sb is None:
                 log.info("robust run: no standby ready for rank %s; it starts cold", env.get("RANK"))
                 return None

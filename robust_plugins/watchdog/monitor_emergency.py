@@ -47,23 +47,27 @@ class _MonitorEmergency:
         still start. Without it a survivor that had not reached its failing collective yet was
         SIGTERMed 40 ms after the death, its save "not started"."""
         t0 = time.monotonic()
-        self._ask_for_saves()
-        if self._await_emergency_saves(start_grace_s=self._emergency_start_grace_s()) is not None:
+        asked = self._ask_for_saves()
+        grace = self._emergency_start_grace_s()
+        if self._await_emergency_saves(start_grace_s=grace, asked=asked) is not None:
             self.emergency_hold_s = round(time.monotonic() - t0, 3)
 
-    def _ask_for_saves(self) -> None:
+    def _ask_for_saves(self) -> set[int]:
         """Ask every live rank whose save would not start by itself (:func:`asks_rank`) to save:
-        one datagram to its listener."""
+        one datagram to its listener. Returns the ranks asked."""
         self._drain()
         with self._lock:
             asked = [(r, st.emergency["addr"]) for r, st in self.ranks.items()
                      if st.emergency and st.emergency.get("phase") == "registered" and st.emergency.get("addr")
                      and asks_rank(st.emergency.get("via"), st.device_type) and _pid_alive(st.pid)]
+        sent = set()
         for rank, addr in asked:
             try:
                 self._sock.sendto(json.dumps({"k": "emerg_now"}).encode(), addr)
+                sent.add(rank)
             except OSError as exc:  # the rank is gone: its save is "not started"
                 log.warning("robust watchdog: could not ask rank %d for its emergency save: %r", rank, exc)
+        return sent
 
     def _emergency_start_grace_s(self) -> float:
         # A live rank meets a collective at least once a step (the gradient reduction), so it
@@ -75,11 +79,14 @@ class _MonitorEmergency:
         typical = times[len(times) // 2] if times else 0.0
         return min(self.cfg.emergency_save_timeout_s, max(EMERGENCY_START_MIN_S, 2 * typical))
 
-    def _await_emergency_saves(self, start_grace_s: float | None = None) -> dict[str, Any] | None:
+    def _await_emergency_saves(self, start_grace_s: float | None = None,
+                               asked: set[int] = frozenset()) -> dict[str, Any] | None:
         """Give the live ranks that registered an emergency saver a bounded chance to finish it
         (they start when their collective fails, a moment after the peer died); return what each
         reported, or None when no rank registered one. ``start_grace_s``: how long a live rank
-        that has not started is waited for (default: the whole ``emergency_save_timeout_s``)."""
+        that has not started is waited for (default: the whole ``emergency_save_timeout_s``);
+        a rank in ``asked`` starts when its listener reads the ask, so it is waited for up to
+        the whole timeout (a loaded host may take seconds to schedule that thread)."""
         timeout = self.cfg.emergency_save_timeout_s
         if timeout <= 0:
             return None
@@ -94,7 +101,8 @@ class _MonitorEmergency:
             # Waiting for: a save under way, or a live rank that may still hit the failed collective.
             may_start = start_grace_s is None or time.monotonic() - t0 < start_grace_s
             pending = [r for r, (e, pid) in savers.items()
-                       if e["phase"] == "start" or (e["phase"] == "registered" and may_start and _pid_alive(pid))]
+                       if e["phase"] == "start"
+                       or (e["phase"] == "registered" and (may_start or r in asked) and _pid_alive(pid))]
             if not pending or timeout <= 0 or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)

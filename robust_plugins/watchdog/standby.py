@@ -15,8 +15,9 @@ while the previous incarnation trained. The pool lives in the node's agent:
   memory for the node). It forks only after checking that nothing makes a fork unsafe (other
   threads, CUDA); otherwise it says why, the pool logs a warning, records ``zygote_unsafe`` and
   spawns one interpreter per standby instead, each importing by itself (``fork=False`` too).
-- **when** (:meth:`StandbyPool.tick`, called from the agent's monitor loop): once the current
-  incarnation reported a step (so imports never compete with the ranks' own start), up to one
+- **when** (:meth:`StandbyPool.tick`): at the job's start, one per local rank for the first
+  incarnation when forking is possible (the fork server's one import replaces the ranks' own);
+  then, from the agent's monitor loop, once the current incarnation reported a step, up to one
   standby per local rank; a standby or fork server that dies, refuses (CUDA touched) or is not
   ready within ``ready_timeout_s`` or does not answer a ping is killed and replaced.
 - **the hand-off** (:meth:`StandbyPool.hand`): the rank's full environment, argv, working

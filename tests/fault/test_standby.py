@@ -1,7 +1,8 @@
-"""Warm standby workers of ``robust run`` (on by default): a restart hands each rank to a process
-forked from the node's fork server, which imported torch and the plugin once, and the script runs
-there exactly as in a fresh process; dead or hung standbys and fork servers are replaced; none
-outlives a SIGKILLed launcher; where forking is unsafe, standbys are spawned instead, loudly."""
+"""Warm standby workers of ``robust run`` (on by default): every incarnation, the first included,
+hands each rank to a process forked from the node's fork server, which imported torch and the
+plugin once, and the script runs there exactly as in a fresh process (``--no-standby``); dead or
+hung standbys and fork servers are replaced; none outlives a SIGKILLed launcher; where forking is
+unsafe, standbys are spawned instead, loudly."""
 
 from __future__ import annotations
 
@@ -27,11 +28,17 @@ PROBE = str(HERE / "standby_probe.py")
 #: restart count, the incarnation's store port and error file, our incarnation and ring names.
 PER_INCARNATION = {"TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE", "MASTER_PORT",
                    "ROBUST_INCARNATION", "ROBUST_WATCHDOG_RING", "ROBUST_INJECT"}
+#: ... and between two jobs (a cold one and a warm one): the job's id.
+PER_JOB = {"TORCHELASTIC_RUN_ID", "ROBUST_JOB_ID", "PYTEST_CURRENT_TEST"}
 
 #: Fields of the probe's record that must be the same in a cold and a warm incarnation.
 #: Not ``ppid``: a forked rank's parent is the fork server (``_forked_by``), a cold one's the agent.
 SAME = ("argv", "cwd", "name", "file", "package", "spec", "loader", "path0", "main_is_me", "pickle",
         "threads_at_start")
+
+#: The probe job of the cold/warm comparison: two incarnations, rank 1 killed at step 6.
+PROBE_ARGS = ["--steps", "12", "--step-sleep", "0.05"]
+KILL = ("--inject", "kill:rank=1,step=6")
 
 
 def _probes(probe_dir: Path) -> dict[tuple[int, int], dict]:
@@ -44,12 +51,37 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def _same_start(cold: dict, warm: dict) -> None:
-    assert cold["torch_at_start"] is False and warm["torch_at_start"] is True  # cold vs warm indeed
-    assert {k: warm[k] for k in SAME} == {k: cold[k] for k in SAME}
+def _same_start(ref: dict, warm: dict, jobs: tuple[Path, Path] | None = None, cold: bool = True) -> None:
+    """``warm`` (a standby's rank) started as ``ref`` did: a fresh process (``cold``) or another
+    standby's rank. ``jobs``: the two jobs' directories, when ``ref`` is from another job."""
+    def norm(x):
+        if jobs is None:
+            return x
+        if isinstance(x, str):
+            return x.replace(str(jobs[0]), "<job>").replace(str(jobs[1]), "<job>")
+        if isinstance(x, list):
+            return [norm(v) for v in x]
+        if isinstance(x, dict):
+            return {k: norm(v) for k, v in x.items()}
+        return x
+
+    ref, warm = norm(ref), norm(warm)
+    assert ref["torch_at_start"] is (not cold) and warm["torch_at_start"] is True  # cold vs warm indeed
+    assert {k: warm[k] for k in SAME} == {k: ref[k] for k in SAME}
     assert warm["name"] == "__main__" and warm["main_is_me"] and warm["pickle"] == 3
-    changed = {k for k in cold["env"].keys() | warm["env"].keys() if cold["env"].get(k) != warm["env"].get(k)}
-    assert changed <= PER_INCARNATION, changed - PER_INCARNATION
+    changed = {k for k in ref["env"].keys() | warm["env"].keys() if ref["env"].get(k) != warm["env"].get(k)}
+    allowed = PER_INCARNATION | (PER_JOB if jobs is not None else set())
+    assert changed <= allowed, changed - allowed
+
+
+@pytest.fixture(scope="module")
+def cold_job(tmp_path_factory):
+    """The probe job with ``--no-standby``: both incarnations start fresh interpreters."""
+    job_dir = tmp_path_factory.mktemp("cold")
+    job = robust_run(job_dir, 2, "--no-standby", *KILL,
+                     script=[PROBE, *PROBE_ARGS, "--probe-dir", str(job_dir / "probe")])
+    assert job.returncode == 0, job.output[-3000:]
+    return job, job_dir, _probes(job_dir / "probe")
 
 
 def _forked_by(run_dir: Path, probe: dict) -> int:
@@ -59,10 +91,10 @@ def _forked_by(run_dir: Path, probe: dict) -> int:
     return spawned["zygote"]
 
 
-def test_a_restart_is_served_by_standbys_running_the_script_as_a_fresh_process(tmp_path):
+def test_every_incarnation_is_served_by_standbys_running_the_script_as_a_fresh_process(tmp_path, cold_job):
+    _, cold_dir, cold = cold_job
     probe = tmp_path / "probe"
-    job = robust_run(tmp_path, 2, "--inject", "kill:rank=1,step=6",
-                     script=[PROBE, "--steps", "12", "--step-sleep", "0.05", "--probe-dir", str(probe)])
+    job = robust_run(tmp_path, 2, *KILL, script=[PROBE, *PROBE_ARGS, "--probe-dir", str(probe)])
     assert job.returncode == 0, job.output[-3000:]
     (fault,) = job.faults
     assert (fault["kind"], fault["suspect_ranks"], fault["action"]) == ("crash", [1], "restart")
@@ -70,16 +102,16 @@ def test_a_restart_is_served_by_standbys_running_the_script_as_a_fresh_process(t
     assert detail["standby"] is True and detail["standby_ranks"] == [0, 1]
     assert 0 <= detail["restart_s"] <= detail["recovered_after_s"]
     probes = _probes(probe)
-    assert sorted(probes) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    for rank in (0, 1):
-        _same_start(probes[(0, rank)], probes[(1, rank)])
-    served = {e["rank"]: e["pid"] for e in _events(tmp_path) if e["event"] == "served"}
-    assert served == {r: probes[(1, r)]["pid"] for r in (0, 1)}
-    # Both warm ranks came from one fork server that imported once and never ran the script;
-    # numpy's global RNG, seeded at its import there, was reseeded in each child.
-    (zygote,) = {_forked_by(tmp_path, probes[(1, r)]) for r in (0, 1)}
+    assert sorted(probes) == sorted(cold) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for key in probes:
+        _same_start(cold[key], probes[key], jobs=(cold_dir, tmp_path))
+    served = [(e["rank"], e["pid"]) for e in _events(tmp_path) if e["event"] == "served"]
+    assert served == [(r, probes[(i, r)]["pid"]) for i in (0, 1) for r in (0, 1)]
+    # Each incarnation's ranks came from one fork server that imported once and never ran the
+    # script; numpy's global RNG, seeded at its import there, was reseeded in each child.
+    (zygote,) = {_forked_by(tmp_path, probes[key]) for key in probes}
     assert [e["pid"] for e in _events(tmp_path) if e["event"] == "zygote_ready"][0] == zygote
-    assert probes[(1, 0)]["numpy_draw"] != probes[(1, 1)]["numpy_draw"]
+    assert len({probes[key]["numpy_draw"] for key in probes}) == 4
     # Module-level side effects ran once per incarnation and rank: the standbys that were
     # started after the restart (and stopped unused at the end) ran nothing of the script.
     lines = sorted((probe / "side_effects.txt").read_text().split("\n")[:-1])
@@ -142,7 +174,11 @@ def test_dead_and_hung_standbys_and_fork_servers_are_replaced_and_none_outlives_
                    150, proc, log)
         _wait("its two standbys", lambda: len(ready(z2)) == 2, 60, proc, log)
         (hung,) = [e for e in _events(run_dir) if e["event"] == "zygote_hung"]
-        assert hung["pid"] == z1 and "ping" in hung["why"] and not _alive(z1)
+        # The first incarnation's ranks run in processes it forked: it drains (no new forks)
+        # until they end, instead of taking them down with it.
+        first_ranks = [json.loads(x) for x in (run_dir / "workers.jsonl").read_text().splitlines()][0]
+        assert hung["pid"] == z1 and "ping" in hung["why"] and _alive(z1)
+        assert sorted(hung["draining"]) == sorted(first_ranks["pids"].values())
         os.kill(z2, signal.SIGKILL)  # a dead one: replaced
         z3 = _wait("a third fork server", lambda: len(zygotes("zygote_ready")) == 3 and zygotes("zygote_ready")[2],
                    150, proc, log)
@@ -157,12 +193,14 @@ def test_dead_and_hung_standbys_and_fork_servers_are_replaced_and_none_outlives_
             return "served" in ev and ev[ev.index("served"):].count("spawned") >= 2
 
         _wait("standbys forked after the restart", forked_after_the_restart, 60, proc, log)
+        _wait("the hung fork server stopped once its ranks ended",
+              lambda: z1 in zygotes("zygote_stopped") and not _alive(z1), 30, proc, log)
         workers = [json.loads(x) for x in (run_dir / "workers.jsonl").read_text().splitlines()]
         pids.update(p for w in workers for p in w["pids"].values())
         pids.update(e["pid"] for e in _events(run_dir) if e["pid"] is not None)
         assert _alive(z3) and {z1, z2, z3} <= pids
         # A stopped standby cannot notice its closed hand-off pipe: only PR_SET_PDEATHSIG ends it.
-        os.kill(ready(z3)[0], signal.SIGSTOP)
+        os.kill(_wait("a ready standby after the restart", lambda: ready(z3), 60, proc, log)[0], signal.SIGSTOP)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
         deadline = time.monotonic() + 5
@@ -180,7 +218,8 @@ def test_dead_and_hung_standbys_and_fork_servers_are_replaced_and_none_outlives_
     assert fault["kind"] == "crash" and fault["detail"]["standby"] is True
     probes = _probes(probe)
     for rank in (0, 1):
-        _same_start(probes[(0, rank)], probes[(1, rank)])
+        _same_start(probes[(0, rank)], probes[(1, rank)], cold=False)
+        assert _forked_by(run_dir, probes[(0, rank)]) == z1
         assert _forked_by(run_dir, probes[(1, rank)]) == z3
         assert probes[(1, rank)]["spec"] == "standby_probe" and probes[(1, rank)]["argv"][0].endswith("standby_probe.py")
 
@@ -211,17 +250,16 @@ def test_where_forking_is_unsafe_standbys_are_spawned_and_say_why(tmp_path):
     spawned = {e["pid"]: e for e in events if e["event"] == "spawned"}
     assert served and all("zygote" not in spawned[p] for p in served)  # spawned, not forked
     probes = _probes(probe)
+    assert len(served) == 4  # both incarnations
     for rank in (0, 1):
-        _same_start(probes[(0, rank)], probes[(1, rank)])
+        _same_start(probes[(0, rank)], probes[(1, rank)], cold=False)
         assert probes[(1, rank)]["ppid"] == probes[(0, rank)]["ppid"]  # the agent's children both
 
 
-def test_no_standby_restarts_cold(tmp_path):
-    probe = tmp_path / "probe"
-    job = robust_run(tmp_path, 2, "--no-standby", "--inject", "kill:rank=0,step=4",
-                     script=[PROBE, "--steps", "8", "--probe-dir", str(probe)])
-    assert job.returncode == 0, job.output[-3000:]
+def test_no_standby_restarts_cold(cold_job):
+    job, job_dir, probes = cold_job
     (fault,) = job.faults
     assert fault["detail"]["standby"] is False and fault["detail"]["standby_ranks"] == []
-    assert not (tmp_path / "standbys.jsonl").exists()
-    assert not any(p["torch_at_start"] for p in _probes(probe).values())
+    assert not (job_dir / "standbys.jsonl").exists()
+    assert sorted(probes) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert not any(p["torch_at_start"] for p in probes.values())

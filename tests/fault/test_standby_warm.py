@@ -24,11 +24,12 @@ def _warm(job, kind: str, rank: int) -> None:
     assert (fault["kind"], fault["suspect_ranks"]) == (kind, [rank])
     assert fault["detail"]["standby"] is True and fault["detail"]["standby_ranks"] == [0, 1]
     assert fault["lost_steps"] <= 1
-    # Served by standbys forked from the node's fork server (not the spawned fallback).
+    # Both incarnations' ranks were served by standbys forked from the node's fork server (not
+    # the spawned fallback).
     events = [json.loads(x) for x in (job.run_dir / "standbys.jsonl").read_text().splitlines()]
     served = {e["pid"] for e in events if e["event"] == "served"}
     forked = {e["pid"] for e in events if e["event"] == "spawned" and e.get("zygote")}
-    assert len(served) == 2 and served <= forked, events
+    assert len(served) == 4 and served <= forked, events
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
