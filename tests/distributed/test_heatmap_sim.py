@@ -31,7 +31,6 @@ def _slow_node(cluster: SimCluster, node: int, bits: float) -> None:
         subprocess.run(["tc", "-n", ns, "qdisc", "change", "dev", dev, "root", *tbf], check=True, timeout=20)
 
 
-@pytest.mark.timeout(180)
 def test_heatmap_names_the_slow_node_links(tmp_path):
     with SimCluster(nodes=3, ranks_per_node=1, rate=FAST) as cluster:
         _slow_node(cluster, 2, SLOW)

@@ -43,7 +43,6 @@ def _dp_sync(rank: int, world: int) -> dict:
     return out
 
 
-@pytest.mark.timeout(150)
 def test_hierarchy_inside_dp_groups_smaller_than_the_job():
     out = run_ranks(_dp_sync, 8, 120, env={"ROBUST_TOPOLOGY_SIM": "2x4"})
     want_intra = [[0, 2], [1, 3], [0, 2], [1, 3], [4, 6], [5, 7], [4, 6], [5, 7]]

@@ -101,7 +101,6 @@ def test_pieces_are_whole_blocks_covering_the_chunk():
     assert _twophase.pieces(layout, 1 << 30) == [(0, layout.chunk)]
 
 
-@pytest.mark.timeout(150)
 def test_pieces_give_the_same_bits_as_one_piece():
     for rank, res in enumerate(_results()):
         one, many = res["one piece"], res["pieces"]

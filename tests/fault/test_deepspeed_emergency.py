@@ -29,7 +29,7 @@ def _job(run_dir: Path, nproc: int, *args: str, zero: int = 0, persist_every: in
                               "--persist-every", str(persist_every)])
 
 
-@pytest.mark.timeout(330)
+@pytest.mark.timeout(300)
 def test_zero0_live_rank_saves_and_the_unchanged_script_resumes_there(tmp_path):
     job = _job(tmp_path / "fault", 3, "--max-restarts", "1", "--inject", "kill:rank=1,step=6")
     assert job.returncode == 0, job.output[-4000:]

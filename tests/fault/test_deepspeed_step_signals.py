@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import robust_run
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
 
 SCRIPT = str(Path(__file__).with_name("ds_auto_train.py"))
 ARGS = ["--steps", "30", "--save-every", "10", "--gas", "2"]

@@ -19,7 +19,7 @@ from conftest import robust_run
 
 from robust_plugins.checkpoint import memory
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(210)]
 
 SCRIPT = str(Path(__file__).with_name("ds_zero3_train.py"))
 STEPS = 14

@@ -16,7 +16,7 @@ from robust_plugins.config import WatchdogConfig
 from robust_plugins.watchdog import client
 from robust_plugins.watchdog.monitor import Monitor
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.fault]
 
 SCRIPT = str(Path(__file__).with_name("fast_loop.py"))
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import robust_run
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(270)]
 
 SCRIPT = str(Path(__file__).with_name("ds_auto_train.py"))
 WATCH = ["--watchdog", "hang_min_timeout_s=3", "--watchdog", "hang_initial_timeout_s=120",

@@ -15,7 +15,7 @@ from test_megatron_resume import _kill, _start, _wait_for
 from _dist import run_script
 
 pytest.importorskip("megatron.core")
-pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(240)]
 
 MODULE = str(Path(__file__).with_name("mcore_rng_train.py"))  # the recipe, loss scaled by RNG draws
 STEPS = 60

@@ -15,7 +15,7 @@ import pytest
 from conftest import robust_run
 
 pytest.importorskip("megatron.core")
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 
 SCRIPT = ["-m", "robust_plugins.recipes.megatron_gpt.train", "--preset", "cpu-tiny", "--codec", "int8",
           "--steps", "12", "--save-every", "4", "--log-every", "0"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import robust_run
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
 
 SCRIPT = str(Path(__file__).with_name("ds_memory_train.py"))
 STEPS = 12

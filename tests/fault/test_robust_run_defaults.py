@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import robust_run
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(150)]
 
 #: The recipe saves every step (its own choice, not a launcher flag): a kill loses at most one.
 EVERY_STEP = ["--steps", "40", "--save-every", "1", "--corpus-bytes", "200000"]

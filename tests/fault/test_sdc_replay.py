@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import robust_run
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.fault]
 
 #: 3 ranks: the smallest job where a minority hash names one rank (2 replicas have no majority).
 ARGS = ["--steps", "22", "--save-every", "10", "--corpus-bytes", "200000"]

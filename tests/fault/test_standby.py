@@ -19,7 +19,7 @@ from conftest import _alive, robust_run
 
 from robust_plugins.launch import launch_env
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.fault]
 
 HERE = Path(__file__).parent
 PROBE = str(HERE / "standby_probe.py")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import robust_run
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
 
 DS_SCRIPT = str(Path(__file__).with_name("ds_memory_train.py"))
 STEPS = 10

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import robust_run
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.fault]
 
 SLOW_S = 0.25  # the injected sleep a step, outside any collective
 

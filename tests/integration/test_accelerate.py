@@ -82,7 +82,7 @@ def int8(configs):
     return _launched(configs, "int8")
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_accelerate_launch_runs_deepspeed_on_2_ranks_and_codec_none_is_bitwise(vanilla, codec_none):
     van, van_digests, _ = vanilla
     none, none_digests, _ = codec_none
@@ -97,7 +97,7 @@ def test_accelerate_launch_runs_deepspeed_on_2_ranks_and_codec_none_is_bitwise(v
     assert none_digests == van_digests
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_accelerate_launch_int8_trains_and_says_so_on_rank_0(vanilla, int8):
     van, van_digests, van_log = vanilla
     q, q_digests, log = int8
@@ -122,7 +122,7 @@ def _robust_run(run_dir: Path, config: Path, *args: str, timeout_s: float = 300.
     return _fault.run_job(cmd, run_dir, timeout_s)
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(240)
 def test_kill_under_robust_run_resumes_the_loop_at_the_right_step(vanilla, tmp_path):
     van, van_digests, _ = vanilla
     # robust run's defaults: it restarts, and the engine resumes inside accelerator.prepare.

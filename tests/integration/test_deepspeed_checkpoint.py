@@ -23,7 +23,7 @@ import pytest
 
 from _dist import run_script
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration]
 
 WORKER = str(Path(__file__).with_name("ds_checkpoint_worker.py"))
 

@@ -21,7 +21,7 @@ import pytest
 
 from _dist import run_script
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(330)]
 
 WORKER = str(Path(__file__).with_name("ds_worker.py"))
 STEPS = 200

@@ -17,7 +17,7 @@ import pytest
 
 from _dist import run_script
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.integration]
 
 WORKER = str(Path(__file__).with_name("ds_memory_overlap_worker.py"))
 

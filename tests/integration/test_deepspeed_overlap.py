@@ -22,7 +22,7 @@ import pytest
 
 from _dist import run_script
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration]
 
 WORKER = str(Path(__file__).with_name("ds_overlap_worker.py"))
 STEPS = 4

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration]
 
 pytest.importorskip("deepspeed")
 sys.path.insert(0, str(Path(__file__).parent))

@@ -19,7 +19,7 @@ import pytest
 
 from _dist import run_script
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
+pytestmark = [pytest.mark.integration]
 
 WORKER = str(Path(__file__).with_name("ds_scaling_worker.py"))
 NAN_STEP, NAN_STEPS = 2, 5  # ds_scaling_worker's

@@ -16,7 +16,7 @@ import pytest
 
 from _dist import run_script
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.integration]
 
 WORKER = str(Path(__file__).with_name("ds_elastic_worker.py"))
 SAVE_AT = 6  # ds_elastic_worker.SAVE_AT

@@ -16,7 +16,7 @@ import pytest
 
 from robust_plugins.watchdog import completion
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration]
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "hf_abort_worker.py")

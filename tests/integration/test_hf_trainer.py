@@ -20,7 +20,7 @@ import pytest
 
 from _dist import run_script
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration]
 
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(360)]
 
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")

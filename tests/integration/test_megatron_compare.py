@@ -48,7 +48,7 @@ def test_compare_refuses_an_unknown_recipe():
     assert proc.returncode == 2 and "unknown recipe 'nope'; allowed: megatron_gpt" in proc.stderr
 
 
-@pytest.mark.timeout(250)
+@pytest.mark.timeout(240)
 def test_compare_cpu_3d_counts_only_the_data_parallel_sync(tmp_path):
     """``--preset cpu-3d``: 4 ranks by default (PP 2 x DP 2, bf16, megatron's DistributedOptimizer,
     tied embeddings). The telemetry's gradient bytes are each rank's reduce-scatter alone, checked

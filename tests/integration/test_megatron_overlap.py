@@ -23,7 +23,6 @@ def _events(rank, world, steps, gate_step):
     return overlap_events(rank, world, steps, gate_step)
 
 
-@pytest.mark.timeout(150)
 def test_overlapped_compressed_sync_runs_during_backward_and_matches_synchronous():
     res = run_ranks(_events, 2, 140, 6, 3)
     for r in res:

@@ -58,7 +58,6 @@ def test_interleaved_hosts_are_renumbered_so_tp_groups_stay_on_one_host(tmp_path
         assert all(math.isfinite(v) for v in r["losses"])
 
 
-@pytest.mark.timeout(150)
 def test_recipe_applies_the_rank_order_at_launch(tmp_path):
     topo = tmp_path / "topo.json"
     topo.write_text(json.dumps(HOSTS))

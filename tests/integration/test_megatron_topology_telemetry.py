@@ -29,7 +29,6 @@ def _blocks(rank, world, variants, steps):
     return block_variants(rank, world, variants, steps)
 
 
-@pytest.mark.timeout(200)
 def test_hierarchical_auto_and_telemetry_on_megatron(tmp_path):
     tel = {"telemetry": {"log_every": 4, "dir": str(tmp_path / "tel")}}
     hier = {"compression": {"codec": "int8"}, "topology": {"hierarchical": True}}

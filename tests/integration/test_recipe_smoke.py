@@ -16,7 +16,7 @@ from robust_plugins.cli._runs import RECIPE_MODULE, recipe_config
 from robust_plugins.launch import run_torchrun
 
 pytest.importorskip("deepspeed")
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration]
 
 STEPS = 30
 

@@ -24,7 +24,7 @@ from _wandb_offline import read_run  # noqa: E402
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("wandb")
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration]
 
 STEPS, EVERY = 20, 5
 

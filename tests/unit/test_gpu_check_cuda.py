@@ -23,7 +23,6 @@ def _load():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the check is run by hand (tests/gpu)")
-@pytest.mark.timeout(300)
 def test_gpu_check_runs_on_cpu_up_to_its_gpu_parts_and_writes_json(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     check = _load()

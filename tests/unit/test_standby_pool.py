@@ -18,7 +18,6 @@ import pytest
 from robust_plugins.patches import torch_elastic
 from robust_plugins.watchdog import standby, standby_fork, standby_zygote
 
-pytestmark = pytest.mark.timeout(180)
 
 
 def test_target_of_reads_torchruns_command_and_refuses_what_it_cannot_run():

@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed: the [triton] extr
 CASES = Path(__file__).with_name("triton_kernels_cases.py")
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(240)
 def test_triton_kernels_match_the_reference_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run(
