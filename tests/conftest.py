@@ -75,6 +75,14 @@ def _priority(request):
     want = 0 if request.node.get_closest_marker("fault") else BACKGROUND_NICE
     try:
         os.setpriority(os.PRIO_PROCESS, 0, want)
-    except PermissionError:  # lowering the niceness needs root: leave it
-        pass
+    except PermissionError:  # lowering the niceness needs root: say so once
+        if not _NICE_WARNED:
+            _NICE_WARNED.append(True)
+            import warnings
+
+            warnings.warn("tests/conftest.py: cannot give fault tests back normal priority without root; "
+                          "run `make test` as root or with TEST_WORKERS=0.", stacklevel=1)
     yield
+
+
+_NICE_WARNED: list[bool] = []
