@@ -43,8 +43,9 @@ lint: $(STAMP)
 	cd $(LINT_TREE) && $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
 
 # lint first: a new crossing of the boundary fails the run before any test starts.
-# Three workers on 2 cores, a file per worker at a time (module fixtures are shared by a file's
-# tests): fault tests mostly wait, integration tests compute (tests/conftest.py sets priorities).
+# Three workers on 2 cores: the fault tier on one of them, a test at a time; any other file's
+# tests together on one worker (they share module fixtures). Fault tests mostly wait, the others
+# compute (tests/conftest.py sets the groups and priorities).
 # TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 3
 test: $(STAMP) browser lint

@@ -42,6 +42,7 @@ from robust_plugins.checkpoint import DiskCheckpointer
 from robust_plugins.errors import CheckpointError, UnsupportedError
 from robust_plugins.patches import _guard
 from robust_plugins.patches import deepspeed_universal as _universal
+from robust_plugins.patches import torch_jit_lock
 from robust_plugins.patches.deepspeed_checkpoint import (  # noqa: F401  (CLIENT_KEYS, STATE_FILE re-exported)
     CLIENT_KEYS,
     STATE_FILE,
@@ -108,6 +109,9 @@ def install() -> None:
     _guard.check_signature("deepspeed", TorchCheckpointEngine.save, _CKPT_ENGINE_SAVE_SIGNATURE, SUPPORTED)
     _guard.check_signature("deepspeed", TorchCheckpointEngine.load, _CKPT_ENGINE_LOAD_SIGNATURE, SUPPORTED)
 
+    # DeepSpeed JIT-loads ops under torch's build lock, which a rank killed during start-up
+    # would leave behind for every later job: this lock names its holder (torch_jit_lock.py).
+    torch_jit_lock.install()
     original = deepspeed.initialize
     signature = inspect.signature(original)
 
@@ -131,6 +135,7 @@ def undo() -> None:
 
     if _guard.is_patched(deepspeed.initialize):
         deepspeed.initialize = deepspeed.initialize.__wrapped__
+    torch_jit_lock.undo()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,13 +32,19 @@ def draw(request):
 # --- Running the suite concurrently (``make test``: pytest-xdist, ``-n 3 --dist loadfile``) -----
 #
 # Most fault tests wait (on detection timeouts, restarts, rendezvous) while integration tests
-# compute. Three workers share the 2 cores; two rules keep the waiting tests' timing honest:
-# a fault test's processes run at normal priority and every other test's at nice 10 (CFS gives
-# a nice-0 process ~9x the CPU share of a nice-10 one), and the files that take longest start
-# first, so no long file starts last and runs alone.
+# compute. Three workers share the 2 cores, with three rules that keep the waiting tests' timing
+# honest: every fault-marked test (the files of :data:`SERIAL_FILES`) runs on one worker, one at a
+# time, so no two jobs whose agents time heartbeats and hangs share the cores; a fault test's
+# processes run at normal priority and every other test's at nice 10 (CFS gives a nice-0 process
+# ~9x the CPU share of a nice-10 one); and the fault tests and the files that take longest start
+# first. Any other file's tests go to one worker together (they share module fixtures).
 
 #: Niceness of tests outside the fault tier while the suite runs concurrently.
 BACKGROUND_NICE = 10
+
+#: Where the fault-marked tests are: one scheduling unit under ``--dist loadfile`` (a worker runs
+#: them in turn). A fault-marked test elsewhere is refused at collection.
+SERIAL_FILES = ("tests/fault/", "tests/integration/test_demo.py")
 
 #: Files that take longest (seconds measured under ``make test``); they are scheduled first.
 LONG_FILES = ("tests/fault/test_multinode.py", "tests/fault/test_memory_restore.py",
@@ -50,19 +56,42 @@ def _concurrent(config) -> bool:
     return getattr(config, "workerinput", None) is not None  # an xdist worker
 
 
+def _serial(path: str) -> bool:
+    return any(path == f or (f.endswith("/") and path.startswith(f)) for f in SERIAL_FILES)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Long files first, then by tier (fault, integration, distributed, unit); a file's tests
-    keep their order (module fixtures are shared by a file's tests on one worker)."""
+    """Fault-marked tests first, then long files, then by tier (integration, distributed, unit);
+    a file's tests keep their order."""
     def key(item):
         path = item.nodeid.split("::")[0]
         tier = path.split("/")[1] if path.count("/") >= 2 else "unit"
         rank = LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES)
-        return (rank, _TIER_ORDER.index(tier) if tier in _TIER_ORDER else len(_TIER_ORDER), path)
+        tier_rank = _TIER_ORDER.index(tier) if tier in _TIER_ORDER else len(_TIER_ORDER)
+        return (not _serial(path), rank, tier_rank, path)
 
+    stray = [i.nodeid for i in items if i.get_closest_marker("fault") and not _serial(i.nodeid.split("::")[0])]
+    if stray:
+        raise pytest.UsageError(f"fault-marked tests outside SERIAL_FILES (tests/conftest.py): {stray[:5]}; "
+                                "add their file there so they never run beside another fault test.")
     order = {}
     for i, item in enumerate(items):
         order.setdefault(item.nodeid.split("::")[0], i)
     items.sort(key=lambda item: (key(item), order[item.nodeid.split("::")[0]]))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the files of :data:`SERIAL_FILES` as one unit (one worker)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FaultTierScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return "fault-tier" if _serial(path) else path
+
+    return FaultTierScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

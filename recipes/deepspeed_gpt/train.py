@@ -15,7 +15,10 @@ Run under torchrun (or through :func:`robust_plugins.launch.run_torchrun`)::
 Under ``robust run`` a plan entry with ``"resume": true`` and ``"save_every": N`` follows the resume
 contract (``robust_plugins/watchdog/FORMAT.md``): it loads the newest checkpoint in ``save_dir`` if
 there is one, saves there every N steps when the node monitor agrees (``watchdog.ok_to_save``),
-and every step is reported with ``watchdog.step_end`` (a no-op outside ``robust run``).
+and every step is reported with ``watchdog.step_end`` (a no-op outside ``robust run``). A config
+whose ``robust_plugins`` block has a ``checkpoint`` sub-block needs neither: under ``robust run``
+``deepspeed.initialize`` resumes from the newest restore point (in-memory snapshots first) and
+the result's ``loaded`` names it (``robust demo``'s fault job runs so).
 
 Each run builds a fresh model, optimizer and engine from its seed (``--seed``, or the plan entry's
 ``seed``), which also orders the training batches. Data are indexed by
@@ -274,6 +277,9 @@ def train_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
         loaded, _ = engine.load_checkpoint(spec.load_dir)
         if loaded is None:
             raise RobustPluginsError(f"run {spec.name!r}: no checkpoint found in {spec.load_dir}.")
+    resumed = getattr(getattr(engine, "robust_plugins", None), "resumed", None)
+    if loaded is None and resumed is not None:
+        loaded = resumed[0]  # robust run's default resume, inside deepspeed.initialize
     start = engine.global_steps
     counter_cls = _NoCounter if args.no_wire_count else _wire_counter_cls()
 

@@ -6,9 +6,12 @@ Two jobs of the deepspeed_gpt recipe on CPU ranks, same seed and data:
    node, ``--link-rate`` between them; as root, else loopback on this machine, said on screen):
    ``baseline`` (``baseline.json``, plain DeepSpeed plus only the ``telemetry`` block, which does
    not change training) and ``plugin`` (``plugin.json``, int8 compressed gradients) in one launch;
-2. **faults**: the plugin again, with verified checkpoints, under ``robust run`` with a crash, a
-   hang and a NaN injected; ``robust run`` detects each one, restarts the ranks and the recipe
-   resumes from its newest verified checkpoint. On the simulator it runs as a real multi-node
+2. **faults**: the plugin again under ``robust run`` with a crash, a hang and a NaN injected, and
+   the recovery the product gives by default: an in-memory snapshot every step (plus a copy on
+   the other node, and a verified disk checkpoint every :data:`PERSIST_EVERY` steps), warm
+   standbys, and the resume inside ``deepspeed.initialize`` (the recipe loads nothing itself).
+   ``robust run`` detects each fault, restarts the ranks from standbys, and each fault costs at
+   most one step of rework. On the simulator it runs as a real multi-node
    job: one ``robust run`` agent per simulated node, c10d rendezvous at node 0's address, each
    node its own run directory (``plugin-faults/node<i>``); the faults are read from the job-wide
    view (``job_faults.jsonl``), which names each fault once, on the node that caused it.
@@ -37,8 +40,13 @@ from robust_plugins.workloads import PRESETS
 
 #: Telemetry window of the demo: the progress bar moves every this many steps.
 LOG_EVERY = 5
-#: Checkpoint interval of the plugin job; a fault costs at most this many steps of rework.
-SAVE_EVERY = 10
+#: Verified disk checkpoints of the fault job (it recovers from its in-memory snapshots, taken
+#: every step; the disk checkpoints outlive the job).
+PERSIST_EVERY = 50
+#: The fault job's hang timeout floor (``--watchdog hang_min_timeout_s``): the learned timeout is
+#: 10x the p99 step time (tiny steps take ~0.1 s), never below this. A rank that stalls this long
+#: on a machine whose 2-4 cores every rank shares is taken for hung: 3 s leaves 30x the step.
+HANG_MIN_TIMEOUT_S = 3
 #: The fault job's c10d rendezvous port on node 0 (each simulated node is a fresh network
 #: namespace: nothing else listens there).
 RDZV_PORT = 29400
@@ -63,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_faults(kinds: str, steps: int, nproc: int) -> list[str]:
-    """``--inject`` specs spreading the faults over the run, each on another rank, each between
-    two checkpoints (so each costs some rework) and after the hang warm-up."""
+    """``--inject`` specs spreading the faults over the run, each on another rank, after the
+    hang warm-up."""
     names = [k.strip() for k in kinds.split(",") if k.strip()]
     if names == ["none"]:
         return []
@@ -77,8 +85,8 @@ def plan_faults(kinds: str, steps: int, nproc: int) -> list[str]:
                                  f"{20 * (len(names) + 1)} (faults need the hang warm-up and checkpoints).")
     out = []
     for i, name in enumerate(names):
-        # Evenly spaced, 5 steps past a checkpoint: each fault loses 5 steps of work.
-        step = (steps * (i + 1) // (len(names) + 1)) // SAVE_EVERY * SAVE_EVERY + 5
+        # Evenly spaced, never on a disk checkpoint's step (recovery comes from memory).
+        step = (steps * (i + 1) // (len(names) + 1)) // 10 * 10 + 5
         out.append(f"{spec[name]}:rank={(i + 1) % nproc},step={step}")
     return out
 
@@ -171,8 +179,7 @@ def fault_job_argv(args: argparse.Namespace, run_dir: Path, inject: list[str], r
     (``addrs`` None), else one agent per simulated node at ``addrs[i]``, c10d rendezvous on node
     0's address, each node its own run directory ``run_dir/node<i>``."""
     common = ["--max-restarts", str(len(inject) + 1),
-              # Tiny steps take ~0.1 s: a 10 s floor still leaves room for a loaded machine.
-              "--watchdog", "hang_min_timeout_s=10", "--watchdog", "hang_initial_timeout_s=300",
+              "--watchdog", f"hang_min_timeout_s={HANG_MIN_TIMEOUT_S}", "--watchdog", "hang_initial_timeout_s=300",
               # Every rank of the demo shares the same 2-4 cores, so a starved rank now and then
               # computes 2x slower than its peers: a straggler report there says nothing about the
               # job. The straggler detector is tested on its own (tests/fault/test_straggler.py).
@@ -234,6 +241,8 @@ def run_job(name: str, plan: Path, out_dir: Path, run_dir: Path, args: argparse.
     result = json.loads(result_path.read_text())
     result["job_wall_s"] = time.monotonic() - t0
     result["faults"] = _read_jsonl(fault_view_path(progress.run_dir))
+    node_dirs = [run_dir] if addrs is None else [run_dir / f"node{i}" for i in range(len(addrs))]
+    result["restores"] = [r for d in node_dirs for r in _read_jsonl(d / "restores.jsonl")]
     return result
 
 
@@ -335,10 +344,10 @@ def run(args: argparse.Namespace) -> int:
     run_dir = out_dir / "plugin-faults"
     cfg = _write_config("plugin.json", out_dir / "plugin-faults.ds.json", {
         "telemetry": {**telemetry, "dir": str(run_dir / "telemetry")},
-        "checkpoint": {"dir": str(out_dir / "ckpt"), "keep": 2, "verify": "sha256"}})
+        "checkpoint": {"dir": str(out_dir / "ckpt"), "memory_every": 1, "peer_backup": kind == "sim",
+                       "persist_every": PERSIST_EVERY, "keep": 2, "verify": "sha256"}})
     plan = out_dir / "plugin-faults.plan.json"
-    plan.write_text(json.dumps({"runs": [{"name": "plugin-faults", "config": str(cfg), "save_dir": str(out_dir / "ckpt"),
-                                          "save_every": SAVE_EVERY, "resume": True}]}, indent=1) + "\n")
+    plan.write_text(json.dumps({"runs": [{"name": "plugin-faults", "config": str(cfg)}]}, indent=1) + "\n")
     if kind == "sim":
         from robust_plugins.sim import SimCluster
 
@@ -384,11 +393,27 @@ def render_faults(result: dict, recs: list[dict], fault_free: dict) -> str:
              f"{result['job_wall_s']:.0f} s launch to exit, ETTR {_fmt(_last(recs, 'ettr'), '.3f')}"]
     for f in faults:
         where = f" on node {f['node']}" if f.get("node") else ""
+        timeout = (f.get("detail") or {}).get("timeout_s")
+        limit = f" (hang timeout {timeout:g} s)" if f.get("kind") == "hang" and timeout is not None else ""
         lines.append(f"  {f.get('kind'):<6} at step {f.get('step')}, rank(s) {f.get('suspect_ranks')}{where}: detected "
-                     f"after {f.get('detected_after_s') or 0:.1f} s, {f.get('action')}, resumed at step "
-                     f"{f.get('resumed_at_step')} ({f.get('lost_steps')} steps redone){_recovery(f)}")
+                     f"after {f.get('detected_after_s') or 0:.1f} s{limit}, {f.get('action')}, resumed at step "
+                     f"{f.get('resumed_at_step')} ({f.get('lost_steps')} steps redone){_recovery(f)}"
+                     f"{_sources(result.get('restores') or [], f.get('incarnation'))}")
     lines.append(f"  final validation loss {result['val_loss']:.4f} (fault-free plugin run: {fault_free['val_loss']:.4f})")
     return "\n".join(lines)
+
+
+def _sources(restores: list[dict], incarnation: int | None) -> str:
+    """", restored from memory on 4 ranks": where the incarnation after the fault's restored from
+    (``restores.jsonl``: a line per rank)."""
+    if incarnation is None:
+        return ""
+    by: dict[str, int] = {}
+    for r in restores:
+        if r.get("incarnation") == incarnation + 1:
+            src = str(r.get("source", "?")).split("://")[0].split(":")[0]
+            by[src] = by.get(src, 0) + 1
+    return (", restored from " + ", ".join(f"{s} on {n} rank(s)" for s, n in sorted(by.items()))) if by else ""
 
 
 def _recovery(fault: dict) -> str:

@@ -70,6 +70,12 @@ _PR_SET_PDEATHSIG = 1
 #: ``stack_dump_timeout_s``, 15 s by default, and an emergency-save wait up to 30 s).
 MONITOR_STALE_S = 60.0
 
+#: How long a message the monitor must not miss (a fault's announcement, an emergency save's
+#: registration, start and end) waits for room in the monitor's queue, which holds only
+#: ``net.unix.max_dgram_qlen`` datagrams (10 by default): a starved agent can leave it full for
+#: seconds. Step signals never wait (the next one supersedes a dropped one).
+WAIT_SEND_S = 10.0
+
 #: How often (seconds of steps) a rank looks at the monitor's heartbeat.
 HEARTBEAT_CHECK_S = 1.0
 
@@ -144,14 +150,14 @@ class _Client:
     def send(self, msg: dict[str, Any], wait: bool = False) -> None:
         """Send one signal. ``wait=False`` never blocks: if the monitor's buffer is full the
         datagram is dropped (the next step's signal supersedes it). ``wait=True`` (fault
-        announcements) waits up to 1 s for buffer space."""
+        announcements) waits up to :data:`WAIT_SEND_S` for buffer space."""
         msg["r"] = self.rank
         msg["i"] = self.incarnation
         msg["t"] = time.time()
         data = json.dumps(msg).encode()
         try:
             if wait:
-                self.sock.settimeout(1.0)
+                self.sock.settimeout(WAIT_SEND_S)
                 try:
                     self.sock.sendto(data, self.address)
                 finally:

@@ -39,7 +39,7 @@ import time
 from typing import Any
 
 from robust_plugins._logging import get_logger
-from robust_plugins.watchdog.client import ENV_EMERGENCY_TIMEOUT, _Client, get_client
+from robust_plugins.watchdog.client import ENV_EMERGENCY_TIMEOUT, WAIT_SEND_S, _Client, get_client
 
 log = get_logger(__name__)
 
@@ -136,7 +136,7 @@ class _Listener:
     def send(self, client: _Client, msg: dict[str, Any]) -> None:
         msg.update(r=client.rank, i=client.incarnation, t=time.time())
         try:
-            self.sock.settimeout(1.0)
+            self.sock.settimeout(WAIT_SEND_S)
             self.sock.sendto(json.dumps(msg).encode(), client.address)
         except OSError as exc:
             log.warning("robust watchdog: rank %d could not register its emergency saver with the node "

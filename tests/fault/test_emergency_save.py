@@ -70,6 +70,8 @@ def test_nccl_like_survivor_that_never_raises_saves_when_the_monitor_asks(tmp_pa
     assert job.returncode == 0, job.output[-4000:]
     (crash,) = [f for f in job.faults if f["kind"] == "crash"]
     saves = crash["detail"]["emergency_save"]
-    assert saves["0"]["ok"] is True and saves["0"]["step"] == 6 and saves["0"]["via"] == "monitor", saves
+    log = (tmp_path / "monitor.log").read_text(errors="replace")[-3000:]
+    assert saves["0"].get("ok") is True and saves["0"]["step"] == 6 and saves["0"]["via"] == "monitor", \
+        f"{saves}\n--- monitor.log ---\n{log}\n--- output ---\n{job.output[-3000:]}"
     assert crash["resumed_at_step"] == 7 and crash["lost_steps"] == 0, crash
     assert "rank 0 emergency save of step 6 done" in job.output and "(via monitor)" in job.output
