@@ -69,6 +69,9 @@ def test_demo_recovers_three_faults_and_reports(tmp_path):
     faults = [json.loads(line) for line in view.read_text().splitlines()]
     assert sorted((f["kind"], f["suspect_ranks"]) for f in faults) == [("crash", [1]), ("hang", [0]), ("nan", [1])]
     assert all(f["resumed_at_step"] is not None for f in faults)
+    # Recovery as robust run gives it by default: from the in-memory snapshots, a step at most.
+    assert all(f["lost_steps"] <= 1 for f in faults), faults
+    assert len(re.findall(r"\(\d steps redone\).*, restored from memory on 2 rank\(s\)", text)) == 3, text
     if sim:
         assert {f["kind"]: f["node"] for f in faults} == {"crash": "10.213.0.2", "hang": "10.213.0.1",
                                                          "nan": "10.213.0.2"}
