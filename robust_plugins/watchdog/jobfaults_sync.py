@@ -153,6 +153,9 @@ class JobFaultView:
         # for that before its process (and the store) ends, so no node loses the last records.
         self._send({"type": "done", "round": last, "node": self.node})
         self._done.setdefault(last, set()).add(self.node)
+        # Out now: when the others' "done" is already here the wait below does not tick, and an
+        # unsent "done" would hold every other node for the whole _FINAL_WAIT_S.
+        self._tick(close_all=True, reconnect=False)
         while self._wait_at_end and not nodes <= self._done.get(last, set()) and time.monotonic() < deadline:
             time.sleep(0.2)
             self._tick(close_all=True, reconnect=False)
