@@ -79,6 +79,33 @@ def _context():
     return ctx
 
 
+def kill_stray_ranks() -> list[int]:
+    """SIGKILL every process the session's fork server forked that is still alive; returns their
+    pids. Between tests there should be none (``run_ranks`` ends its ranks before it returns): one
+    left by a test that was cut off would take the 2 cores from every later test."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if server is None:
+        return []
+    try:
+        with open(f"/proc/{server}/task/{server}/children") as f:
+            pids = [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue  # exited, not yet reaped by the server
+            os.kill(pid, 9)
+            alive.append(pid)
+        except (OSError, IndexError):
+            pass
+    return alive
+
+
 def run_ranks(
     fn, world_size: int, timeout_s: float, *args, env: dict | None = None, init: bool = True
 ) -> list:

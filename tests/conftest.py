@@ -103,6 +103,17 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 @pytest.fixture(autouse=True)
+def _no_stray_ranks(request):
+    """After each test, no rank forked by ``tests/_dist.py`` may outlive it (module fixtures' ranks
+    have ended by then too): any left is killed, and the test fails saying so."""
+    yield
+    dist = sys.modules.get("_dist")
+    left = dist.kill_stray_ranks() if dist is not None else []
+    if left:
+        pytest.fail(f"ranks {left} forked by tests/_dist.py were still running after the test; killed")
+
+
+@pytest.fixture(autouse=True)
 def _priority(request):
     """Fault tests (their detection bounds assume a responsive machine) at nice 0; the rest at
     nice :data:`BACKGROUND_NICE` when the suite runs concurrently. Children inherit it."""
