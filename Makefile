@@ -43,11 +43,11 @@ lint: $(STAMP)
 	cd $(LINT_TREE) && $(CURDIR)/$(VENV)/bin/lint-imports $(CURDIR)/pyproject.toml
 
 # lint first: a new crossing of the boundary fails the run before any test starts.
-# Four workers on 2 cores: the fault tier in two lanes of one worker each, a test at a time; any
-# other file's tests together on one of the other two (they share module fixtures). Fault tests
-# mostly wait, the others compute (tests/conftest.py sets the lanes and priorities).
+# Three workers on 2 cores: the fault tier on one of them, a test at a time; any other file's
+# tests together on one worker (they share module fixtures). Fault tests mostly wait, the others
+# compute (tests/conftest.py sets the groups and priorities).
 # TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 test: $(STAMP) browser lint
 	@set +e; $(PY) -m pytest -ra --durations=40 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) \
 	  $(PYTEST_ARGS); rc=$$?; \

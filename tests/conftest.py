@@ -29,10 +29,10 @@ def draw(request):
     return rng
 
 
-# --- Running the suite concurrently (``make test``: pytest-xdist, ``-n 4 --dist loadfile``) -----
+# --- Running the suite concurrently (``make test``: pytest-xdist, ``-n 3 --dist loadfile``) -----
 #
 # Most fault tests wait (on detection timeouts, restarts, rendezvous) while integration tests
-# compute. Four workers share the 2 cores, with three rules that keep the waiting tests' timing
+# compute. Three workers share the 2 cores, with three rules that keep the waiting tests' timing
 # honest: the fault-marked tests (the files of :data:`SERIAL_FILES`) run in two lanes, each on one
 # worker, one test at a time, so at most two jobs whose agents time heartbeats and hangs share the
 # cores; a fault test's
