@@ -33,9 +33,8 @@ def draw(request):
 #
 # Most fault tests wait (on detection timeouts, restarts, rendezvous) while integration tests
 # compute. Three workers share the 2 cores, with three rules that keep the waiting tests' timing
-# honest: the fault-marked tests (the files of :data:`SERIAL_FILES`) run in two lanes, each on one
-# worker, one test at a time, so at most two jobs whose agents time heartbeats and hangs share the
-# cores; a fault test's
+# honest: every fault-marked test (the files of :data:`SERIAL_FILES`) runs on one worker, one at a
+# time, so no two jobs whose agents time heartbeats and hangs share the cores; a fault test's
 # processes run at normal priority and every other test's at nice 10 (CFS gives a nice-0 process
 # ~9x the CPU share of a nice-10 one); and the fault tests and the files that take longest start
 # first. Any other file's tests go to one worker together (they share module fixtures).
@@ -43,14 +42,9 @@ def draw(request):
 #: Niceness of tests outside the fault tier while the suite runs concurrently.
 BACKGROUND_NICE = 10
 
-#: Where the fault-marked tests are: under ``--dist loadfile`` they form two scheduling units, the
-#: files of :data:`LANE_A` and the rest (each lane's tests run in turn on one worker). A
-#: fault-marked test elsewhere is refused at collection.
+#: Where the fault-marked tests are: one scheduling unit under ``--dist loadfile`` (a worker runs
+#: them in turn). A fault-marked test elsewhere is refused at collection.
 SERIAL_FILES = ("tests/fault/", "tests/integration/test_demo.py")
-
-#: The first fault lane: the multi-node tests, the demo and the memory-restore tests, about half of
-#: the fault tier's time (``--durations`` of a fresh-clone ``make test``).
-LANE_A = ("tests/fault/test_multinode.py", "tests/integration/test_demo.py", "tests/fault/test_memory_restore.py")
 
 #: Files that take longest (seconds measured under ``make test``); they are scheduled first.
 LONG_FILES = ("tests/fault/test_multinode.py", "tests/fault/test_memory_restore.py",
@@ -87,7 +81,7 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` with the files of :data:`SERIAL_FILES` as two units (two workers)."""
+    """``--dist loadfile`` with the files of :data:`SERIAL_FILES` as one unit (one worker)."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -95,9 +89,7 @@ def pytest_xdist_make_scheduler(config, log):
     class FaultTierScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::")[0]
-            if not _serial(path):
-                return path
-            return "fault-lane-a" if path in LANE_A else "fault-lane-b"
+            return "fault-tier" if _serial(path) else path
 
     return FaultTierScheduling(config, log)
 
