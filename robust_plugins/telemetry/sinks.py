@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -98,6 +99,8 @@ WANDB_SCALARS = (
 
 #: Seconds between wandb-core's writes of the run file (its default is 15): what a SIGKILL loses.
 WANDB_FLUSH_S = 1.0
+#: Longest wait for ``wandb.init`` (run on a thread) before a call that needs the run fails.
+WANDB_OPEN_S = 120.0
 
 FAULT_COLUMNS = ("kind", "step", "suspect_ranks", "suspect_hosts", "detected_after_s", "action",
                  "resumed_at_step", "lost_steps", "incarnation", "time", "node")
@@ -105,7 +108,12 @@ FAULT_COLUMNS = ("kind", "step", "suspect_ranks", "suspect_hosts", "detected_aft
 
 class WandbSink:
     """One W&B run (offline by default) carrying the run config, scalars, the fault table and
-    the heat map image."""
+    the heat map image.
+
+    The run opens on a thread (``wandb.init`` starts wandb-core, about a second) so that a
+    restarted rank restores and trains meanwhile; every other method waits for it, at most
+    :data:`WANDB_OPEN_S`, and raises what ``wandb.init`` raised. Nothing is dropped: a run that
+    cannot open fails the first call that needs it."""
 
     def __init__(self, directory: str | os.PathLike, *, project: str, group: str | None, mode: str,
                  name: str, config: Mapping[str, Any]) -> None:
@@ -131,10 +139,36 @@ class WandbSink:
             log.info("robust_plugins telemetry: this wandb has no x_transaction_log_flush_interval; "
                      "a rank killed by a restart may lose up to its last 15 s of W&B data "
                      "(the JSONL file has every step)")
-        self.run = wandb.init(project=project, group=group, mode=mode, name=name, dir=str(directory),
-                              config=dict(config), reinit="create_new", **settings)
+        kwargs = dict(project=project, group=group, mode=mode, name=name, dir=str(directory),
+                      config=dict(config), reinit="create_new", **settings)
+        self.run: Any = None
+        self._error: BaseException | None = None
+        self._opener = threading.Thread(target=self._open, args=(kwargs,), name="robust-wandb-init",
+                                        daemon=True)
+        self._opener.start()
         self._faults: list[list[Any]] = []
         self._decisions: Any = None
+
+    def _open(self, kwargs: dict[str, Any]) -> None:
+        try:
+            self.run = self._wandb.init(**kwargs)
+        except BaseException as exc:  # re-raised by _ready() in the caller's thread
+            self._error = exc
+
+    def _ready(self) -> Any:
+        """The open run; raises when ``wandb.init`` failed or did not return in time."""
+        if self._opener is not None:
+            self._opener.join(WANDB_OPEN_S)
+            if self._opener.is_alive():
+                raise RobustPluginsError(
+                    f"robust_plugins telemetry: wandb.init did not return in {WANDB_OPEN_S:.0f} s; "
+                    "check the W&B service (or set telemetry.wandb.mode to 'offline' or 'disabled').")
+            self._opener = None
+            if self._error is not None:
+                raise RobustPluginsError(f"robust_plugins telemetry: wandb.init failed: {self._error!r}. "
+                                         "Fix the telemetry.wandb settings or remove the 'wandb' key."
+                                         ) from self._error
+        return self.run
 
     def log(self, record: Mapping[str, Any]) -> None:
         """Scalars of one ``step`` record, at its step."""
@@ -149,7 +183,7 @@ class WandbSink:
                 columns=["numel", "codec", "reason", "predicted_s"],
                 data=[[d.get("numel"), d.get("codec"), d.get("reason"), json.dumps(d.get("predicted_s"))]
                       for d in decisions])
-        self.run.log(data, step=int(record["step"]))
+        self._ready().log(data, step=int(record["step"]))
 
     def faults(self, records: list[Mapping[str, Any]], step: int) -> None:
         """Append fault events; the whole table is logged again (W&B tables are immutable)."""
@@ -157,14 +191,19 @@ class WandbSink:
             self._faults.append([json.dumps(rec.get(c)) if isinstance(rec.get(c), list) else rec.get(c)
                                  for c in FAULT_COLUMNS])
         table = self._wandb.Table(columns=list(FAULT_COLUMNS), data=self._faults)
-        self.run.log({"watchdog/faults": table}, step=step)
+        self._ready().log({"watchdog/faults": table}, step=step)
 
     def image(self, key: str, png: str | os.PathLike, step: int, caption: str) -> None:
         """Log a PNG file as an image."""
-        self.run.log({key: self._wandb.Image(str(png), caption=caption)}, step=step)
+        self._ready().log({key: self._wandb.Image(str(png), caption=caption)}, step=step)
 
     def close(self) -> None:
-        """Finish the run (writes everything to disk in offline mode)."""
+        """Finish the run (writes everything to disk in offline mode). Called at shutdown, from
+        a SIGTERM handler too: a run that never opened is logged as an error, not raised."""
+        try:
+            self._ready()
+        except RobustPluginsError as exc:
+            log.error("%s", exc)
         if self.run is not None:
             self.run.finish()
             self.run = None

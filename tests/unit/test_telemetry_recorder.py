@@ -146,3 +146,35 @@ def test_codec_shares_and_auto_decisions_reach_jsonl_and_wandb(tmp_path):
     rows = {h["_step"]: h for h in wb["history"]}
     assert rows[4]["codec/int8"] == 0.75 and rows[2]["compression/auto_decisions/nrows"] == 1
     assert "compression/auto_decisions/nrows" not in rows[4]  # logged again only when it changes
+
+
+def test_the_wandb_run_opens_on_a_thread_and_a_failed_open_is_raised(tmp_path, monkeypatch):
+    import threading
+
+    import wandb
+
+    real_init, opened, release = wandb.init, threading.Event(), threading.Event()
+
+    def slow_init(**kwargs):
+        opened.set()
+        assert release.wait(30)
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", slow_init)
+    tel = _tel(tmp_path, wandb={"project": "p"})  # returns while wandb.init still waits
+    assert opened.wait(30) and tel._wandb.run is None
+    release.set()
+    _steps(tel, 2)  # the first record waits for the run, then logs into it
+    tel.close()
+    wb = read_run(next((tmp_path / "tel" / "wandb").glob("offline-run-*")))
+    assert [h["_step"] for h in wb["history"] if "loss" in h] == [2]
+
+    def failing_init(**kwargs):
+        raise ValueError("no such entity")
+
+    monkeypatch.setattr(wandb, "init", failing_init)
+    tel = _tel(tmp_path / "again", wandb={"project": "p"})
+    tel.count_tokens(64)
+    with pytest.raises(sinks.RobustPluginsError, match="wandb.init failed: ValueError\\('no such entity'\\)"):
+        tel.step_end(2)
+    tel.close()  # a run that never opened: logged, not raised again
