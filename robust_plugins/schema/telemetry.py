@@ -55,8 +55,9 @@ class TelemetryConfig(Section):
     the dense-transformer rule of thumb; attention is left out)."""
 
     heatmap_at_start: bool = False
-    """Probe every rank pair's bandwidth and latency once at the first step, write
-    ``heatmap.json`` / ``heatmap.png`` and log the image to W&B."""
+    """Probe every rank pair's bandwidth and latency once a job, at its first step, write
+    ``heatmap.json`` / ``heatmap.png`` and log the image to W&B. A restarted incarnation does not
+    probe again when the job's records already hold a heat map (a restart is recovery time)."""
 
     heatmap_bytes: Annotated[int, Field(ge=4, le=1 << 30), Hint(why="(bytes)")] = 1 << 20
     """Message size of the bandwidth probe (the latency probe sends 4 bytes)."""

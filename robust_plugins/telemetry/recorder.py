@@ -205,7 +205,7 @@ class Telemetry:
         self._start_window()
         if self.cfg.heatmap_at_start and not self._heatmap_done:
             self._heatmap_done = True
-            spent = self.probe_heatmap(step)
+            spent = 0.0 if self._probed_by_an_earlier_incarnation() else self.probe_heatmap(step)
             # The probe is not training: keep its time out of the step and window times.
             self._last_step_end += spent
             self._window_start += spent
@@ -280,6 +280,21 @@ class Telemetry:
                         "fault_time": fault.get("time"), "time": _iso_to_unix(fault.get("time"))})
         self._faults_seen += len(new)
         return new
+
+    def _probed_by_an_earlier_incarnation(self) -> bool:
+        """Whether this job already has its start-of-job heat map (a collective when restarted).
+
+        ``heatmap_at_start`` probes once a job, not once an incarnation: a restart is recovery
+        time, and the links were measured when the job began. Rank 0's records decide (it keeps
+        the job's history); every rank learns the answer through one small all-reduce."""
+        if self.incarnation == 0:
+            return False
+        had = float(any(r.get("kind") == "heatmap" for r in self._history)) if self.rank == 0 else 0.0
+        if self.world == 1:
+            return bool(had)
+        flag = torch.tensor([had], dtype=torch.float64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
 
     def probe_heatmap(self, step: int) -> float:
         """Probe every rank pair now (a collective: call it on every rank at the same step), write

@@ -77,6 +77,11 @@ def test_demo_recovers_three_faults_and_reports(tmp_path):
                                                          "nan": "10.213.0.2"}
         assert (out / "plugin-faults" / "node1" / "job_faults.jsonl").read_text() == view.read_text()
         assert _namespaces_of(proc.pid) == []
+    # The links are probed once a job: a restart does not probe them again.
+    records = [json.loads(x) for x in (out / "plugin-faults" / "telemetry" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["incarnation"] for r in records if r["kind"] == "start"] == [0, 1, 2, 3]
+    heat = [r for r in records if r["kind"] == "heatmap"]
+    assert len(heat) == 1 and heat[0]["step"] < 10, heat
     result = json.loads((out / "plugin-faults.json").read_text())
     assert result["loaded"] and result["steps"] == 80 and result["plugin_active"]
     # The report: every chart decodes, both runs in the table, the three faults listed.
