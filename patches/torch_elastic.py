@@ -134,6 +134,67 @@ def _check_bootstrap_switch() -> None:
             f"a later round (spares) get the round's address. Supported: {SUPPORTED}.")
 
 
+#: Where torch's dynamic rendezvous waits between reads of the shared round state: the module's
+#: ``_delay`` (looked up at call time), called as below once a SYNC action (a node waiting for
+#: others to join or leave) in ``_DistributedRendezvousOpExecutor.run``.
+RDZV_POLL_CALL = "_delay(seconds=1)"
+
+
+def rendezvous_poll_s(max_nodes: int) -> float:
+    """Seconds between a node's reads of the rendezvous state in a job of up to ``max_nodes``
+    nodes: 0.1 s up to 10 nodes, rising to torch's own 1 s at 100 nodes and beyond, so that the
+    store never serves more than about 100 reads a second on a poll's account below that size
+    (torch's load for every larger job)."""
+    return min(1.0, max(0.1, 0.01 * max_nodes))
+
+
+@contextlib.contextmanager
+def rendezvous_poll(seconds: float) -> Iterator[None]:
+    """Within the block (the agent's rendezvous), torch's dynamic rendezvous reads the shared
+    round state every ``seconds`` instead of every second while it waits for other nodes.
+
+    Why: a restart's round needs a few such reads (leave, join, the other nodes' joins), so the
+    fixed 1 s poll alone made a multi-node restart take 1-2 s however fast the nodes were. Only the
+    SYNC poll changes; the random start-up skew and every timeout stay torch's."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    original = dynamic_rendezvous._delay
+
+    def _delay(seconds: float | tuple[float, float]) -> None:  # noqa: F811 - torch's keyword
+        original(poll if seconds == 1 else seconds)
+
+    poll = seconds
+    _delay.__wrapped__ = original
+    dynamic_rendezvous._delay = _delay
+    try:
+        yield
+    finally:
+        dynamic_rendezvous._delay = original
+
+
+def _check_rendezvous_poll() -> None:
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    executor = getattr(dynamic_rendezvous, "_DistributedRendezvousOpExecutor", None)
+    if executor is None or not callable(getattr(dynamic_rendezvous, "_delay", None)):
+        import torch
+
+        raise HostVersionError(
+            f"torch {torch.__version__}: torch.distributed.elastic.rendezvous.dynamic_rendezvous no "
+            f"longer has _DistributedRendezvousOpExecutor and _delay, whose poll robust run shortens "
+            f"for fast restarts. Supported: {SUPPORTED}.")
+    try:
+        source = inspect.getsource(executor.run)
+    except (OSError, TypeError):
+        return  # no source (a frozen build): the version range above still holds
+    if RDZV_POLL_CALL not in source:
+        import torch
+
+        raise HostVersionError(
+            f"torch {torch.__version__}: the dynamic rendezvous no longer polls with "
+            f"{RDZV_POLL_CALL}, which robust run shortens for fast restarts. Supported: {SUPPORTED}.")
+
+
 @contextlib.contextmanager
 def subprocess_handlers(factory: Callable[..., Any]) -> Iterator[None]:
     """Within the block, each rank torch's elastic agent starts gets ``factory(**kwargs)`` (torch's
@@ -224,6 +285,7 @@ def check(torch_version: str | None = None) -> None:
 
     _guard.check_signature("torch", PContext.close, PCONTEXT_CLOSE, SUPPORTED)
     _check_bootstrap_switch()
+    _check_rendezvous_poll()
     from torch.distributed.elastic.multiprocessing import api
 
     factory = getattr(api, HANDLER_FACTORY[0], None)

@@ -77,8 +77,10 @@ def _agent_class():
         """``LocalElasticAgent`` with a per-incarnation worker store and the watchdog monitor."""
 
         def __init__(self, *args: Any, monitor: Monitor, node: str,
-                     registry: NodeRegistry | None = None, standby: bool = True, **kwargs: Any) -> None:
+                     registry: NodeRegistry | None = None, standby: bool = True, rdzv_poll_s: float = 1.0,
+                 **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self.rdzv_poll_s = rdzv_poll_s
             self.pool: StandbyPool | None = None
             self._our_env: set[str] | None = None
             self._served: list[int] = []
@@ -206,7 +208,8 @@ def _agent_class():
                 log.info("robust run: waiting %.1f s before restart %d (restart_backoff_s)",
                          delay, self._round)
                 time.sleep(delay)
-            with torch_elastic.per_round_bootstrap():  # nodes that join later rounds: spares
+            # per_round_bootstrap: nodes that join later rounds (spares) get the round's address.
+            with torch_elastic.per_round_bootstrap(), torch_elastic.rendezvous_poll(self.rdzv_poll_s):
                 super()._rendezvous(worker_group)
             self._round += 1
             # The c10d (and etcd) rendezvous hand out a store with a fresh prefix every round, so
@@ -417,6 +420,8 @@ def launch(config, entrypoint, args: list[str], monitor: Monitor, standby: bool 
     """
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from robust_plugins.patches import torch_elastic
     from torch.distributed.elastic.rendezvous import RendezvousConnectionError
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
@@ -441,7 +446,7 @@ def launch(config, entrypoint, args: list[str], monitor: Monitor, standby: bool 
     agent = _agent_class()(
         spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template, monitor=monitor, node=node,
-        registry=registry, standby=standby,
+        registry=registry, standby=standby, rdzv_poll_s=torch_elastic.rendezvous_poll_s(config.max_nodes),
     )
     agent.job_store = registry.store if registry is not None else _job_store(config)
     if spare:

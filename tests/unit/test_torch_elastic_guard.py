@@ -62,3 +62,33 @@ def test_agent_is_not_built_on_a_mismatching_torch(monkeypatch):
     monkeypatch.setattr(torch_elastic, "SUPPORTED_MIN", (1, 0, 0))
     with pytest.raises(HostVersionError, match="elastic agent"):
         agent._agent_class()
+
+
+def test_rendezvous_poll_is_shortened_only_inside_the_block(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
+
+    slept: list[float] = []
+    monkeypatch.setattr(utils.time, "sleep", slept.append)
+    with torch_elastic.rendezvous_poll(0.1):
+        dynamic_rendezvous._delay(seconds=1)  # the SYNC poll: shortened
+        dynamic_rendezvous._delay(seconds=(0.1, 0.3))  # the start-up skew: torch's
+    dynamic_rendezvous._delay(seconds=1)
+    assert slept[0] == 0.1 and 0.1 <= slept[1] <= 0.3 and slept[2] == 1
+    assert dynamic_rendezvous._delay is utils._delay
+
+
+@pytest.mark.parametrize("nodes, poll", [(1, 0.1), (10, 0.1), (50, 0.5), (100, 1.0), (4000, 1.0)])
+def test_rendezvous_poll_keeps_the_store_load_bounded(nodes, poll):
+    assert torch_elastic.rendezvous_poll_s(nodes) == pytest.approx(poll)
+    assert nodes / torch_elastic.rendezvous_poll_s(nodes) <= max(100, nodes)  # reads a second
+
+
+def test_a_rendezvous_that_polls_otherwise_is_refused(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    def run(self, state_handler, deadline, update_deadline=None):  # polls with another call
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(dynamic_rendezvous._DistributedRendezvousOpExecutor, "run", run)
+    with pytest.raises(HostVersionError, match=r"no longer polls with _delay\(seconds=1\)"):
+        torch_elastic.check()
