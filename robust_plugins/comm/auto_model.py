@@ -172,9 +172,8 @@ def choose_codec(
 TRIAL_FACTOR = 4.0
 #: Routes measured within this factor of the fastest are run again, ``CLOSE_RERUNS`` times (the
 #: median of their runs counts): one sample on shared cores can be off by 30 %, and only close calls
-#: need a second look. Two samples were not enough: on the simulator's 10 Gbit/s link the faster of
-#: two runs gave ``bf16_allreduce`` 30 % over ``none`` for one 1M-element bucket (9.6 vs 13.7 ms)
-#: and 2-3 % for its equal neighbours, so one bucket in five went lossy on noise.
+#: need a second look. Three samples (one plus two reruns) keep a lossy route from winning an equal
+#: contest on one fast sample.
 CLOSE_FACTOR = 1.25
 CLOSE_RERUNS = 2
 
@@ -327,9 +326,8 @@ def step_gain(decisions: Sequence[Decision], host_routes: Sequence[str] = HOST_R
     return 1 - sum(chosen) / base
 
 
-#: Interleaved timed runs of each wire in :func:`choose_host_wire`'s trial (medians compared): 5
-#: were not enough on the 10 Gbit/s simulator (bf16 measured 1 % slower in one launch, 13-25 %
-#: faster in three others).
+#: Interleaved timed runs of each wire in :func:`choose_host_wire`'s trial (medians compared):
+#: enough that a wire within ``min_gain`` of the other does not win on one launch's noise.
 HOST_TRIALS = 7
 
 

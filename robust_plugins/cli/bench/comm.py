@@ -173,8 +173,8 @@ def run_comm(args: argparse.Namespace) -> int:
 def _bounded_psgd(cluster, step_argv: list[str], timeout_s: float, env) -> dict:
     """Train ``ddp powerSGD_hook`` in a launch of its own, bounded: its result, or why there is none.
 
-    It hung on gloo in earlier trials (../shared/HOSTS.md); its gloo timeout is the bound too, so a
-    hung collective raises inside the ranks and the simulator kills what is left."""
+    It can hang on gloo; its gloo timeout is the bound too, so a hung collective raises inside
+    the ranks and the simulator kills what is left."""
     from robust_plugins.sim import SimError
 
     argv = step_argv + ["--timeout", f"{timeout_s:g}", "--methods", "ddp powerSGD_hook"]
