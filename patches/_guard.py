@@ -1,6 +1,6 @@
 """Shared guards for host patches: version ranges, signature checks, reversible rebinding.
 
-Every patch in this folder follows the same rules (../shared/STYLE.md): import the host lazily,
+Every patch in this folder follows the same rules: import the host lazily,
 check its version and the target's signature, mark what it replaced so a second install is a
 no-op, keep the original in ``__wrapped__``, log what was replaced, and be undoable.
 """

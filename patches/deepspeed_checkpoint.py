@@ -41,7 +41,7 @@ from robust_plugins.patches import deepspeed_universal as _universal
 if TYPE_CHECKING:
     from robust_plugins.patches.deepspeed import DeepSpeedPlugin
 
-# The installer's logger, so that these lines keep the name they had before the split.
+# The installer's logger: every line of the DeepSpeed patch logs under one name.
 log = get_logger("robust_plugins.patches.deepspeed")
 
 #: File each rank writes into ``<save_dir>/<tag>/`` next to DeepSpeed's own files.

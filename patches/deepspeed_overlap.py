@@ -81,10 +81,10 @@ def bucket_mb_for(configured_mb: float | None, device_type: str) -> float:
 
 
 #: The hand-back's wire trial times at most this many gradient elements (256 MB of fp32). The
-#: trial holds its tensor and one run's copy: with the whole gradient that was 2x the gradient's
-#: memory on top of it (a 7B model's fp32 gradient: 56 GB more). All-reduces this large are
-#: bandwidth-bound on every link targeted, so fp32's and bf16's times keep the ratio the choice
-#: compares. CPU jobs' gradients (tests, demos) are smaller: their trial is unchanged.
+#: trial holds its tensor and one run's copy: timing the whole gradient would add twice its
+#: memory (a 7B model's fp32 gradient: 56 GB more). All-reduces this large are bandwidth-bound on
+#: every link targeted, so fp32's and bf16's times keep the ratio the choice compares. Smaller
+#: gradients (CPU tests, demos) are timed whole.
 HOST_TRIAL_NUMEL = 1 << 26
 
 
@@ -324,9 +324,8 @@ class BucketedReduction:
         (:func:`~robust_plugins.comm.auto_model.step_gain`), hand the reduction back to DeepSpeed's
         one bucket (its wire chosen by :meth:`_choose_host_wire`) until ``auto`` is due to measure again
         (``auto_recheck_steps``; never with 0). Planned buckets cost more collectives (and, with
-        overlap, a thread competing with backward) for the same sums: on the simulator's 10 Gbit/s
-        link that was 7-14 % of a training step (BENCHMARKS.md), more than a lossy route saved
-        there. Every rank agrees: ``auto``'s decisions are agreed over the group."""
+        overlap, a thread competing with backward) for the same sums, which on a fast link can
+        cost more than a lossy route saves (BENCHMARKS.md). Every rank agrees: ``auto``'s decisions are agreed over the group."""
         from robust_plugins.comm.auto_model import step_gain
 
         auto = self.sync.auto

@@ -301,8 +301,8 @@ def disable(ddp) -> None:
 
 def _refuse_pipeline(ddp) -> None:
     """Interleaved 1F1B with pipeline size 2 and ``batch_p2p_comm`` over gloo trains silently wrong
-    (``../shared/HOSTS.md``: one ``batch_isend_irecv`` holds two sends to the same peer, which gloo
-    matches in posting order; first-chunk gradients 10-30x too large): refused."""
+    (one ``batch_isend_irecv`` holds two sends to the same peer, which gloo matches in posting
+    order, so the first chunk's gradients come out wrong): refused."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 

@@ -1,7 +1,6 @@
 """CPU shim for megatron-core: run its GPT, DDP, TP, pipeline and optimizer code without a GPU.
 
-For tests and CPU presets. megatron-core 0.16 assumes CUDA in places that a CPU run reaches
-(``../shared/HOSTS.md``):
+For tests and CPU presets. megatron-core 0.16 assumes CUDA in places that a CPU run reaches:
 
 * Buffers are allocated on ``torch.cuda.current_device()``: DDP's contiguous grad (and
   distributed-optimizer param) buffers, the global memory buffer attention uses, TP all-gather
@@ -19,23 +18,6 @@ For tests and CPU presets. megatron-core 0.16 assumes CUDA in places that a CPU 
   ``clip_grad_by_total_norm_fp32`` asserts it on every gradient.
 * ``Tensor.cuda()``: tied embeddings with pipeline parallelism move the output-layer weight
   (``language_module.py``), the grad scaler's ``load_state_dict`` its scale.
-
-:func:`install` makes ``torch.cuda.current_device()`` answer ``"cpu"``, ``torch.cuda.synchronize()``
-(called by ``dist_checkpointing``'s writer) return at once and ``Tensor.cuda()`` return the tensor
-itself; gives the RNG tracker CPU generator states (through a stand-in for the ``torch`` global of
-``tensor_parallel.random`` only); replaces the ``torch`` global of the five modules with the
-literals (:data:`_CUDA_LITERAL_MODULES`) by a view whose tensor factories read ``device="cuda"``
-as the CPU; and runs the three functions that test ``Tensor.type()`` with CPU tensors named
-``torch.cuda.*`` for their duration (:func:`_cuda_type_names`). The process-wide redirects are safe
-exactly because the shim only installs when CUDA is not available: there the originals can only
-raise "Torch not compiled with CUDA enabled" (or "no CUDA GPUs"), so no working code path changes.
-``Tensor.type()`` does work on CPU, so it is renamed only inside those three calls (construction
-of the two optimizers and gradient clipping, on the training thread). With the shim, megatron's
-own ``get_forward_backward_func`` schedules (1F1B and interleaved) and ``get_megatron_optimizer``
-(``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``,
-``ChainedOptimizer``; torch's Adam where TE and apex are missing) run unchanged over gloo, and
-megatron's RNG semantics (separate default, model-parallel and expert streams, forked around
-TP-region dropout) hold on the CPU generator.
 
 It refuses to install when CUDA is available: on a GPU machine megatron-core must run unchanged,
 and a shim that moved its buffers to the CPU would silently cost orders of magnitude. It is
@@ -237,7 +219,26 @@ def _targets() -> list[tuple[object, str, object]]:
 
 
 def install() -> None:
-    """Install the CPU shim (idempotent). Raises UnsupportedError when CUDA is available."""
+    """Install the CPU shim (idempotent). Raises UnsupportedError when CUDA is available.
+
+    Makes ``torch.cuda.current_device()`` answer ``"cpu"``, ``torch.cuda.synchronize()`` (called
+    by ``dist_checkpointing``'s writer) return at once and ``Tensor.cuda()`` return the tensor
+    itself; gives the RNG tracker CPU generator states (through a stand-in for the ``torch``
+    global of ``tensor_parallel.random`` only); replaces the ``torch`` global of the five
+    modules with the literals (:data:`_CUDA_LITERAL_MODULES`) by a view whose tensor factories
+    read ``device="cuda"`` as the CPU; and runs the three functions that test ``Tensor.type()``
+    with CPU tensors named ``torch.cuda.*`` for their duration (:func:`_cuda_type_names`). The
+    process-wide redirects are safe exactly because the shim only installs when CUDA is not
+    available: there the originals can only raise "Torch not compiled with CUDA enabled" (or "no
+    CUDA GPUs"), so no working code path changes. ``Tensor.type()`` does work on CPU, so it is
+    renamed only inside those three calls (construction of the two optimizers and gradient
+    clipping, on the training thread). With the shim, megatron's own
+    ``get_forward_backward_func`` schedules (1F1B and interleaved) and
+    ``get_megatron_optimizer`` (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
+    ``DistributedOptimizer``, ``ChainedOptimizer``; torch's Adam where TE and apex are missing)
+    run unchanged over gloo, and megatron's RNG semantics (separate default, model-parallel and
+    expert streams, forked around TP-region dropout) hold on the CPU generator.
+    """
     if torch.cuda.is_available():
         raise UnsupportedError(
             "megatron CPU shim: CUDA is available, so megatron-core must run on the GPU unchanged. "

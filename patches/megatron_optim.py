@@ -17,18 +17,8 @@ the grad scaler's state. :func:`apply` copies them back in place: the loop conti
 **Disk checkpoints** go through megatron's ``sharded_state_dict`` (``fully_reshardable`` for
 the distributed optimizer). Without TE and apex megatron steps torch's Adam, which keeps a
 per-parameter ``step`` tensor that megatron's distributed-optimizer checkpoint code does not
-expect; :func:`install` fixes what that breaks, on ``DistributedOptimizer`` (one small wrapper
-each, version-checked, undoable):
-
-* ``_set_main_param_and_optimizer_states``: loading ``fully_reshardable`` state raised
-  ``KeyError: 'step'`` (the saved tensors carry no ``step``; megatron restores it from the
-  param groups) and, for fp32 models, "a view of a leaf Variable that requires grad is being
-  used in an in-place operation" (the main parameter is a view of the model's). The wrapper
-  keeps the step already loaded and copies under ``torch.no_grad()``.
-* ``load_state_dict``: gave every parameter one shared ``step`` tensor, so AdamW advanced it
-  once per parameter and step (resume not exact). The wrapper gives each its own copy.
-
-:func:`prepare_load` creates the empty torch-Adam state a fresh process lacks before
+expect; :func:`install` fixes what that breaks on ``DistributedOptimizer``. :func:`prepare_load`
+creates the empty torch-Adam state a fresh process lacks before
 ``sharded_state_dict(is_loading=True)`` (megatron's ``state_dict()`` reads every ``step``).
 """
 
@@ -182,7 +172,16 @@ def _load_with_own_steps(original):
 
 
 def install() -> None:
-    """Install the two ``DistributedOptimizer`` fixes of the module docstring (idempotent)."""
+    """Install two wrappers on ``DistributedOptimizer`` (idempotent, version-checked, undoable):
+
+    * ``_set_main_param_and_optimizer_states``: loading ``fully_reshardable`` state raises
+      ``KeyError: 'step'`` (the saved tensors carry no ``step``; megatron restores it from the
+      param groups) and, for fp32 models, "a view of a leaf Variable that requires grad is being
+      used in an in-place operation" (the main parameter is a view of the model's). The wrapper
+      keeps the step already loaded and copies under ``torch.no_grad()``.
+    * ``load_state_dict`` gives every parameter one shared ``step`` tensor, so AdamW would advance
+      it once per parameter and step (resume not exact). The wrapper gives each its own copy.
+    """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     from robust_plugins.patches.megatron import SUPPORTED, check_megatron_version

@@ -13,8 +13,7 @@ after that wait, as every caller in the package does.
 The first collective on a group (NCCL builds its communicator lazily) and the first launch of a
 Triton kernel (JIT compilation) take seconds, which no later call pays: :class:`Warmup` runs each
 measured thing once, untimed, per key (group, route), on a CUDA device. On the host (gloo builds
-its connections in ``new_group``; plain-torch codecs compile nothing) it runs nothing, so CPU
-measurements are as before.
+its connections in ``new_group``; plain-torch codecs compile nothing) it runs nothing.
 """
 
 from __future__ import annotations

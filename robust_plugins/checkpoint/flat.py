@@ -133,8 +133,7 @@ def path_text(path: Any) -> str:
 
 def _plain(seq: Any) -> bool:
     """All items are JSON scalars as they are: Python's RNG state is 625 ints, encoded on every
-    snapshot; one pass here instead of one encoder call an item (flatten of a ZeRO-1 GPT state:
-    1.4 -> 0.5 ms)."""
+    snapshot; one pass here instead of one encoder call an item."""
     for v in seq:
         t = type(v)
         if not (t is int or t is str or t is bool or v is None or (t is float and math.isfinite(v))):

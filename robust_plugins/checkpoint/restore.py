@@ -185,7 +185,7 @@ def resume_reason(resume: bool | None, under_robust_run: bool, has_dir: bool, ha
 
     ``True``: always (the config requires ``dir``). ``False``: never. ``None`` (unset): under
     ``robust run`` when there is something to resume from (``dir`` or memory snapshots), because
-    a restarted rank that ignores its snapshots retrains from step 1 (issue 15); outside it a
+    a restarted rank that ignores its snapshots retrains from step 1; outside it a
     script's start is a fresh start unless it asks.
     """
     if resume is not None:

@@ -13,8 +13,8 @@ import json
 from robust_plugins.config import BLOCK_KEY, PluginConfig, load_json
 from robust_plugins.errors import ConfigError
 
-# ZeRO 1/2 on CPU with DeepSpeed's default 5e8-element buckets spent ~2 s a step allocating
-# buffers for a 5.5k-parameter model; 5e6 made it 70x faster (../shared/HOSTS.md).
+# ZeRO 1/2 on CPU with DeepSpeed's default 5e8-element buckets spends seconds a step allocating
+# buffers, even for a tiny model; this bound keeps CPU runs fast.
 _CPU_BUCKET_LIMIT = 5e7
 
 

@@ -12,7 +12,7 @@ import sys
 COMMANDS = {
     "check-config": ("check_config", "validate a DeepSpeed JSON config's robust_plugins block"),
     "demo": ("demo", "train a small GPT on 4 CPU ranks without and with the plugin; print a table"),
-    "bench": ("bench", "run a benchmark and optionally write its rows into BENCHMARKS.md"),
+    "bench": ("bench.command", "run a benchmark and optionally write its rows into BENCHMARKS.md"),
     "run": ("run", "torchrun with a fault watchdog, working restarts on gloo and fault injection"),
     "recipe": ("recipe", "run a recipe's baseline and plugin configs side by side, then the report"),
     "report": ("report", "an HTML page comparing runs: loss + forecast, throughput, bytes, ETTR, heat map"),

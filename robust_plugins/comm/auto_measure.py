@@ -179,9 +179,8 @@ def measure_links(groups: Mapping[str, Any], given_gbit: Mapping[str, float | No
 
     The latency samples of the kinds are interleaved and each starts at a barrier of its group:
     auto compares routes built from these latencies (the flat all-reduce against the node and
-    rail steps), and on shared cores a slow spell that hit only one kind's samples made the
-    flat all-reduce look 4x slower than the other two together (8.9 ms against ~2 ms in the
-    next probe of the same job) and picked the hierarchy on a fast link.
+    rail steps), so a slow spell on shared cores must hit every kind alike, not make one kind
+    look slower and pick the wrong route.
     """
     import torch.distributed as dist
 

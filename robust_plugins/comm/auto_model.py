@@ -19,8 +19,7 @@ cast (with error feedback of its rounding only with ``auto_bf16_error_feedback``
     bf16_allreduce: latency + 2 (W-1)/W * n * 2 / bus_bandwidth + n * cost_per_element
 
 It is the candidate for fast links, where a two-phase codec's encode and second collective cost
-more than the bytes they save (BENCHMARKS.md: at 10 Gbit/s DeepSpeed's bf16 all-reduce was 9 %
-faster a training step than fp32, every two-phase codec slower). Its quality guard counts the
+more than the bytes they save (BENCHMARKS.md). Its quality guard counts the
 backend's bf16 additions too (see :func:`measure_codec`). It exists as a flat route only: the
 hierarchy's rail step is a two-phase codec.
 
@@ -39,9 +38,8 @@ that an uncompressed baseline is always measured) is run once on a copy of the r
 (without keeping residuals), the times are max-reduced over the group, close contenders (measured
 or predicted within ``CLOSE_FACTOR`` of the fastest measured) run ``CLOSE_RERUNS`` times more,
 interleaved, and count the median of their runs, and the measured fastest route wins, an exact one
-unless a lossy one measured ``min_gain`` faster. Measuring matters on the netns simulator: the
-node's loopback shares the CPU cores with the ranks, which no bandwidth probe predicts well, and
-there the hierarchy measured 3x slower than a flat fp32 all-reduce at 10 Gbit/s (BENCHMARKS.md).
+unless a lossy one measured ``min_gain`` faster. The trials exist because a bandwidth probe does
+not predict links that share cores with the ranks (a node's loopback, the netns simulator).
 """
 
 from __future__ import annotations
@@ -174,9 +172,8 @@ def choose_codec(
 TRIAL_FACTOR = 4.0
 #: Routes measured within this factor of the fastest are run again, ``CLOSE_RERUNS`` times (the
 #: median of their runs counts): one sample on shared cores can be off by 30 %, and only close calls
-#: need a second look. Two samples were not enough: on the simulator's 10 Gbit/s link the faster of
-#: two runs gave ``bf16_allreduce`` 30 % over ``none`` for one 1M-element bucket (9.6 vs 13.7 ms)
-#: and 2-3 % for its equal neighbours, so one bucket in five went lossy on noise.
+#: need a second look. Three samples (one plus two reruns) keep a lossy route from winning an equal
+#: contest on one fast sample.
 CLOSE_FACTOR = 1.25
 CLOSE_RERUNS = 2
 
@@ -218,9 +215,7 @@ def rerun_routes(measured: Mapping[str, float], predicted: Mapping[str, float],
     fastest measured one (sorted, so every rank runs them in the same order).
 
     A route the model predicted competitive but whose one sample came out far slower gets a second
-    look: on the simulator's shared cores one sample was seen 6x off (``flat bf16_allreduce``
-    259 ms against 65-70 ms in later runs of the same 26 MB bucket, flat fp32 42-55 ms), which
-    alone would have ruled it out.
+    look: on shared cores one sample can be several times off, which alone would rule it out.
     """
     best = min(measured.values())
     return sorted(r for r, t in measured.items()
@@ -306,8 +301,7 @@ def step_gain(decisions: Sequence[Decision], host_routes: Sequence[str] = HOST_R
 
     A host that can reduce the whole step itself (DeepSpeed ZeRO 0's one bucket) hands the step
     back when this is below ``min_gain``: planned buckets cost collectives and book-keeping that no
-    bucket's trial sees (on the simulator's 10 Gbit/s link 7-14 % of a training step,
-    BENCHMARKS.md), for a saving a single bucket could mostly have had too.
+    bucket's trial sees (BENCHMARKS.md), for a saving a single bucket could mostly have had too.
     """
     def seconds(d: Decision, route: str) -> float | None:
         return d.measured_s.get(route, d.predicted_s.get(route))
@@ -332,9 +326,8 @@ def step_gain(decisions: Sequence[Decision], host_routes: Sequence[str] = HOST_R
     return 1 - sum(chosen) / base
 
 
-#: Interleaved timed runs of each wire in :func:`choose_host_wire`'s trial (medians compared): 5
-#: were not enough on the 10 Gbit/s simulator (bf16 measured 1 % slower in one launch, 13-25 %
-#: faster in three others).
+#: Interleaved timed runs of each wire in :func:`choose_host_wire`'s trial (medians compared):
+#: enough that a wire within ``min_gain`` of the other does not win on one launch's noise.
 HOST_TRIALS = 7
 
 

@@ -1,8 +1,7 @@
 """The ``auto`` codec: pick, per bucket size, the wire format that minimises all-reduce time.
 
-Compression pays only where the link is slow compared with the CPU/GPU cost of encoding: on the
-netns simulator (../shared/HOSTS.md) hierarchical int8 was 2.2x faster than fp32 at 200 Mbit/s
-and 3.5x slower at 10 Gbit/s. So the choice is made from measurements, in two layers:
+Compression pays only where the link is slow compared with the cost of encoding (on a fast link
+it is slower than fp32: BENCHMARKS.md), so the choice is made from measurements, in two layers:
 
 * :func:`choose_codec` is pure: given a link estimate (bus bandwidth and per-collective latency of
   the group), each codec's measured compute cost per element and relative error, and the bucket

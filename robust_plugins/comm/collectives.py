@@ -149,15 +149,11 @@ def compressed_all_reduce(
 
 #: Elements of each rank's chunk a compressed all-reduce encodes, sends and reduces at a time.
 #: A chunk longer than this is cut into pieces (whole blocks) and piece ``p`` is on the wire while
-#: ``p + 1`` is encoded, so the codec's CPU time hides behind the link instead of adding to it.
-#: On the 2 x 2 simulator at 200 Mbit/s the unpipelined hierarchical int8 of a 64 MB bucket spent
-#: 143-381 ms of its ~1.5 s encoding while the link idled. Side by side in one launch
-#: (``benchmarks/allreduce_pieces.py``, median of 4 calls, BENCHMARKS.md): one piece 1537 ms,
-#: 2**21 elements 1194, 2**20 1094, 2**19 1033, 2**18 1002. 2**19 is 8 pieces of that bucket's
-#: 4M-element rail chunks and keeps every chunk of up to 2 MB of fp32 (the 4 MB training buckets
-#: over 2 or more ranks) one piece: one all-to-all and one all-gather, as before. The result is
-#: bitwise the same for every piece size. This is the CPU size; other devices take
-#: :data:`robust_plugins.device.PIECE_NUMEL` (:func:`piece_numel_for`, why there).
+#: ``p + 1`` is encoded, so the codec's time hides behind the link instead of adding to it. The
+#: result is bitwise the same for every piece size. 2**19 keeps every chunk of up to 2 MB of fp32
+#: (a 4 MB training bucket over 2 or more ranks) one piece: one all-to-all and one all-gather.
+#: Piece sizes side by side: BENCHMARKS.md (``benchmarks/allreduce_pieces.py``). This is the CPU
+#: size; other devices take :data:`robust_plugins.device.PIECE_NUMEL` (:func:`piece_numel_for`).
 PIECE_NUMEL = default_piece_numel("cpu")
 
 

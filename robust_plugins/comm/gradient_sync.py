@@ -30,7 +30,6 @@ from __future__ import annotations
 import collections
 import logging
 import dataclasses
-import warnings
 from typing import Callable, Optional
 
 import torch
@@ -175,16 +174,6 @@ class GradientSync:
         self.stats.compressed_elements += numel
         self.stats.compressed_calls += 1
         return key
-
-    def route(self, site: str, numel: int) -> Optional[str]:
-        """Deprecated alias of :meth:`compress_key` (it returns a key, not a route); kept for 0.2."""
-        warnings.warn("GradientSync.route() is now compress_key()", DeprecationWarning, stacklevel=2)
-        return self.compress_key(site, numel)
-
-    def decide(self, numel: int) -> Optional[str]:
-        """Deprecated alias of :meth:`passthrough_reason` (None meant "compress"); kept for 0.2."""
-        warnings.warn("GradientSync.decide() is now passthrough_reason()", DeprecationWarning, stacklevel=2)
-        return self.passthrough_reason(numel)
 
     def count_passthrough(self, site: str, numel: int, reason: str) -> None:
         """Account for a bucket the host reduced itself, for ``reason``, without :meth:`compress_key` (a host

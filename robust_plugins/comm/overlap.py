@@ -3,32 +3,11 @@
 A host integration (``patches/megatron.py`` for megatron-core's bucket groups,
 ``patches/deepspeed_overlap.py`` for DeepSpeed ZeRO 0) hands each gradient bucket to a
 :class:`SyncThread` as soon as backward has finished it, and waits for the returned
-:class:`SyncHandle` where the host would have reduced. The pieces here are shared by both:
-
-* :class:`SyncThread` runs submitted work one item at a time, in submission order. Every rank
-  submits the same buckets in the same order (the hosts make sure of it), so every rank issues
-  the same sequence of collectives. Where it runs is :func:`runs_inline`'s decision:
-
-  - **CUDA (NCCL): on the training thread, onto a side stream.** NCCL launches are
-    asynchronous, so the host needs no thread to overlap; the reduction is launched where it is
-    submitted, on the thread's side stream, ordered by events: the side stream waits for an
-    event the caller's current stream recorded at :meth:`SyncThread.submit` (the kernels that
-    produced the gradients), the tensors are ``record_stream``-ed on the side stream, and
-    :meth:`SyncHandle.wait` makes the caller's current stream wait for an event recorded after
-    the item. One host thread then drives every communicator, in program order, the same on
-    every rank: NCCL documents two threads issuing collectives on communicators in orders that
-    differ between ranks (megatron's TP all-reduces during backward, parameter all-gathers
-    beside the gradient reduction) as able to deadlock. The host's own process groups are used
-    (:func:`clone_groups` clones none), and so is every group the reduction reaches (the
-    hierarchy's node and rail groups, its flat fallback): all on the one thread.
-  - **CPU (gloo): on one background thread.** A gloo collective blocks its host until done, so
-    overlap needs a thread; it reduces over its own clones of the host's groups
-    (:func:`clone_groups`, made on the main thread, in one order on every rank), never shared
-    with the training thread (gloo matches collectives by their order on a group).
-
-* :func:`plan_buckets` is the pure planner of DeepSpeed's buckets: parameters in reverse order
-  of registration (the order backward finishes them, as in PyTorch DDP), cut into buckets of
-  about ``bucket_numel`` elements, one dtype a bucket.
+:class:`SyncHandle` where the host would have reduced. Every rank submits the same buckets in the
+same order (the hosts make sure of it), so every rank issues the same sequence of collectives. On
+CUDA the work runs on the training thread, onto a side stream; on the CPU on one background thread
+over clones of the host's groups (:class:`SyncThread` says why). :func:`plan_buckets` is the pure
+planner of DeepSpeed's buckets.
 
 Nothing here imports DeepSpeed or megatron-core.
 """
@@ -115,7 +94,25 @@ def runs_inline(device: Any) -> bool:
 
 
 class SyncThread:
-    """Submitted work run in submission order, overlapping the caller (see the module docstring).
+    """Submitted work run one item at a time, in submission order, overlapping the caller. Where
+    it runs is :func:`runs_inline`'s decision:
+
+    - **CUDA (NCCL): on the training thread, onto a side stream.** NCCL launches are
+      asynchronous, so the host needs no thread to overlap; the reduction is launched where it is
+      submitted, on the thread's side stream, ordered by events: the side stream waits for an
+      event the caller's current stream recorded at :meth:`SyncThread.submit` (the kernels that
+      produced the gradients), the tensors are ``record_stream``-ed on the side stream, and
+      :meth:`SyncHandle.wait` makes the caller's current stream wait for an event recorded after
+      the item. One host thread then drives every communicator, in program order, the same on
+      every rank: NCCL documents two threads issuing collectives on communicators in orders that
+      differ between ranks (megatron's TP all-reduces during backward, parameter all-gathers
+      beside the gradient reduction) as able to deadlock. The host's own process groups are used
+      (:func:`clone_groups` clones none), and so is every group the reduction reaches (the
+      hierarchy's node and rail groups, its flat fallback): all on the one thread.
+    - **CPU (gloo): on one background thread.** A gloo collective blocks its host until done, so
+      overlap needs a thread; it reduces over its own clones of the host's groups
+      (:func:`clone_groups`, made on the main thread, in one order on every rank), never shared
+      with the training thread (gloo matches collectives by their order on a group).
 
     Args:
         name: the thread's name (shows in py-spy dumps; CPU only).

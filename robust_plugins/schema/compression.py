@@ -52,13 +52,13 @@ class CompressionConfig(Section):
     place of the host's all-reduce, under any optimizer. ``momentum``: 1-bit Adam (Tang et al.
     2021): plain fp32 Adam for ``freeze_steps`` optimizer steps, then Adam's second moment is frozen
     and each rank's local momentum is averaged in 1-bit codes instead of the gradient (ZeRO 0, fp32,
-    ``torch.optim.Adam``/``AdamW`` only). Costs +2 % loss where ``gradient`` costs +14 %
+    ``torch.optim.Adam``/``AdamW`` only). Loses less validation loss than ``gradient``
     (BENCHMARKS.md)."""
 
     freeze_steps: Annotated[int, Field(ge=0)] = 0
     """``sign_mode: momentum`` only, and required there (>= 1): optimizer steps of uncompressed
     fp32 Adam before the second moment is frozen and the momentum goes 1-bit. These steps send full
-    fp32 gradients; 1-bit Adam used 15-25 % of training."""
+    fp32 gradients; the 1-bit Adam paper used 15-25 % of training."""
 
     auto_candidates: Annotated[tuple[Literal[AUTO_CANDIDATES], ...], Field(min_length=1),
                                Hint(expect="a list", rule=_CANDIDATES_RULE)] = AUTO_CANDIDATES
@@ -90,9 +90,8 @@ class CompressionConfig(Section):
     bucket, checkpointed). Off by default: that route is then exactly DeepSpeed's
     ``communication_data_type: bf16`` (and megatron-core's bf16 gradient reduction), whose rounding
     is relative to each element (at most 2**-9), unlike int8/int4's block-shared scale that zeroes
-    small elements; the feedback costs three more passes over the bucket, which on the simulator's
-    10 Gbit/s link doubled the route's time and made ``auto`` keep fp32 where bf16 was 13-19 %
-    faster (BENCHMARKS.md)."""
+    small elements. The feedback costs three more passes over the bucket, which on a fast link can
+    cost more than bf16 saves (BENCHMARKS.md)."""
 
     overlap: bool | None = None
     """DeepSpeed ZeRO 0, with a compressing codec or ``topology.hierarchical``: start each gradient
@@ -114,8 +113,8 @@ class CompressionConfig(Section):
     reverse order of registration (the order backward finishes them) and cut at parameter
     boundaries and dtype changes. Smaller buckets start earlier in backward and leave less to
     reduce after it; each costs a collective's latency (and with ``auto`` its own trial runs at
-    its first step). DeepSpeed's own ZeRO 0 path reduces in 500M-element buckets; 4 MB buckets
-    made the 6.6M-parameter GPT's step 1.4x faster than one bucket (BENCHMARKS.md)."""
+    its first step). DeepSpeed's own ZeRO 0 path reduces in 500M-element buckets (BENCHMARKS.md
+    compares bucket sizes)."""
 
     @field_validator("block_size")
     @classmethod

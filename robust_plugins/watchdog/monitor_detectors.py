@@ -26,7 +26,7 @@ from robust_plugins.watchdog.detect import (
 from robust_plugins.watchdog.faults import Fault
 from robust_plugins.watchdog.monitor_state import _RankState
 
-# The monitor's logger, so that these lines keep the name they had in monitor.log before the split.
+# The monitor's logger: every line of the node monitor carries one name in monitor.log.
 log = get_logger("robust_plugins.watchdog.monitor")
 
 

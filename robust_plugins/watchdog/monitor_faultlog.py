@@ -8,7 +8,7 @@ import time
 from robust_plugins._logging import get_logger
 from robust_plugins.watchdog.faults import Fault
 
-# The monitor's logger, so that these lines keep the name they had in monitor.log before the split.
+# The monitor's logger: every line of the node monitor carries one name in monitor.log.
 log = get_logger("robust_plugins.watchdog.monitor")
 
 

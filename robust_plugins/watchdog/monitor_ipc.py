@@ -14,7 +14,7 @@ from robust_plugins.watchdog import ring as _ring
 from robust_plugins.watchdog.detect import STEP_WINDOW
 from robust_plugins.watchdog.faults import Fault
 
-# The monitor's logger, so that these lines keep the name they had in monitor.log before the split.
+# The monitor's logger: every line of the node monitor carries one name in monitor.log.
 log = get_logger("robust_plugins.watchdog.monitor")
 
 

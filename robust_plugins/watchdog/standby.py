@@ -68,7 +68,7 @@ ALWAYS = ("torch", "robust_plugins", "robust_plugins.watchdog")
 #: What a host imports lazily inside its own setup, imported after the host itself. DeepSpeed
 #: 0.19's ``deepspeed.initialize`` imports its Muon optimizer module (``torch.compile`` at module
 #: level), which with torch.optim's lazy ``torch._dynamo`` pulls in dynamo and inductor: 94 % of
-#: a rank's ``initialize`` in a cProfile on 4 CPU ranks (BENCHMARKS.md, issue 15). Only
+#: a rank's ``initialize`` on CPU ranks (BENCHMARKS.md). Only
 #: imports: nothing is compiled, and the CUDA check before ``ready`` still guards the device.
 HOST_LAZY = {"deepspeed": ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"),
              # the engine patch imports the codecs (and triton_ops' custom ops) when it attaches

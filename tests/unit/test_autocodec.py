@@ -316,15 +316,12 @@ def test_measured_error_is_the_largest_over_the_probes_in_force():
     assert auto.measured_error("bf16_allreduce") == 0.003 and auto.measured_error("int4") is None
 
 
-def test_the_old_gradient_sync_names_warn_and_answer_as_the_new_ones():
+def test_gradient_sync_names_the_key_to_compress_under_or_why_not():
     from robust_plugins.comm.gradient_sync import GradientSync
 
     sync = GradientSync(CompressionConfig(codec="int8", min_numel=100), step_fn=lambda: 0)
     assert sync.passthrough_reason(10) == "below min_numel" and sync.passthrough_reason(1000) is None
-    with pytest.warns(DeprecationWarning, match="compress_key"):
-        assert sync.route("site", 1000) == "site:0"  # the error-feedback key
-    with pytest.warns(DeprecationWarning, match="passthrough_reason"):
-        assert sync.decide(10) == "below min_numel"
+    assert sync.compress_key("site", 1000) == "site:0"  # the error-feedback key
     assert sync.compress_key("site", 10) is None and sync.compress_key("site", 1000) == "site:2"
 
 

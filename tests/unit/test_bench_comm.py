@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from robust_plugins.cli import bench_comm
+from robust_plugins.cli.bench import comm as bench_comm
 from robust_plugins.cli.main import build_parser
 
 

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from robust_plugins.cli.bench import (
+from robust_plugins.cli.bench.compression import (
     check_comparable, compression_rows, known_miss_notes, load_results, loss_vs_vanilla, run_compression, seeds_in,
-    write_section,
 )
+from robust_plugins.cli.bench.writer import write_section
 from robust_plugins.errors import ConfigError
 from robust_plugins.launch import first_traceback, launch_env, rank_tails, torchrun_command
 

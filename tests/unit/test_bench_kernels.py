@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from robust_plugins.cli import bench_kernels
-from robust_plugins.cli.bench import write_section
+from robust_plugins.cli.bench import kernels as bench_kernels
+from robust_plugins.cli.bench.writer import write_section
 from robust_plugins.cli.main import main
 
 

@@ -38,9 +38,9 @@ FACTORIES = {
 #: proves it (checked below, so the exemption cannot outlive its reason).
 GLOO_ONLY = {
     "robust_plugins/sim/probe.py": ('init_process_group("gloo"', "the network simulator's probe, CPU by design"),
-    "robust_plugins/cli/bench_comm_worker.py": ('init_process_group("gloo"', "robust bench comm's gloo worker"),
-    "robust_plugins/cli/bench_step_worker.py": ('init_process_group("gloo"', "robust bench step's gloo worker"),
-    "robust_plugins/cli/bench_checkpoint_worker.py": ('dist_backend="gloo"', "the checkpoint benchmark's gloo worker"),
+    "robust_plugins/cli/bench/comm_worker.py": ('init_process_group("gloo"', "robust bench comm's gloo worker"),
+    "robust_plugins/cli/bench/step_worker.py": ('init_process_group("gloo"', "robust bench step's gloo worker"),
+    "robust_plugins/cli/bench/checkpoint_worker.py": ('dist_backend="gloo"', "the checkpoint benchmark's gloo worker"),
 }
 
 

@@ -222,7 +222,7 @@ def test_after_a_rollback_memory_newer_than_the_bad_step_is_not_used(tmp_path):
 
 
 def test_bench_checkpoint_table_reports_ratios_from_medians():
-    from robust_plugins.cli.bench_checkpoint import table
+    from robust_plugins.cli.bench.checkpoint import table
 
     r = {"world_size": 4, "preset": "small", "params": 880_000, "steps": 3, "step_s": [0.2, 0.1, 0.3],
          "blocking_s": [0.002, 0.004, 0.003], "snapshot_bytes": 6_000_000, "ds_save_s": [0.02, 0.03, 0.04],

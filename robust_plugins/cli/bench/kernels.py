@@ -27,6 +27,10 @@ from typing import Callable
 
 import torch
 
+from robust_plugins.cli._runs import format_table
+from robust_plugins.cli.bench.writer import write_section
+from robust_plugins.errors import ConfigError
+
 SECTION = "kernels"
 KERNELS = ("quantize_ef", "dequantize", "reduce_requantize")
 GPU_SIZES_MB = (1, 4, 16, 64, 256, 1024)
@@ -193,10 +197,6 @@ def device_line(device: torch.device) -> str:
 
 def run_kernels(args: argparse.Namespace) -> int:
     """Measure on the chosen device; print the table and maybe write it into the markdown file."""
-    from robust_plugins.cli._runs import format_table
-    from robust_plugins.cli.bench import write_section
-    from robust_plugins.errors import ConfigError
-
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device here; use --device cpu.")
     if args.world < 1 or args.block_size < 8 or args.block_size % 8:
@@ -230,8 +230,6 @@ def ensure_kernels_section(path: Path) -> None:
     Each device's rows sit between their own inner markers, so a CPU run keeps earlier GPU rows and
     the other way round.
     """
-    from robust_plugins.cli.bench import write_section
-
     text = path.read_text() if path.exists() else ""
     if f"<!-- bench:{SECTION}:start -->" in text:
         return

@@ -20,9 +20,11 @@ import statistics
 from pathlib import Path
 
 from robust_plugins.cli._runs import format_table, human_bytes, timestamped_dir
+from robust_plugins.cli.bench.writer import write_section
+from robust_plugins.launch import launch_env, run_torchrun
 
 SECTION = "checkpoint"
-WORKER = "robust_plugins.cli.bench_checkpoint_worker"
+WORKER = "robust_plugins.cli.bench.checkpoint_worker"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -78,9 +80,6 @@ def table(r: dict, command: str) -> str:
 
 def run_checkpoint(args: argparse.Namespace) -> int:
     """Launch the worker, print the table, optionally write it into a markdown file."""
-    from robust_plugins.cli.bench import write_section
-    from robust_plugins.launch import launch_env, run_torchrun
-
     out = Path(args.out) if args.out else Path("runs") / f"bench-checkpoint-{timestamped_dir('.').name}"
     out.mkdir(parents=True, exist_ok=True)
     run_torchrun(WORKER, ["--preset", args.preset, "--steps", str(args.steps), "--repeats", str(args.repeats),

@@ -1,4 +1,4 @@
-"""One torchrun launch of ``robust bench checkpoint`` (see ``bench_checkpoint.py``).
+"""One torchrun launch of ``robust bench checkpoint`` (see ``checkpoint.py``).
 
 Trains the text GPT with ``memory_every: 1`` and ``peer_backup`` on every rank, ``--steps`` steps
 with ``memory_copy: background`` and as many with ``in_step`` (alternating blocks), then, in the

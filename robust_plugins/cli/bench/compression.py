@@ -1,8 +1,7 @@
-"""``robust bench <name>``: benchmarks whose numbers go into BENCHMARKS.md.
+"""``robust bench compression``: gradient compression codecs against vanilla DeepSpeed.
 
-``robust bench compression`` trains the text GPT on CPU ranks in ONE launch: vanilla DeepSpeed
-(no ``robust_plugins`` block), then the plugin with each codec, same data and steps, once per seed
-(``--seeds N``: seeds 0..N-1). For each codec it reports gradient bytes on the wire relative to
+Trains the text GPT on CPU ranks in ONE launch: vanilla DeepSpeed (no ``robust_plugins`` block),
+then the plugin with each codec, same data and steps, once per seed (``--seeds N``: seeds 0..N-1). For each codec it reports gradient bytes on the wire relative to
 vanilla's fp32 all-reduce (counted by ``robust_plugins.comm.WireCounter``), the relative error of
 one compressed all-reduce of a real gradient, the held-out validation loss averaged over the seeds
 relative to vanilla's (with the range of the per-seed ratios) and the step time relative to vanilla.
@@ -24,6 +23,7 @@ from typing import Any, Sequence
 from robust_plugins.cli._runs import (
     format_table, human_bytes, recipe_config, run_plan, timestamped_dir, wire_bytes,
 )
+from robust_plugins.cli.bench.writer import write_section
 from robust_plugins.config import BLOCK_KEY, CODECS, load_json
 from robust_plugins.errors import ConfigError
 from robust_plugins.workloads import PRESETS
@@ -83,9 +83,8 @@ KNOWN_LOSS_MISSES = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``robust bench`` takes a benchmark name as a sub-command."""
-    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``compression`` under ``robust bench``."""
     p = sub.add_parser("compression", help="gradient compression codecs vs vanilla DeepSpeed",
                        description=__doc__)
     p.add_argument("--steps", type=int, default=100, help="optimizer steps a run (default 100)")
@@ -111,20 +110,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--from-results", metavar="DIR",
                    help="do not train: rebuild the table from a previous run's results directory")
     p.set_defaults(_bench=run_compression)
-    from robust_plugins.cli import bench_kernels
-
-    bench_kernels.add_parser(sub)
-    from robust_plugins.cli import bench_comm
-
-    bench_comm.add_parser(sub)
-    from robust_plugins.cli import bench_checkpoint
-
-    bench_checkpoint.add_parser(sub)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Dispatch to the chosen benchmark."""
-    return args._bench(args)
 
 
 def run_name(name: str, seed: int) -> str:
@@ -414,23 +399,3 @@ def run_compression_runs(args: argparse.Namespace, out_dir: Path,
 def _write_config(path: Path, cfg: dict[str, Any]) -> str:
     path.write_text(json.dumps(cfg, indent=2) + "\n")
     return str(path.resolve())
-
-
-def write_section(path: Path, name: str, body: str, title: str = "Gradient compression") -> None:
-    """Replace the text between ``<!-- bench:NAME:start -->`` and ``<!-- bench:NAME:end -->``.
-
-    The markers stay; a missing file is created with a title, a missing section is appended under
-    a ``## title`` heading.
-    """
-    start, end = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    i, j = text.find(start), text.find(end)
-    if (i < 0) != (j < 0) or (i >= 0 and j < i):
-        raise ConfigError(f"{path}: found only one of the markers {start} / {end} (or out of order); "
-                          f"fix the file by hand.")
-    if i >= 0:
-        text = text[:i] + block + text[j + len(end):]
-    else:
-        text = text.rstrip("\n") + f"\n\n## {title}\n\n{block}\n"
-    path.write_text(text)

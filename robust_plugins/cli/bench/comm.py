@@ -2,7 +2,7 @@
 
 Builds one :class:`~robust_plugins.sim.SimCluster` (``--sim-nodes`` x ``--ranks-per-node`` gloo
 ranks, inter-node links limited with ``tc tbf``), then for each ``--rates`` value sets the link
-rate and launches :mod:`robust_plugins.cli.bench_comm_worker` once, which times every method on
+rate and launches :mod:`robust_plugins.cli.bench.comm_worker` once, which times every method on
 the same ``--mbytes`` MB fp32 bucket: flat fp32 ``all_reduce`` (the baseline), flat bf16 (what
 DeepSpeed's ``communication_data_type: bf16`` sends), the flat two-phase int8/int4 all-reduce,
 the hierarchical all-reduce with an fp32/int8/int4 rail step, and the ``auto`` codec. It reports
@@ -22,6 +22,9 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any, Sequence
+
+from robust_plugins.cli.bench import comm_worker, step_worker
+from robust_plugins.cli.bench.writer import write_section
 
 SECTION = "comm"
 TITLE = "All-reduce on a simulated multi-node cluster"
@@ -77,8 +80,6 @@ NOTES = (
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``comm`` under ``robust bench``."""
-    from robust_plugins.cli.bench_comm_worker import METHODS
-
     p = sub.add_parser("comm", help="all-reduce methods on a simulated multi-node cluster (needs root)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sim-nodes", type=int, default=2, help="simulated nodes (default 2)")
@@ -87,14 +88,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="inter-node link rates to measure, e.g. 10gbit 200mbit (the default)")
     p.add_argument("--mbytes", type=float, default=64.0, help="fp32 bucket size in MB (default 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per method and rate (default 3)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=list(comm_worker.METHODS), choices=comm_worker.METHODS)
     p.add_argument("--timeout", type=float, default=300.0, help="bound on each launch, seconds (default 300)")
     p.add_argument("--train-steps", type=int,
                    help="instead of one bucket: train the text GPT under DDP for N steps per method "
-                        "(bench_step_worker; section comm-train; --methods and --mbytes do not apply)")
+                        "(bench.step_worker; section comm-train; --methods and --mbytes do not apply)")
     p.add_argument("--train-methods", nargs="+", metavar="METHOD",
                    help="with --train-steps: the methods to train (default: every ddp and ds method; "
-                        "see bench_step_worker.METHODS)")
+                        "see bench.step_worker.METHODS)")
     p.add_argument("--train-rounds", type=int, default=1,
                    help="with --train-steps: train every method this many times in one launch, in alternating "
                         "order, fresh engines each time; a method's median is over all rounds' steps (default 1)")
@@ -129,25 +130,23 @@ def run_comm(args: argparse.Namespace) -> int:
         psgd = None
         env = None
         if args.train_steps:
-            from robust_plugins.cli.bench_step_worker import DEFAULT_METHODS, METHODS as STEP_METHODS
-
-            methods = list(args.train_methods or DEFAULT_METHODS)
-            bad = [m for m in methods if m not in STEP_METHODS]
+            methods = list(args.train_methods or step_worker.DEFAULT_METHODS)
+            bad = [m for m in methods if m not in step_worker.METHODS]
             if bad:
-                raise ConfigError(f"--train-methods {bad}: allowed are {', '.join(STEP_METHODS)}.")
+                raise ConfigError(f"--train-methods {bad}: allowed are {', '.join(step_worker.METHODS)}.")
             if "ddp powerSGD_hook" in methods:
                 methods.remove("ddp powerSGD_hook")
             if args.psgd_timeout > 0 and not args.train_methods:
                 psgd = "ddp powerSGD_hook"
             if args.train_methods and "ddp powerSGD_hook" in args.train_methods:
                 psgd = "ddp powerSGD_hook"
-            step = [sys.executable, "-m", "robust_plugins.cli.bench_step_worker", "--steps", str(args.train_steps)]
+            step = [sys.executable, "-m", step_worker.__name__, "--steps", str(args.train_steps)]
             if args.train_rounds < 1:
                 raise ConfigError(f"--train-rounds {args.train_rounds}: must be >= 1.")
             argv = step + ["--timeout", str(args.timeout), "--rounds", str(args.train_rounds), "--methods", *methods]
             env = {"DS_ACCELERATOR": "cpu"}  # DeepSpeed rows: CPU accelerator, gloo
         else:
-            argv = [sys.executable, "-m", "robust_plugins.cli.bench_comm_worker", "--mbytes", str(args.mbytes),
+            argv = [sys.executable, "-m", comm_worker.__name__, "--mbytes", str(args.mbytes),
                     "--repeats", str(args.repeats), "--timeout", str(args.timeout), "--methods", *args.methods]
         with SimCluster(args.sim_nodes, args.ranks_per_node, rates[0]) as cluster:
             for text, bits in zip(args.rates, rates):
@@ -165,8 +164,6 @@ def run_comm(args: argparse.Namespace) -> int:
     body = render_train(args, results, meta) if args.train_steps else render(args, results, meta)
     print(body)
     if args.write:
-        from robust_plugins.cli.bench import write_section
-
         section, title = (TRAIN_SECTION, TRAIN_TITLE) if args.train_steps else (SECTION, TITLE)
         write_section(Path(args.write), section, body, title=title)
         print(f"wrote section {section!r} of {args.write}")
@@ -176,8 +173,8 @@ def run_comm(args: argparse.Namespace) -> int:
 def _bounded_psgd(cluster, step_argv: list[str], timeout_s: float, env) -> dict:
     """Train ``ddp powerSGD_hook`` in a launch of its own, bounded: its result, or why there is none.
 
-    It hung on gloo in earlier trials (../shared/HOSTS.md); its gloo timeout is the bound too, so a
-    hung collective raises inside the ranks and the simulator kills what is left."""
+    It can hang on gloo; its gloo timeout is the bound too, so a hung collective raises inside
+    the ranks and the simulator kills what is left."""
     from robust_plugins.sim import SimError
 
     argv = step_argv + ["--timeout", f"{timeout_s:g}", "--methods", "ddp powerSGD_hook"]
@@ -215,9 +212,7 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def _default_methods() -> list[str]:
-    from robust_plugins.cli.bench_comm_worker import METHODS
-
-    return list(METHODS)
+    return list(comm_worker.METHODS)
 
 
 def rows(results: dict[str, Any], methods: Sequence[str]) -> list[list[str]]:

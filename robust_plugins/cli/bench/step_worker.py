@@ -5,8 +5,8 @@ batches) for ``--steps`` optimizer steps with a different gradient communication
 
 * PyTorch ``DistributedDataParallel`` over gloo: its own fp32 all-reduce (``ddp fp32``), its
   ``fp16_compress_hook`` and its ``powerSGD_hook`` at rank 4 (``start_powerSGD_iter=2``, with
-  error feedback and warm start; it hung on gloo in earlier trials, so ``robust bench comm`` runs
-  it in a launch of its own with a short bound);
+  error feedback and warm start; it can hang on gloo, so ``robust bench comm`` runs it in a launch
+  of its own with a short bound);
 * DeepSpeed ZeRO-0 (``deepspeed.initialize``, AdamW): its default fp32 all-reduce (``ds fp32``),
   ``communication_data_type: bf16`` (``ds bf16``), and this package's integration through the
   ``robust_plugins`` block: flat and hierarchical int8/int4 and hierarchical ``auto``
@@ -111,7 +111,7 @@ def _ds_engine(name: str, model, micro_batch: int, bucket_mb: float | None = Non
            # GRADIENT_CLIPPING_DEFAULT); the DDP rows do not clip. Clipping cost ds fp32 +1.73 % val
            # loss against ddp fp32 here; without it the two end bitwise equal.
            "gradient_clipping": 0.0,
-           # CPU: DeepSpeed's 5e8-element default buckets cost seconds a step (HOSTS.md).
+           # CPU: DeepSpeed's 5e8-element default buckets cost seconds a step.
            "zero_optimization": {"stage": 0, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6},
            **_ds_block(name, bucket_mb)}
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

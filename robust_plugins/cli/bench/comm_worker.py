@@ -1,6 +1,6 @@
 """Rank program of ``robust bench comm``: time each all-reduce method on one gradient bucket.
 
-Started once per rank inside the simulator (``python -m robust_plugins.cli.bench_comm_worker``).
+Started once per rank inside the simulator (``python -m robust_plugins.cli.bench.comm_worker``).
 Every method reduces the same per-rank input (a seeded normal tensor of ``--mbytes`` MB of fp32),
 first once untimed (gloo connects pairs lazily; error-feedback buffers are allocated), then
 ``--repeats`` times between two barriers. Rank 0 prints one JSON line with every method's times
