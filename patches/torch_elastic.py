@@ -148,14 +148,41 @@ def rendezvous_poll_s(max_nodes: int) -> float:
     return min(1.0, max(0.1, 0.01 * max_nodes))
 
 
+#: The dynamic rendezvous handler's view of the shared round state (``_state_holder``), and the
+#: seconds its last read stays fresh (``_cache_duration``, 1 s in torch).
+STATE_HOLDER_FIELD = "_state_holder"
+STATE_CACHE_FIELD = "_cache_duration"
+
+
+def shorten_state_cache(handler: Any, seconds: float) -> bool:
+    """A dynamic rendezvous ``handler``'s read of the round state stays fresh ``seconds`` (torch:
+    1 s), so a node waiting for a restart's round, or an agent asking whether another node waits
+    (``num_nodes_waiting``, every monitor interval), sees a change within ``seconds``. False for a
+    handler without that state (the static rendezvous: nothing to poll)."""
+    holder = getattr(handler, STATE_HOLDER_FIELD, None)
+    if holder is None:
+        return False
+    if not hasattr(holder, STATE_CACHE_FIELD):
+        import torch
+
+        raise HostVersionError(
+            f"torch {torch.__version__}: the dynamic rendezvous' state holder has no "
+            f"{STATE_CACHE_FIELD}, which robust run shortens for fast restarts. Supported: {SUPPORTED}.")
+    setattr(holder, STATE_CACHE_FIELD, seconds)
+    return True
+
+
 @contextlib.contextmanager
 def rendezvous_poll(seconds: float) -> Iterator[None]:
     """Within the block (the agent's rendezvous), torch's dynamic rendezvous reads the shared
-    round state every ``seconds`` instead of every second while it waits for other nodes.
+    round state every ``seconds`` instead of every second while it waits for other nodes (with
+    :func:`shorten_state_cache`, each read is a fresh one).
 
-    Why: a restart's round needs a few such reads (leave, join, the other nodes' joins), so the
-    fixed 1 s poll alone made a multi-node restart take 1-2 s however fast the nodes were. Only the
-    SYNC poll changes; the random start-up skew and every timeout stay torch's."""
+    Why: a restart's round needs a few such reads (leave, join, the other nodes' joins), and the
+    other nodes learn that one waits through the same cached state, so the 1 s poll and the 1 s
+    cache made a two-node restart's rendezvous take 1-2 s however fast the nodes were (0.2 s with
+    both at 0.1 s, loopback). Only the SYNC poll changes; the random start-up skew and every
+    timeout stay torch's."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     original = dynamic_rendezvous._delay
@@ -187,6 +214,8 @@ def _check_rendezvous_poll() -> None:
         source = inspect.getsource(executor.run)
     except (OSError, TypeError):
         return  # no source (a frozen build): the version range above still holds
+    _check_fields("_BackendRendezvousStateHolder", dynamic_rendezvous._BackendRendezvousStateHolder.__init__,
+                  (STATE_CACHE_FIELD,))
     if RDZV_POLL_CALL not in source:
         import torch
 

@@ -441,12 +441,14 @@ def launch(config, entrypoint, args: list[str], monitor: Monitor, standby: bool 
         max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
         master_addr=master_addr, master_port=master_port, local_addr=config.local_addr,
     )
+    poll_s = torch_elastic.rendezvous_poll_s(config.max_nodes)
+    torch_elastic.shorten_state_cache(spec.rdzv_handler, poll_s)
     node = config.local_addr or monitor.host
     registry = _node_registry(config, node, monitor)
     agent = _agent_class()(
         spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
         log_line_prefix_template=config.log_line_prefix_template, monitor=monitor, node=node,
-        registry=registry, standby=standby, rdzv_poll_s=torch_elastic.rendezvous_poll_s(config.max_nodes),
+        registry=registry, standby=standby, rdzv_poll_s=poll_s,
     )
     agent.job_store = registry.store if registry is not None else _job_store(config)
     if spare:

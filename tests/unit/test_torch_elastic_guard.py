@@ -92,3 +92,33 @@ def test_a_rendezvous_that_polls_otherwise_is_refused(monkeypatch):
     monkeypatch.setattr(dynamic_rendezvous._DistributedRendezvousOpExecutor, "run", run)
     with pytest.raises(HostVersionError, match=r"no longer polls with _delay\(seconds=1\)"):
         torch_elastic.check()
+
+
+def test_the_state_cache_of_a_c10d_rendezvous_is_shortened_and_a_static_one_has_none():
+    import socket
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    c10d = registry.get_rendezvous_handler(RendezvousParameters(
+        backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="t", min_nodes=1, max_nodes=2, is_host="true"))
+    try:
+        assert c10d._state_holder._cache_duration == 1  # torch's
+        assert torch_elastic.shorten_state_cache(c10d, 0.1) is True
+        assert c10d._state_holder._cache_duration == 0.1
+    finally:
+        c10d.shutdown()
+    static = registry.get_rendezvous_handler(RendezvousParameters(
+        backend="static", endpoint=f"127.0.0.1:{port}", run_id="t", min_nodes=1, max_nodes=1, rank=0))
+    assert torch_elastic.shorten_state_cache(static, 0.1) is False
+
+    class Holder:  # a torch whose state holder renamed its cache field
+        pass
+
+    class Handler:
+        _state_holder = Holder()
+
+    with pytest.raises(HostVersionError, match="state holder has no _cache_duration"):
+        torch_elastic.shorten_state_cache(Handler(), 0.1)
