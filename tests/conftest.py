@@ -126,3 +126,56 @@ def _priority(request):
 
 
 _NICE_WARNED: list[bool] = []
+
+#: How often the background niceness reaches the sessions that background tests start.
+AUTOGROUP_SCAN_S = 0.5
+
+
+def _renice_background_sessions(stop, own_sid: int) -> None:
+    """Give each session a background test started (its processes run at nice
+    :data:`BACKGROUND_NICE`, inherited) that niceness as a whole, until ``stop`` is set.
+
+    Why: with the kernel's autogroup scheduling on (``/proc/sys/kernel/sched_autogroup_enabled``,
+    the default of most distributions) each session is one scheduling group, and a process's nice
+    value weighs only against the processes of its own session. torchrun, ``robust run`` and
+    ``tests/_dist.py``'s launcher start every rank in a session of its own, so a background
+    DeepSpeed job's ranks got the same CPU share as a fault test's, nice 10 or not, and the
+    fault tests' waits stretched (``test_multinode.py``: 296 s alone, ~530 s in the suite)."""
+    while not stop.wait(AUTOGROUP_SCAN_S):
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+                if int(fields[3]) == own_sid or int(fields[16]) < BACKGROUND_NICE:
+                    continue  # the pytest session's own group, or a fault test's process
+                with open(f"/proc/{name}/autogroup") as f:  # "/autogroup-<id> nice <n>"
+                    if int(f.read().split()[-1]) >= BACKGROUND_NICE:
+                        continue
+                with open(f"/proc/{name}/autogroup", "w") as f:
+                    f.write(str(BACKGROUND_NICE))
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile, or not ours to change
+
+
+def pytest_sessionstart(session):
+    """In one xdist worker (gw0, which lives until the run ends): the session renicer above."""
+    workerinput = getattr(session.config, "workerinput", None)
+    if workerinput is None or workerinput.get("workerid") != "gw0":
+        return
+    if not os.path.exists("/proc/self/autogroup"):
+        return  # no autogroup scheduling: the processes' own niceness already counts
+    import threading
+
+    stop = threading.Event()
+    thread = threading.Thread(target=_renice_background_sessions, args=(stop, os.getsid(0)),
+                              name="renice-background-sessions", daemon=True)
+    thread.start()
+    session.config._renice_stop = stop
+
+
+def pytest_sessionfinish(session):
+    stop = getattr(session.config, "_renice_stop", None)
+    if stop is not None:
+        stop.set()
