@@ -45,6 +45,10 @@ BACKGROUND_NICE = 10
 #: Where the fault-marked tests are: one scheduling unit under ``--dist loadfile`` (a worker runs
 #: them in turn). A fault-marked test elsewhere is refused at collection.
 SERIAL_FILES = ("tests/fault/", "tests/integration/test_demo.py")
+#: Files under ``tests/fault/`` (they use its ``robust_run``) that inject no fault and keep the
+#: watchdog's default, generous timeouts: elastic relaunches at another size. They run beside the
+#: fault tier like any integration test (and must not be fault-marked).
+NOT_SERIAL = ("tests/fault/test_megatron_elastic.py", "tests/fault/test_megatron_elastic_3d.py")
 
 #: Files that take longest (seconds measured under ``make test``); they are scheduled first.
 LONG_FILES = ("tests/fault/test_multinode.py", "tests/fault/test_memory_restore.py",
@@ -57,7 +61,7 @@ def _concurrent(config) -> bool:
 
 
 def _serial(path: str) -> bool:
-    return any(path == f or (f.endswith("/") and path.startswith(f)) for f in SERIAL_FILES)
+    return path not in NOT_SERIAL and any(path == f or (f.endswith("/") and path.startswith(f)) for f in SERIAL_FILES)
 
 
 def pytest_collection_modifyitems(session, config, items):

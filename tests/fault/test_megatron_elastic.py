@@ -28,7 +28,7 @@ import pytest
 from conftest import robust_run
 
 pytest.importorskip("megatron.core")
-pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 SCRIPT = ["-m", "robust_plugins.recipes.megatron_gpt.train", "--preset", "cpu-tiny", "--distributed-optimizer",
           "--steps", "12", "--save-every", "4", "--global-batch", "16", "--log-every", "0"]

@@ -19,7 +19,7 @@ import pytest
 from conftest import robust_run
 
 pytest.importorskip("megatron.core")
-pytestmark = [pytest.mark.fault, pytest.mark.integration]
+pytestmark = [pytest.mark.integration]
 
 SCRIPT = ["-m", "robust_plugins.recipes.megatron_gpt.train", "--preset", "cpu-3d", "--steps", "8",
           "--save-every", "4", "--global-batch", "16", "--log-every", "0"]
