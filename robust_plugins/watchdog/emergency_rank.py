@@ -124,7 +124,11 @@ def on_emergency(save: Any) -> None:
 
 
 class _Listener:
-    """A daemon thread on its own datagram socket, where the monitor asks for the save."""
+    """A daemon thread on its own datagram socket, where the monitor asks for the save.
+
+    The thread blocks in ``recv`` for the whole life of the rank; the socket's timeout is never
+    changed (a timeout set while the thread entered ``recv`` once ended the thread after 10 s
+    without an ask, and a later ask went unanswered). Sends wait for room by polling instead."""
 
     def __init__(self, client: _Client) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -134,22 +138,33 @@ class _Listener:
         self._thread.start()
 
     def send(self, client: _Client, msg: dict[str, Any]) -> None:
+        """Send ``msg`` from this socket, waiting up to ``WAIT_SEND_S`` for room at the monitor."""
         msg.update(r=client.rank, i=client.incarnation, t=time.time())
-        try:
-            self.sock.settimeout(WAIT_SEND_S)
-            self.sock.sendto(json.dumps(msg).encode(), client.address)
-        except OSError as exc:
+        data = json.dumps(msg).encode()
+        deadline = time.monotonic() + WAIT_SEND_S
+        while True:
+            try:
+                self.sock.sendto(data, socket.MSG_DONTWAIT, client.address)
+                return
+            except BlockingIOError:
+                if time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                exc: OSError = TimeoutError(f"no room at the monitor for {WAIT_SEND_S:g} s")
+            except OSError as err:
+                exc = err
             log.warning("robust watchdog: rank %d could not register its emergency saver with the node "
                         "monitor (%s)", client.rank, exc)
-        finally:
-            self.sock.settimeout(None)
+            return
 
     def _loop(self, client: _Client) -> None:
         while True:
             try:
                 msg = json.loads(self.sock.recv(4096))
-            except (OSError, ValueError):
-                return
+            except (ValueError, TimeoutError):
+                continue  # not ours; or a timeout someone set on the socket: keep listening
+            except OSError:
+                return  # the socket is closed
             if msg.get("k") == "emerg_now":
                 _save_when_asked(client)
 

@@ -266,3 +266,32 @@ def test_the_monitor_path_saves_only_a_state_the_device_had_finished(monkeypatch
             assert "had not finished the work queued before step 5" in end["error"]
     assert saved == [5]
     assert "emergency save of step 5 done" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_a_listener_answers_an_ask_that_comes_long_after_its_registration(monkeypatch, tmp_path):
+    # The rank's real listener: it registers (a send that may wait for room), then an ask comes
+    # later than that wait's bound (a loaded machine's slow steps). Its thread must still read it.
+    from robust_plugins.watchdog import emergency_rank
+
+    monkeypatch.setattr(emergency_rank, "WAIT_SEND_S", 0.2)
+    monitor_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    monitor_sock.bind(str(tmp_path / "monitor.sock"))
+    monitor_sock.settimeout(10)
+    client = _FakeClient()
+    client.address = str(tmp_path / "monitor.sock")
+    asked = []
+    monkeypatch.setattr(emergency_rank, "_save_when_asked", asked.append)
+    for _ in range(5):  # each a fresh listener: its thread may enter recv during the send
+        listener = emergency_rank._Listener(client)
+        listener.send(client, {"k": "emerg", "phase": "registered", "via": "monitor"})
+        registration, addr = monitor_sock.recvfrom(4096)
+        assert json.loads(registration)["phase"] == "registered" and addr
+        time.sleep(0.5)  # past WAIT_SEND_S
+        monitor_sock.sendto(json.dumps({"k": "emerg_now"}).encode(), addr)
+        deadline = time.monotonic() + 10
+        while len(asked) < _ + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(asked) == _ + 1 and listener._thread.is_alive()
+        listener.sock.close()
+    monitor_sock.close()
