@@ -91,7 +91,7 @@ def rank_side_cost(n: int = 5000) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from robust_plugins.watchdog import client
+    from robust_plugins.watchdog import client, protocol
     from robust_plugins.watchdog.ring import RingReader
 
     out: dict[str, float] = {}
@@ -100,9 +100,9 @@ def rank_side_cost(n: int = 5000) -> dict[str, float]:
         srv = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM)
         srv.bind(path)  # receives the hello; steps go to the ring
         ring = RingReader.create(os.path.join(tmp, "ring0"))
-        os.environ.update({client.ENV_SOCKET: path, client.ENV_RING: os.path.join(tmp, "ring"),
-                           client.ENV_STRAGGLER: "1", "RANK": "0"})
-        os.environ.pop(client.ENV_RUN_DIR, None)
+        os.environ.update({protocol.ENV_SOCKET: path, protocol.ENV_RING: os.path.join(tmp, "ring"),
+                           protocol.ENV_STRAGGLER: "1", "RANK": "0"})
+        os.environ.pop(protocol.ENV_RUN_DIR, None)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
             t = torch.zeros(1024)

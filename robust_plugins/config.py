@@ -20,7 +20,7 @@ Environment variables (all in one place, all with the ``ROBUST_`` prefix). Set b
 ``ROBUST_WATCHDOG_NO_PYSPY=1`` hang stacks via faulthandler instead of py-spy
 =============================  ======================================================================
 
-Set by ``robust run`` for its ranks (read by ``robust_plugins.watchdog.client``; not for users):
+Set by ``robust run`` for its ranks (named in ``robust_plugins.watchdog.protocol``; not for users):
 ``ROBUST_WATCHDOG_SOCKET``, ``ROBUST_WATCHDOG_RING`` (path prefix of the ranks' shared-memory
 step rings), ``ROBUST_RUN_DIR``, ``ROBUST_INJECT``, ``ROBUST_INCARNATION``,
 ``ROBUST_SDC_EVERY``, ``ROBUST_ROLLBACK_MAX_STEP`` (newest step a rollback's ranks may restore

@@ -36,7 +36,7 @@ from robust_plugins.telemetry.sinks import JsonlSink, WandbSink, read_records
 
 log = get_logger(__name__)
 
-ENV_RUN_DIR = "ROBUST_RUN_DIR"        # set by `robust run` (watchdog/client.py)
+ENV_RUN_DIR = "ROBUST_RUN_DIR"        # set by `robust run` (watchdog/protocol.py)
 ENV_INCARNATION = "ROBUST_INCARNATION"
 DEFAULT_DIR = "robust_telemetry"
 

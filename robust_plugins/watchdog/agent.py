@@ -36,11 +36,11 @@ from typing import Any
 from robust_plugins._logging import get_logger
 from robust_plugins.watchdog import completion
 from robust_plugins.watchdog.detect import restart_delay
-from robust_plugins.watchdog.client import ENV_LAUNCH_WORLD
 from robust_plugins.watchdog.jobfaults_sync import STORE_TIMEOUT_S, JobFaultView
 from robust_plugins.watchdog.monitor import Monitor
 from robust_plugins.watchdog.nodes import (NodeExcluded, NodeRegistry, exchange_hang_views, exiting_ranks,
                                            node_blame)
+from robust_plugins.watchdog.protocol import ENV_LAUNCH_WORLD
 from robust_plugins.watchdog.standby import StandbyPool, target_of
 
 log = get_logger(__name__)

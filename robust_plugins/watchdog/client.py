@@ -46,18 +46,23 @@ from robust_plugins.watchdog.inject_rank import (  # noqa: F401  (re-exported: t
     _hang_in_syscall,
 )
 from robust_plugins.watchdog.param_hash import hash_message, minority_ranks, param_hash  # noqa: F401  (tests name it here)
+from robust_plugins.watchdog.protocol import (
+    ENV_INCARNATION,
+    ENV_INJECT,
+    ENV_LAUNCH_WORLD,
+    ENV_RING,
+    ENV_RUN_DIR,
+    ENV_SDC_EVERY,
+    ENV_SKIP,
+    ENV_SOCKET,
+    ENV_SPIKE,
+    ENV_STRAGGLER,
+    parse_skip_steps,
+    ring_path,
+)
 from robust_plugins.watchdog.ring import RingError, RingWriter
 
 log = get_logger(__name__)
-
-ENV_SOCKET = "ROBUST_WATCHDOG_SOCKET"
-ENV_RING = "ROBUST_WATCHDOG_RING"
-ENV_RUN_DIR = "ROBUST_RUN_DIR"
-ENV_INJECT = "ROBUST_INJECT"
-ENV_INCARNATION = "ROBUST_INCARNATION"
-ENV_SDC_EVERY = "ROBUST_SDC_EVERY"
-ENV_STRAGGLER = "ROBUST_STRAGGLER"
-ENV_SKIP = "ROBUST_SKIP_STEPS"
 
 #: A check sends every rank's hash (the evidence) up to this many ranks (16 bytes each; a unix
 #: datagram holds ~200 KB, but a short one is read without a second copy).
@@ -97,7 +102,7 @@ class _Client:
         self.last_comm_s = 0.0
         self.slow_s = 0.0
         self.skip_steps = parse_skip_steps(os.environ.get(ENV_SKIP, ""))
-        self.spikes = _hold.SpikeWatch(os.environ.get(_hold.ENV_SPIKE, ""))
+        self.spikes = _hold.SpikeWatch(os.environ.get(ENV_SPIKE, ""))
         self.step_times: list[float] = []
         """This rank's latest step times (the learned hang timeout's input), for checkpoints."""
         self.intervals = 0
@@ -127,7 +132,7 @@ class _Client:
         prefix = os.environ.get(ENV_RING)
         if not prefix:
             return None  # a monitor without rings (it logged why): a datagram a step
-        path = f"{prefix}{self.rank}"
+        path = ring_path(prefix, self.rank)
         try:
             return RingWriter(path)
         except (OSError, RingError) as exc:
@@ -356,11 +361,6 @@ def load_state_dict(state: dict[str, Any] | None) -> None:
     c.send({"k": "history", "times": times}, wait=True)
 
 
-def parse_skip_steps(text: str) -> frozenset[int]:
-    """``"25,40"`` -> ``{25, 40}`` (the ``ROBUST_SKIP_STEPS`` value ``robust run`` sets)."""
-    return frozenset(int(x) for x in text.split(",") if x.strip())
-
-
 def _device_mark():
     """An event on this thread's current CUDA stream, recorded now (no wait); None without CUDA."""
     from robust_plugins.device import current_stream, record_event, thread_device
@@ -477,11 +477,6 @@ def ok_to_save(step: int, timeout_s: float = OK_TO_SAVE_TIMEOUT_S) -> bool:
     return client.ok_to_save(int(step), timeout_s)
 
 
-#: Set by ``robust run`` for every incarnation: the world size of the job's first incarnation on
-#: this node's agent (what the job was planned with), to say how accumulation changed.
-ENV_LAUNCH_WORLD = "ROBUST_LAUNCH_WORLD_SIZE"
-
-
 def grad_accumulation(global_batch: int, micro_batch: int, world_size: int | None = None) -> int:
     """Micro-batches per optimizer step that keep ``global_batch`` samples a step at this world size.
 
@@ -516,8 +511,3 @@ def grad_accumulation(global_batch: int, micro_batch: int, world_size: int | Non
               f"{accum} (was {before}) keeps the global batch of {global_batch} samples "
               f"({micro_batch} a micro-batch)", file=sys.stderr, flush=True)
     return accum
-
-
-#: Set by ``robust run``: seconds a rank may spend in its emergency save (``emergency_save_timeout_s``;
-#: the saver itself is :mod:`.emergency_rank`).
-ENV_EMERGENCY_TIMEOUT = "ROBUST_EMERGENCY_TIMEOUT_S"

@@ -39,7 +39,8 @@ import time
 from typing import Any
 
 from robust_plugins._logging import get_logger
-from robust_plugins.watchdog.client import ENV_EMERGENCY_TIMEOUT, WAIT_SEND_S, _Client, get_client
+from robust_plugins.watchdog.client import WAIT_SEND_S, _Client, get_client
+from robust_plugins.watchdog.protocol import ENV_EMERGENCY_TIMEOUT
 
 log = get_logger(__name__)
 

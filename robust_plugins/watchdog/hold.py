@@ -36,10 +36,6 @@ ANSWER_TIMEOUT_S = 10.0
 HOLD_MAX_S = 120.0
 
 
-#: ``robust run`` sets it for the ranks: the monitor's spike rule, ``"factor,window,warmup"``.
-ENV_SPIKE = "ROBUST_SPIKE"
-
-
 class SpikeWatch:
     """The monitor's spike rule (:class:`~robust_plugins.watchdog.detect.RunningMedian`, same
     factor, window and warm-up) on this rank's own values, so that the rank holds at the step the

@@ -23,8 +23,8 @@ from typing import Any, Iterable
 from robust_plugins._logging import get_logger
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.watchdog import flight as _flight
-from robust_plugins.watchdog import hold as _hold
 from robust_plugins.watchdog import inject as _inject
+from robust_plugins.watchdog import protocol as _protocol
 from robust_plugins.watchdog import ring as _ring
 from robust_plugins.watchdog.detect import STEP_WINDOW, RunningMedian
 from robust_plugins.watchdog.faults import Fault, FaultLog
@@ -35,10 +35,6 @@ from robust_plugins.watchdog.monitor_ipc import _RECV_POLL_S, _MonitorIPC
 from robust_plugins.watchdog.monitor_state import _RankState
 
 log = get_logger(__name__)
-
-#: Set for the ranks of an incarnation started by a rollback: the newest step they may restore.
-ENV_ROLLBACK_MAX_STEP = "ROBUST_ROLLBACK_MAX_STEP"
-
 
 class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergency):
     """Fault detection for the ranks of one node (transport, detectors, fault log and emergency
@@ -131,20 +127,19 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
 
         With ``ranks`` (the global ranks about to start on this node) it also creates their step
         rings; without, the ranks send a datagram a step."""
-        from robust_plugins.watchdog import client
-
         return {
-            client.ENV_SOCKET: self.address,
-            client.ENV_RING: self._create_rings(ranks) if ranks is not None else "",
-            client.ENV_RUN_DIR: str(self.run_dir),
-            client.ENV_INJECT: _inject.to_env(self.pending_injections),
-            client.ENV_INCARNATION: str(self.incarnation + 1),
-            client.ENV_SDC_EVERY: str(self.cfg.sdc_every_steps),
-            client.ENV_STRAGGLER: "1" if self.cfg.straggler_factor > 0 else "0",
-            client.ENV_SKIP: ",".join(str(s) for s in sorted(self.skip_steps)),
-            client.ENV_EMERGENCY_TIMEOUT: str(self.cfg.emergency_save_timeout_s),
-            ENV_ROLLBACK_MAX_STEP: self._rollback_max_step(),
-            _hold.ENV_SPIKE: f"{self.cfg.spike_factor:g},{self.cfg.spike_window},{self.cfg.spike_warmup_steps}",
+            _protocol.ENV_SOCKET: self.address,
+            _protocol.ENV_RING: self._create_rings(ranks) if ranks is not None else "",
+            _protocol.ENV_RUN_DIR: str(self.run_dir),
+            _protocol.ENV_INJECT: _inject.to_env(self.pending_injections),
+            _protocol.ENV_INCARNATION: str(self.incarnation + 1),
+            _protocol.ENV_SDC_EVERY: str(self.cfg.sdc_every_steps),
+            _protocol.ENV_STRAGGLER: "1" if self.cfg.straggler_factor > 0 else "0",
+            _protocol.ENV_SKIP: _protocol.format_skip_steps(self.skip_steps),
+            _protocol.ENV_EMERGENCY_TIMEOUT: str(self.cfg.emergency_save_timeout_s),
+            _protocol.ENV_ROLLBACK_MAX_STEP: self._rollback_max_step(),
+            _protocol.ENV_SPIKE: (f"{self.cfg.spike_factor:g},{self.cfg.spike_window},"
+                                  f"{self.cfg.spike_warmup_steps}"),
             # The flight recorder records nothing by default; the hang verdict on NCCL needs it.
             **_flight.recorder_env(os.environ),
         }

@@ -13,6 +13,7 @@ from robust_plugins.watchdog import inject as _inject
 from robust_plugins.watchdog import ring as _ring
 from robust_plugins.watchdog.detect import STEP_WINDOW
 from robust_plugins.watchdog.faults import Fault
+from robust_plugins.watchdog.protocol import ring_path
 
 # The monitor's logger: every line of the node monitor carries one name in monitor.log.
 log = get_logger("robust_plugins.watchdog.monitor")
@@ -38,7 +39,7 @@ class _MonitorIPC:
             prefix = _ring.ring_prefix(self._ring_dir, self._ring_seq)
             try:
                 for r in ranks:
-                    self._pending_rings[int(r)] = _ring.RingReader.create(f"{prefix}{r}", self.ring_entries)
+                    self._pending_rings[int(r)] = _ring.RingReader.create(ring_path(prefix, r), self.ring_entries)
             except (OSError, ValueError) as exc:
                 self._close_rings(self._pending_rings)
                 self._pending_rings = {}

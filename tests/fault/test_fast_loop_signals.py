@@ -13,7 +13,7 @@ import pytest
 from conftest import robust_run
 
 from robust_plugins.config import WatchdogConfig
-from robust_plugins.watchdog import client
+from robust_plugins.watchdog import protocol
 from robust_plugins.watchdog.monitor import Monitor
 
 pytestmark = [pytest.mark.fault]
@@ -43,7 +43,7 @@ def test_a_nan_in_a_fast_loop_is_found_at_its_step_and_every_step_is_accounted_f
     try:
         env = dict(os.environ)
         env.update(mon.worker_env([0, 1]))
-        env[client.ENV_INCARNATION] = "0"
+        env[protocol.ENV_INCARNATION] = "0"
         out = str(tmp_path / "rank")
         for r in (0, 1):
             procs.append(subprocess.Popen(

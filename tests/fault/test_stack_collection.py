@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from robust_plugins.watchdog import client, stacks
+from robust_plugins.watchdog import protocol, stacks
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(60)]
 
@@ -31,7 +31,7 @@ def hung_rank(tmp_path, request):
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     srv.bind(address)
     srv.settimeout(30)
-    env = {**os.environ, client.ENV_SOCKET: address, client.ENV_RUN_DIR: str(tmp_path), "RANK": "0"}
+    env = {**os.environ, protocol.ENV_SOCKET: address, protocol.ENV_RUN_DIR: str(tmp_path), "RANK": "0"}
     proc = subprocess.Popen([sys.executable, "-c", HUNG, request.param], env=env, stdin=subprocess.DEVNULL)
     try:
         hello = json.loads(srv.recv(65536))

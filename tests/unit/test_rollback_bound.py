@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 from robust_plugins.checkpoint import store
 from robust_plugins.config import WatchdogConfig
-from robust_plugins.watchdog.monitor import ENV_ROLLBACK_MAX_STEP, Monitor
+from robust_plugins.watchdog import protocol
+from robust_plugins.watchdog.monitor import Monitor
 
 from test_checkpoint import EXPECT, make_ckpt
 
@@ -42,26 +43,26 @@ def test_the_bound_holds_when_the_nan_is_seen_after_the_last_step_and_across_a_c
     mon = Monitor(WatchdogConfig(), tmp_path, host="h")
     tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
-        assert mon.worker_env()[ENV_ROLLBACK_MAX_STEP] == ""
+        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
         mon.begin_incarnation({0: 100, 1: 101})
         # NaN at the second-to-last step; both ranks finish and exit before the monitor looks.
         _run(mon, tx, 0, 1, 16, nan_at=15, exit_=True)
         fault = mon.check(will_restart=True)
         assert (fault.kind, fault.step, fault.action) == ("nan", 15, "rollback")
-        assert mon.worker_env()[ENV_ROLLBACK_MAX_STEP] == "14"
+        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
         # The restarted ranks crash before reporting a step: the crash replaces the pending
         # fault, but memory still holds the snapshots of steps 15 and 16.
         mon.begin_incarnation({0: 200, 1: 201})
         crash = mon.on_crash({1: SimpleNamespace(exitcode=1, timestamp=0)}, will_restart=True)
         assert crash.kind == "crash"
-        assert mon.worker_env()[ENV_ROLLBACK_MAX_STEP] == "14"
+        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
         # The next incarnation restores 14 and runs on: up to one step past the faulty ranks'
         # newest (a stopped rank may have snapshotted it without reporting) the bound stays.
         mon.begin_incarnation({0: 300, 1: 301})
         _run(mon, tx, 2, 15, 17)
-        assert mon.worker_env()[ENV_ROLLBACK_MAX_STEP] == "14"
+        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
         _run(mon, tx, 2, 18, 18)
-        assert mon.worker_env()[ENV_ROLLBACK_MAX_STEP] == ""
+        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
     finally:
         tx.close()
         mon.close()
@@ -75,12 +76,12 @@ def test_steps_the_faulty_ranks_report_after_the_fault_extend_the_bad_range(tmp_
         _run(mon, tx, 0, 1, 6, nan_at=5)
         assert mon.check(will_restart=True).step == 5
         _run(mon, tx, 0, 7, 9)  # not yet stopped: their snapshots of 7..9 hold the bad state too
-        assert mon.worker_env()[ENV_ROLLBACK_MAX_STEP] == "4"
+        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "4"
         mon.begin_incarnation({0: 200, 1: 201})
         _run(mon, tx, 1, 5, 10)
-        assert mon.worker_env()[ENV_ROLLBACK_MAX_STEP] == "4"
+        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "4"
         _run(mon, tx, 1, 11, 11)
-        assert mon.worker_env()[ENV_ROLLBACK_MAX_STEP] == ""
+        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
     finally:
         tx.close()
         mon.close()

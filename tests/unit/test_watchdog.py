@@ -11,7 +11,7 @@ import pytest
 
 from robust_plugins.config import PluginConfig, WatchdogConfig
 from robust_plugins.errors import ConfigError, RobustPluginsError
-from robust_plugins.watchdog import client, detect, hold, inject
+from robust_plugins.watchdog import client, detect, hold, inject, protocol
 from robust_plugins.watchdog.faults import Fault, FaultLog, read_faults
 from _wait import wait_for as _wait_for
 
@@ -251,7 +251,7 @@ def test_fault_log_writes_one_json_object_a_line_with_the_documented_keys(tmp_pa
 
 # -- client ----------------------------------------------------------------------------------------
 def test_step_end_is_a_noop_outside_robust_run(monkeypatch):
-    monkeypatch.delenv(client.ENV_SOCKET, raising=False)
+    monkeypatch.delenv(protocol.ENV_SOCKET, raising=False)
     monkeypatch.setattr(client, "_client", None)
     monkeypatch.setattr(client, "_checked", False)
     client.step_end(1, loss=1.0)
@@ -264,10 +264,10 @@ def test_step_end_sends_datagrams_and_nan_and_spike_injections_change_reported_v
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     srv.bind(path)
     srv.settimeout(5)
-    monkeypatch.setenv(client.ENV_SOCKET, path)
-    monkeypatch.setenv(client.ENV_INJECT, "nan:rank=0,step=2;spike:rank=0,step=3,what=grad_norm")
+    monkeypatch.setenv(protocol.ENV_SOCKET, path)
+    monkeypatch.setenv(protocol.ENV_INJECT, "nan:rank=0,step=2;spike:rank=0,step=3,what=grad_norm")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.delenv(client.ENV_RUN_DIR, raising=False)
+    monkeypatch.delenv(protocol.ENV_RUN_DIR, raising=False)
     monkeypatch.setattr(client, "_client", None)
     monkeypatch.setattr(client, "_checked", False)
     monkeypatch.setattr(client, "_die_with_parent", lambda: None)
@@ -450,7 +450,7 @@ def test_injections_fired_after_a_detected_fault_are_armed_again(tmp_path):
         fault = mon.check(will_restart=True)
         assert (fault.kind, fault.step) == ("nan", 25)
         assert mon.pending_injections == [inj[1]]  # the spike at 28 fires again; the NaN does not
-        assert "spike:rank=0,step=28" in mon.worker_env()[client.ENV_INJECT]
+        assert "spike:rank=0,step=28" in mon.worker_env()[protocol.ENV_INJECT]
     finally:
         mon.close()
 
@@ -464,8 +464,8 @@ def test_ok_to_save_waits_for_every_rank_and_says_no_after_a_fault(tmp_path, mon
     from robust_plugins.watchdog.monitor import Monitor
 
     monkeypatch.setattr(client, "_die_with_parent", lambda: None)
-    monkeypatch.delenv(client.ENV_RUN_DIR, raising=False)
-    monkeypatch.delenv(client.ENV_INJECT, raising=False)
+    monkeypatch.delenv(protocol.ENV_RUN_DIR, raising=False)
+    monkeypatch.delenv(protocol.ENV_INJECT, raising=False)
     mon = Monitor(WatchdogConfig(), tmp_path, host="h")
     stop = threading.Event()
 
@@ -478,7 +478,7 @@ def test_ok_to_save_waits_for_every_rank_and_says_no_after_a_fault(tmp_path, mon
     clients = {}
     for r in (0, 1):
         monkeypatch.setenv("RANK", str(r))
-        monkeypatch.setenv(client.ENV_INCARNATION, "0")
+        monkeypatch.setenv(protocol.ENV_INCARNATION, "0")
         clients[r] = client._Client(mon.address)
     answers = {}
     loop = threading.Thread(target=agent, daemon=True)

@@ -16,7 +16,7 @@ import pytest
 
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.errors import RobustPluginsError
-from robust_plugins.watchdog import client, hold, ring
+from robust_plugins.watchdog import client, hold, protocol, ring
 from robust_plugins.watchdog.monitor import Monitor
 from robust_plugins.watchdog.ring import RingError, RingReader, RingWriter
 
@@ -135,9 +135,9 @@ def test_sweep_removes_only_rings_of_launchers_that_are_gone(tmp_path):
 @pytest.fixture
 def ring_env(tmp_path, monkeypatch):
     monkeypatch.setattr(client, "_die_with_parent", lambda: None)
-    for var in (client.ENV_RUN_DIR, client.ENV_INJECT, client.ENV_STRAGGLER):
+    for var in (protocol.ENV_RUN_DIR, protocol.ENV_INJECT, protocol.ENV_STRAGGLER):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv(client.ENV_INCARNATION, "0")
+    monkeypatch.setenv(protocol.ENV_INCARNATION, "0")
     # A NaN's rank asks the monitor whether it is being stopped (hold.py); where a test drives
     # the monitor's checks itself, nobody answers during step_end: wait briefly, not 10 s.
     monkeypatch.setattr(hold, "ANSWER_TIMEOUT_S", 0.1)
@@ -148,9 +148,9 @@ def ring_env(tmp_path, monkeypatch):
         clients = {}
         for r in ranks:
             monkeypatch.setenv("RANK", str(r))
-            monkeypatch.setenv(client.ENV_RING, env[client.ENV_RING])
+            monkeypatch.setenv(protocol.ENV_RING, env[protocol.ENV_RING])
             clients[r] = client._Client(mon.address)
-        return env[client.ENV_RING], clients
+        return env[protocol.ENV_RING], clients
 
     return start
 
@@ -256,7 +256,7 @@ def test_a_ranks_spike_holds_it_until_stopped_and_a_later_question_is_answered_a
     (hold.py); a rank that asks after the check found the fault is answered at once."""
     cfg = WatchdogConfig(spike_factor=5, spike_window=8, spike_warmup_steps=3)
     mon = Monitor(cfg, tmp_path, host="h")
-    monkeypatch.setenv(hold.ENV_SPIKE, mon.worker_env([0, 1])[hold.ENV_SPIKE])
+    monkeypatch.setenv(protocol.ENV_SPIKE, mon.worker_env([0, 1])[protocol.ENV_SPIKE])
     monkeypatch.setattr(hold, "HOLD_MAX_S", 0.3)
     _, clients = ring_env(mon, [0, 1])
     with _agent(mon, clients) as found:
@@ -297,7 +297,7 @@ def test_a_rank_warns_once_when_the_monitor_stops_reading(tmp_path, ring_env, mo
 def test_a_rank_without_its_ring_file_says_so_and_sends_datagrams(tmp_path, ring_env, monkeypatch, caplog):
     mon = Monitor(WatchdogConfig(), tmp_path, host="h")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv(client.ENV_RING, str(tmp_path / "no-such-ring-"))
+    monkeypatch.setenv(protocol.ENV_RING, str(tmp_path / "no-such-ring-"))
     mon.begin_incarnation({0: os.getpid()})
     try:
         with caplog.at_level("WARNING", logger="robust_plugins"):

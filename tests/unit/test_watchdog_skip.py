@@ -11,7 +11,7 @@ import pytest
 
 from robust_plugins.config import PluginConfig, WatchdogConfig
 from robust_plugins.errors import ConfigError
-from robust_plugins.watchdog import client, inject
+from robust_plugins.watchdog import client, inject, protocol
 from _wait import wait_for as _wait_for
 
 
@@ -35,12 +35,12 @@ def test_a_step_that_spikes_in_two_incarnations_is_recorded_and_handed_to_the_ne
         _spike_run(mon, tx, 0, spike_step=6, upto=7)
         first = mon.check(will_restart=True)
         assert (first.kind, first.step, first.detail["skip_batch"]) == ("spike", 6, False)
-        assert mon.worker_env()[client.ENV_SKIP] == "" and not (tmp_path / "skip_steps.json").exists()
+        assert mon.worker_env()[protocol.ENV_SKIP] == "" and not (tmp_path / "skip_steps.json").exists()
         _spike_run(mon, tx, 1, spike_step=6, upto=7)  # the replay spikes again: the batch is bad
         second = mon.check(will_restart=True)
         assert (second.kind, second.step, second.detail["skip_batch"]) == ("spike", 6, True)
         assert "skip its batch" in second.detail["reason"]
-        assert mon.worker_env()[client.ENV_SKIP] == "6"
+        assert mon.worker_env()[protocol.ENV_SKIP] == "6"
     finally:
         tx.close()
         mon.close()
@@ -48,7 +48,7 @@ def test_a_step_that_spikes_in_two_incarnations_is_recorded_and_handed_to_the_ne
     # A relaunch with the same run directory keeps skipping it.
     again = Monitor(cfg, tmp_path, host="h")
     try:
-        assert again.worker_env()[client.ENV_SKIP] == "6"
+        assert again.worker_env()[protocol.ENV_SKIP] == "6"
     finally:
         again.close()
 
@@ -62,7 +62,7 @@ def test_spike_skip_batch_off_never_skips(tmp_path):
         for inc in (0, 1):
             _spike_run(mon, tx, inc, spike_step=6, upto=7)
             assert mon.check(will_restart=True).detail["skip_batch"] is False
-        assert mon.worker_env()[client.ENV_SKIP] == ""
+        assert mon.worker_env()[protocol.ENV_SKIP] == ""
     finally:
         tx.close()
         mon.close()
@@ -71,12 +71,12 @@ def test_spike_skip_batch_off_never_skips(tmp_path):
 
 
 def test_skip_batch_is_false_outside_robust_run_and_reads_the_steps_inside(monkeypatch):
-    monkeypatch.delenv(client.ENV_SOCKET, raising=False)
-    monkeypatch.setenv(client.ENV_SKIP, "6")
+    monkeypatch.delenv(protocol.ENV_SOCKET, raising=False)
+    monkeypatch.setenv(protocol.ENV_SKIP, "6")
     assert client.skip_batch(6) is False
-    monkeypatch.setenv(client.ENV_SOCKET, "/nonexistent/monitor.sock")
+    monkeypatch.setenv(protocol.ENV_SOCKET, "/nonexistent/monitor.sock")
     assert client.skip_batch(6) is True and client.skip_batch(7) is False
-    assert client.parse_skip_steps("25, 40,") == {25, 40}
+    assert protocol.parse_skip_steps("25, 40,") == {25, 40}
 
 
 def test_badbatch_fires_on_every_replay_but_not_on_a_skipped_batch(tmp_path, monkeypatch):
@@ -86,14 +86,14 @@ def test_badbatch_fires_on_every_replay_but_not_on_a_skipped_batch(tmp_path, mon
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     srv.bind(path)
     srv.settimeout(5)
-    monkeypatch.setenv(client.ENV_SOCKET, path)
-    monkeypatch.setenv(client.ENV_INJECT, bad.spec())
+    monkeypatch.setenv(protocol.ENV_SOCKET, path)
+    monkeypatch.setenv(protocol.ENV_INJECT, bad.spec())
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.delenv(client.ENV_RUN_DIR, raising=False)
+    monkeypatch.delenv(protocol.ENV_RUN_DIR, raising=False)
     monkeypatch.setattr(client, "_die_with_parent", lambda: None)
     try:
         for skip, expect in (("", 2000.0), ("3", None)):
-            monkeypatch.setenv(client.ENV_SKIP, skip)
+            monkeypatch.setenv(protocol.ENV_SKIP, skip)
             monkeypatch.setattr(client, "_client", None)
             monkeypatch.setattr(client, "_checked", False)
             client.step_end(3, loss=None if skip else 2.0)

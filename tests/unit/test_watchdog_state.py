@@ -10,12 +10,12 @@ import time
 import torch
 
 from robust_plugins.config import WatchdogConfig
-from robust_plugins.watchdog import client, detect
+from robust_plugins.watchdog import client, detect, protocol
 from _wait import wait_for as _wait_for
 
 
 def test_state_is_empty_outside_robust_run(monkeypatch):
-    monkeypatch.delenv(client.ENV_SOCKET, raising=False)
+    monkeypatch.delenv(protocol.ENV_SOCKET, raising=False)
     monkeypatch.setattr(client, "_client", None)
     monkeypatch.setattr(client, "_checked", False)
     assert client.state_dict() == {}
@@ -30,9 +30,9 @@ def test_saved_step_times_seed_a_fresh_monitor_and_survive_weights_only_loads(tm
     mon = Monitor(cfg, tmp_path, host="h")
     try:
         mon.begin_incarnation({0: 100, 1: 101})
-        monkeypatch.setenv(client.ENV_SOCKET, mon.address)
-        monkeypatch.delenv(client.ENV_RUN_DIR, raising=False)
-        monkeypatch.delenv(client.ENV_INJECT, raising=False)
+        monkeypatch.setenv(protocol.ENV_SOCKET, mon.address)
+        monkeypatch.delenv(protocol.ENV_RUN_DIR, raising=False)
+        monkeypatch.delenv(protocol.ENV_INJECT, raising=False)
         monkeypatch.setattr(client, "_die_with_parent", lambda: None)
         saved = {"format": 1, "step_times": [0.5] * 20}
         path = tmp_path / "ckpt.pt"

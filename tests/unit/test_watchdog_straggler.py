@@ -11,7 +11,7 @@ import pytest
 
 from robust_plugins.config import PluginConfig, WatchdogConfig
 from robust_plugins.errors import ConfigError
-from robust_plugins.watchdog import client, detect, inject
+from robust_plugins.watchdog import client, detect, inject, protocol
 from robust_plugins.watchdog.faults import read_faults
 from _wait import wait_for as _wait_for
 
@@ -67,11 +67,11 @@ def _client_with_server(tmp_path, monkeypatch, inject_spec=""):
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     srv.bind(path)
     srv.settimeout(5)
-    monkeypatch.setenv(client.ENV_SOCKET, path)
-    monkeypatch.setenv(client.ENV_INJECT, inject_spec)
-    monkeypatch.setenv(client.ENV_STRAGGLER, "1")
+    monkeypatch.setenv(protocol.ENV_SOCKET, path)
+    monkeypatch.setenv(protocol.ENV_INJECT, inject_spec)
+    monkeypatch.setenv(protocol.ENV_STRAGGLER, "1")
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.delenv(client.ENV_RUN_DIR, raising=False)
+    monkeypatch.delenv(protocol.ENV_RUN_DIR, raising=False)
     monkeypatch.setattr(client, "_client", None)
     monkeypatch.setattr(client, "_checked", False)
     monkeypatch.setattr(client, "_die_with_parent", lambda: None)
@@ -149,7 +149,7 @@ def test_monitor_reports_a_straggler_once_without_stopping_the_ranks(tmp_path):
 
     cfg = WatchdogConfig(straggler_factor=2.0, straggler_window=5)
     mon = Monitor(cfg, tmp_path, host="node7")
-    assert mon.worker_env()[client.ENV_STRAGGLER] == "1"
+    assert mon.worker_env()[protocol.ENV_STRAGGLER] == "1"
     try:
         mon.begin_incarnation({0: 100, 1: 101, 2: 102})
         tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
