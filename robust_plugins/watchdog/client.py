@@ -1,6 +1,7 @@
 """The rank side of the watchdog: step signals to the node monitor, fault injection, stack dumps.
 
-Injected faults fire in :mod:`.inject_rank`; a step with none armed costs one check here.
+Injected faults fire in :mod:`.inject_rank` (:class:`~.inject_rank.RankInjections`, which the client
+owns); a step with none armed costs one check here.
 
 Every step goes into this rank's shared-memory ring (:mod:`.ring`; its path prefix in
 ``ROBUST_WATCHDOG_RING``), which the monitor reads when it polls: a step costs a record written
@@ -39,12 +40,6 @@ from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import hold as _hold
 from robust_plugins.watchdog import inject_rank as _inject_rank
 from robust_plugins.watchdog.detect import WARM_INTERVALS
-from robust_plugins.watchdog.inject_rank import (  # noqa: F401  (re-exported: tests and stack dumps name them)
-    HANG_INJECT_MAX_S,
-    _flip_bit,
-    _hang_in_python,
-    _hang_in_syscall,
-)
 from robust_plugins.watchdog.param_hash import hash_message, minority_ranks, param_hash  # noqa: F401  (tests name it here)
 from robust_plugins.watchdog.protocol import (
     ENV_INCARNATION,
@@ -90,8 +85,6 @@ class _Client:
         self.address = address
         self.rank = int(os.environ.get("RANK", "0"))
         self.incarnation = int(os.environ.get(ENV_INCARNATION, "0"))
-        self.injections, self.param_injections = _inject_rank.armed(
-            self.rank, os.environ.get(ENV_INJECT) or None)
         self.sdc_every = int(os.environ.get(ENV_SDC_EVERY, "0") or 0)
         self.time_comm = os.environ.get(ENV_STRAGGLER, "0") == "1"
         self.comm = None
@@ -100,8 +93,9 @@ class _Client:
         self.last_step: int | None = None
         self.last_end: float | None = None
         self.last_comm_s = 0.0
-        self.slow_s = 0.0
         self.skip_steps = parse_skip_steps(os.environ.get(ENV_SKIP, ""))
+        self.injections = _inject_rank.RankInjections(
+            self.rank, os.environ.get(ENV_INJECT) or None, self.skip_steps, self.send)
         self.spikes = _hold.SpikeWatch(os.environ.get(ENV_SPIKE, ""))
         self.step_times: list[float] = []
         """This rank's latest step times (the learned hang timeout's input), for checkpoints."""
@@ -198,8 +192,8 @@ class _Client:
             if kind is not None:  # the monitor's hang verdict: do collectives block the host?
                 self.send({"k": "comm", "dev": kind}, wait=True)
             _flight.serve_if_needed(os.environ.get(ENV_RUN_DIR), self.rank)
-        if self.injections or self.slow_s:  # one check a step when nothing is armed
-            loss, grad_norm = _inject_rank.fire_at_step(self, step, loss, grad_norm)
+        if self.injections.due:  # one check a step when nothing is armed
+            loss, grad_norm = self.injections.fire_at_step(step, loss, grad_norm)
         # CLOCK_MONOTONIC: one clock for every process of the host, so the monitor can use the
         # step-end time written here as the time of progress.
         now = time.monotonic()
@@ -272,8 +266,8 @@ class _Client:
         import torch
         import torch.distributed as dist
 
-        if self.param_injections:
-            _inject_rank.fire_param_fault(self, step, params)
+        if self.injections.params:
+            self.injections.fire_param_fault(step, params)
         from robust_plugins.device import collective_device
 
         mine = param_hash(params)

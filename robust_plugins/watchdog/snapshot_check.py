@@ -34,7 +34,6 @@ from robust_plugins.checkpoint import replicas
 from robust_plugins.checkpoint.restore import rollback_bound
 from robust_plugins.watchdog import client as _client
 from robust_plugins.watchdog import hold as _hold
-from robust_plugins.watchdog import inject_rank as _inject_rank
 from robust_plugins.watchdog.param_hash import hash_message
 
 log = get_logger(__name__)
@@ -106,8 +105,9 @@ class SnapshotCheck:
         fire a parameter injection armed for ``step`` (``params()``: the parameters, in the same
         order on every replica)."""
         self.before_step()
-        if self.client.param_injections:
-            _inject_rank.fire_param_fault(self.client, step, params())
+        injections = self.client.injections
+        if injections.params:
+            injections.fire_param_fault(step, params())
 
     def close(self) -> None:
         """Close the reporting socket (the group lives as long as the process group)."""

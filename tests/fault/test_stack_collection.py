@@ -18,9 +18,9 @@ pytestmark = [pytest.mark.fault, pytest.mark.timeout(60)]
 
 HUNG = textwrap.dedent("""
     import sys
-    from robust_plugins.watchdog import client
+    from robust_plugins.watchdog import client, inject_rank
     client.step_end(1)
-    getattr(client, sys.argv[1])(60.0)
+    getattr(inject_rank, sys.argv[1])(60.0)
 """)
 
 

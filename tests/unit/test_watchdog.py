@@ -11,7 +11,7 @@ import pytest
 
 from robust_plugins.config import PluginConfig, WatchdogConfig
 from robust_plugins.errors import ConfigError, RobustPluginsError
-from robust_plugins.watchdog import client, detect, hold, inject, protocol
+from robust_plugins.watchdog import client, detect, hold, inject, inject_rank, protocol
 from robust_plugins.watchdog.faults import Fault, FaultLog, read_faults
 from _wait import wait_for as _wait_for
 
@@ -424,7 +424,7 @@ def test_bitflip_changes_the_parameter_hash_and_one_bit_only():
     before = client.param_hash(params)
     copy = [p.clone() for p in params]
     assert client.param_hash(copy) == before
-    client._flip_bit(copy[0], 20)
+    inject_rank._flip_bit(copy[0], 20)
     assert client.param_hash(copy) != before
     diff = (copy[0].view(torch.int32) ^ params[0].view(torch.int32)).tolist()
     assert diff[0] == 1 << 20 and not any(diff[1:])
