@@ -63,7 +63,7 @@ from robust_plugins.checkpoint.restore import restore_from_memory, rollback_boun
 from robust_plugins.device import device_rng_state, set_device_rng_state
 from robust_plugins.errors import CheckpointError, UnsupportedError
 from robust_plugins.patches import deepspeed_zero3 as _zero3
-from robust_plugins.watchdog import snapshot_check
+from robust_plugins.watchdog import ok_to_save, snapshot_check
 
 log = get_logger(__name__)
 
@@ -319,7 +319,7 @@ class MemorySnapshots(SnapshotBinding):
                 DiskCheckpointer(cfg, rank=self.rank, world_size=self.world,
                                  layout={**disk.layout, "format": PERSIST_FORMAT}, versions=disk.versions,
                                  group=group),
-                cfg.dir)
+                cfg.dir, ok_to_save=ok_to_save)
         # A third slot with a peer backup: the snapshot whose copy every rank holds stays while
         # newer copies are in flight (checkpoint/peer.py).
         self.store = memory.SnapshotStore(self.job, self.rank, self.world, allowed=_allowed(),

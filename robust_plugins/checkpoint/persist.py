@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from robust_plugins._logging import get_logger
 from robust_plugins.checkpoint import coord
@@ -43,10 +43,16 @@ def _write(slot: Slot, path: str) -> None:
 
 
 class SnapshotPersister:
-    """Writes committed snapshot slots as disk checkpoints (called on the snapshot thread)."""
+    """Writes committed snapshot slots as disk checkpoints (called on the snapshot thread).
 
-    def __init__(self, disk: DiskCheckpointer, root: str) -> None:
+    ``ok_to_save(step)`` says whether this rank may write ``step`` (under ``robust run``:
+    ``robust_plugins.watchdog.ok_to_save``, False once the monitor holds a fault for that step or
+    an earlier one); a step is written only when every rank of the group says True.
+    """
+
+    def __init__(self, disk: DiskCheckpointer, root: str, ok_to_save: Callable[[int], bool]) -> None:
         self.disk, self.root = disk, root
+        self.ok_to_save = ok_to_save
         self.failures: list[str] = []
         """One message per failed background save (also logged at error level)."""
         self.saved: list[dict] = []
@@ -57,9 +63,9 @@ class SnapshotPersister:
         tag = tag or f"global_step{step}"
         t0 = time.perf_counter()
         if not self._agreed_ok(step):
-            log.warning("robust_plugins: [rank %d] background save of step %d skipped: robust run's "
-                        "monitor holds a fault for this step or an earlier one (the job rolls back).",
-                        self.disk.rank, step)
+            log.warning("robust_plugins: [rank %d] background save of step %d skipped: a rank's "
+                        "ok_to_save refused it (under robust run: the monitor holds a fault for this "
+                        "step or an earlier one, and the job rolls back).", self.disk.rank, step)
             return False
         try:
             staging = self.disk.begin(self.root, tag)
@@ -81,15 +87,13 @@ class SnapshotPersister:
 
 
     def _agreed_ok(self, step: int) -> bool:
-        # The same rule as a foreground save under `robust run` (watchdog.ok_to_save): a fault
-        # is detected a little after its step, so nothing is written that a rollback would
-        # have to skip. Every rank must agree, or some would wait in the save's collectives alone.
+        # The same rule as a foreground save: a fault is detected a little after its step, so
+        # nothing is written that a rollback would have to skip. Every rank must agree, or some
+        # would wait in the save's collectives alone.
         import torch
         import torch.distributed as dist
 
-        from robust_plugins import watchdog
-
-        ok = torch.tensor([1 if watchdog.ok_to_save(step) else 0], dtype=torch.int32,
+        ok = torch.tensor([1 if self.ok_to_save(step) else 0], dtype=torch.int32,
                           device=collective_device(self.disk.group))
         if dist.is_available() and dist.is_initialized():
             work = dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.disk.group, async_op=True)
