@@ -11,10 +11,11 @@ The one call a training loop makes (a no-op outside ``robust run``)::
         if step % save_every == 0 and ok and watchdog.ok_to_save(step):
             save_checkpoint(step)
 
-Layout: :mod:`.client` (rank side; emergency saves in :mod:`.emergency_rank`), :mod:`.inject` (``--inject`` specs), :mod:`.detect` (pure
-detection logic), :mod:`.stacks` (py-spy / faulthandler), :mod:`.monitor` (node monitor),
-:mod:`.faults` (``faults.jsonl``), :mod:`.agent` (the elastic agent). ``FORMAT.md`` documents
-``faults.jsonl`` and the resume contract.
+Layout: :mod:`.client` (rank side; emergency saves in :mod:`.emergency_rank`, injected faults in
+:mod:`.inject_rank`), :mod:`.protocol` (the variables the launcher sets for the ranks),
+:mod:`.inject` (``--inject`` specs), :mod:`.detect` (pure detection logic), :mod:`.stacks`
+(py-spy / faulthandler), :mod:`.monitor` (node monitor), :mod:`.faults` (``faults.jsonl``),
+:mod:`.agent` (the elastic agent). ``FORMAT.md`` documents ``faults.jsonl`` and the resume contract.
 """
 
 from __future__ import annotations
