@@ -52,6 +52,14 @@ from robust_plugins.watchdog.protocol import (
     ENV_SOCKET,
     ENV_SPIKE,
     ENV_STRAGGLER,
+    MSG_BAD,
+    MSG_COMM,
+    MSG_END,
+    MSG_EXIT,
+    MSG_HELLO,
+    MSG_HISTORY,
+    MSG_QUERY,
+    MSG_VERDICT,
     parse_skip_steps,
     ring_path,
 )
@@ -118,7 +126,7 @@ class _Client:
         _die_with_parent()
         # Waits (bounded) for room: the monitor learns the faulthandler file from it, and removes
         # the ring's file name once the rank has mapped it.
-        self.send({"k": "hello", "pid": os.getpid(), "fh": self.fh_path, "ring": self.ring is not None},
+        self.send({"k": MSG_HELLO, "pid": os.getpid(), "fh": self.fh_path, "ring": self.ring is not None},
                   wait=True)
         atexit.register(self._bye)
 
@@ -175,7 +183,7 @@ class _Client:
         # At interpreter exit: the monitor stops expecting steps from this rank. Silent when the
         # monitor is gone (the job is over).
         try:
-            self.sock.sendto(json.dumps({"k": "exit", "r": self.rank, "i": self.incarnation,
+            self.sock.sendto(json.dumps({"k": MSG_EXIT, "r": self.rank, "i": self.incarnation,
                                          "t": time.time()}).encode(), socket.MSG_DONTWAIT, self.address)
         except OSError:
             pass
@@ -190,7 +198,7 @@ class _Client:
             self.fr_served = True
             kind = _flight.collective_device_type()
             if kind is not None:  # the monitor's hang verdict: do collectives block the host?
-                self.send({"k": "comm", "dev": kind}, wait=True)
+                self.send({"k": MSG_COMM, "dev": kind}, wait=True)
             _flight.serve_if_needed(os.environ.get(ENV_RUN_DIR), self.rank)
         if self.injections.due:  # one check a step when nothing is armed
             loss, grad_norm = self.injections.fire_at_step(step, loss, grad_norm)
@@ -219,11 +227,11 @@ class _Client:
             if bad:
                 # The fault itself: also a datagram (waiting, bounded, for room in the queue), so
                 # it reaches the monitor even if the ring were lapped before the next poll.
-                self.send({"k": "bad", "s": step, "l": loss, "g": grad_norm}, wait=True)
+                self.send({"k": MSG_BAD, "s": step, "l": loss, "g": grad_norm}, wait=True)
             if now >= self._next_beat_check:
                 self._check_monitor(now)
         else:
-            msg: dict[str, Any] = {"k": "end", "s": step, "l": loss, "g": grad_norm}
+            msg: dict[str, Any] = {"k": MSG_END, "s": step, "l": loss, "g": grad_norm}
             if wall is not None:
                 msg["w"] = wall
                 if comm is not None:
@@ -299,13 +307,13 @@ class _Client:
         stopped); None without an answer within ``timeout_s`` or where the rank cannot ask."""
         if not self.can_ask:
             return None
-        self.send({"k": "query", "s": step}, wait=True)
+        self.send({"k": MSG_QUERY, "s": step}, wait=True)
         deadline = time.monotonic() + timeout_s
         try:
             while (left := deadline - time.monotonic()) > 0:
                 self.sock.settimeout(left)
                 msg = json.loads(self.sock.recv(4096))
-                if msg.get("k") == "verdict" and msg.get("s") == step:
+                if msg.get("k") == MSG_VERDICT and msg.get("s") == step:
                     return bool(msg["ok"])
         except (socket.timeout, OSError, ValueError):
             return None
@@ -352,7 +360,7 @@ def load_state_dict(state: dict[str, Any] | None) -> None:
     times = [float(t) for t in state.get("step_times", [])][-STEP_TIMES_KEPT:]
     c.step_times = (times + c.step_times)[-STEP_TIMES_KEPT:]
     # One datagram; 512 floats as JSON fit far below the 64 KiB the monitor reads.
-    c.send({"k": "history", "times": times}, wait=True)
+    c.send({"k": MSG_HISTORY, "times": times}, wait=True)
 
 
 def _device_mark():

@@ -40,7 +40,7 @@ from typing import Any
 
 from robust_plugins._logging import get_logger
 from robust_plugins.watchdog.client import WAIT_SEND_S, _Client, get_client
-from robust_plugins.watchdog.protocol import ENV_EMERGENCY_TIMEOUT
+from robust_plugins.watchdog.protocol import ENV_EMERGENCY_TIMEOUT, MSG_EMERGENCY, MSG_EMERGENCY_NOW
 
 log = get_logger(__name__)
 
@@ -117,7 +117,7 @@ def on_emergency(save: Any) -> None:
     _emergency["save"] = save
     client.mark_steps = True  # step_end records where the device stood (the monitor path's check)
     listener = _emergency.get("listener")
-    msg = {"k": "emerg", "phase": "registered", "via": via if listener is not None else "exception"}
+    msg = {"k": MSG_EMERGENCY, "phase": "registered", "via": via if listener is not None else "exception"}
     if listener is not None:
         listener.send(client, msg)  # from the listener's socket: the monitor learns where to ask
     else:
@@ -166,7 +166,7 @@ class _Listener:
                 continue  # not ours; or a timeout someone set on the socket: keep listening
             except OSError:
                 return  # the socket is closed
-            if msg.get("k") == "emerg_now":
+            if msg.get("k") == MSG_EMERGENCY_NOW:
                 _save_when_asked(client)
 
 
@@ -207,7 +207,7 @@ def _save_when_asked(client: _Client) -> None:
     if mark is not None and not mark.query():
         why = (f"the device had not finished the work queued before step {step}'s step_end when the peer "
                f"died: that step's update may wait behind the hung collective")
-        client.send({"k": "emerg", "phase": "start", "s": step, "via": "monitor"}, wait=True)
+        client.send({"k": MSG_EMERGENCY, "phase": "start", "s": step, "via": "monitor"}, wait=True)
         _report(client, step, "monitor", {"error": why, "skipped": True}, 0.0)
         return
     _run_save(client, step, "monitor", own_stream=True)
@@ -220,7 +220,7 @@ def _run_save(client: _Client, step: int, via: str, own_stream: bool = False) ->
     timeout = float(os.environ.get(ENV_EMERGENCY_TIMEOUT, "30") or 30)
     if timeout <= 0:
         return  # emergency_save_timeout_s = 0: turned off
-    client.send({"k": "emerg", "phase": "start", "s": step, "via": via}, wait=True)
+    client.send({"k": MSG_EMERGENCY, "phase": "start", "s": step, "via": via}, wait=True)
     t0 = time.monotonic()
     outcome: dict[str, Any] = {}
     from robust_plugins.device import on_stream, set_thread_device, side_stream, thread_device
@@ -253,5 +253,5 @@ def _report(client: _Client, step: int, via: str, outcome: dict[str, Any], secon
                else "FAILED: " + outcome.get("error", "?"))
     print(f"robust_plugins: rank {client.rank} emergency save of step {step} {verdict} in {seconds} s "
           f"(via {via})", file=sys.stderr, flush=True)
-    client.send({"k": "emerg", "phase": "done", "s": step, "ok": ok, "sec": seconds, "via": via,
+    client.send({"k": MSG_EMERGENCY, "phase": "done", "s": step, "ok": ok, "sec": seconds, "via": via,
                  "error": outcome.get("error")}, wait=True)

@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable
 
 from robust_plugins.watchdog import inject as _inject
+from robust_plugins.watchdog.protocol import MSG_INJECT
 
 #: Upper bound of an injected Python hang; the monitor kills the rank long before.
 HANG_INJECT_MAX_S = 3600.0
@@ -73,7 +74,7 @@ class RankInjections:
                 loss = corrupt(loss)
             else:
                 grad_norm = corrupt(grad_norm)
-        self._send({"k": "inject", "s": step, "spec": fault.spec()}, wait=True)
+        self._send({"k": MSG_INJECT, "s": step, "spec": fault.spec()}, wait=True)
         if fault.kind == "kill":
             sys.stdout.flush()
             os.kill(os.getpid(), fault.signum)
@@ -91,7 +92,7 @@ class RankInjections:
         earlier asks for (before the parameters are hashed)."""
         if self.params and self.params[0].step <= step:
             fault = self.params.pop(0)
-            self._send({"k": "inject", "s": step, "spec": fault.spec()}, wait=True)
+            self._send({"k": MSG_INJECT, "s": step, "spec": fault.spec()}, wait=True)
             _flip_bit(params[0], int(fault.option))
 
 

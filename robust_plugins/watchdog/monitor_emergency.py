@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from robust_plugins._logging import get_logger
+from robust_plugins.watchdog.protocol import MSG_EMERGENCY_NOW
 
 log = get_logger("robust_plugins.watchdog.monitor")
 
@@ -63,7 +64,7 @@ class _MonitorEmergency:
         sent = set()
         for rank, addr in asked:
             try:
-                self._sock.sendto(json.dumps({"k": "emerg_now"}).encode(), addr)
+                self._sock.sendto(json.dumps({"k": MSG_EMERGENCY_NOW}).encode(), addr)
                 sent.add(rank)
             except OSError as exc:  # the rank is gone: its save is "not started"
                 log.warning("robust watchdog: could not ask rank %d for its emergency save: %r", rank, exc)

@@ -13,7 +13,20 @@ from robust_plugins.watchdog import inject as _inject
 from robust_plugins.watchdog import ring as _ring
 from robust_plugins.watchdog.detect import STEP_WINDOW
 from robust_plugins.watchdog.faults import Fault
-from robust_plugins.watchdog.protocol import ring_path
+from robust_plugins.watchdog.protocol import (
+    MSG_BAD,
+    MSG_COMM,
+    MSG_EMERGENCY,
+    MSG_END,
+    MSG_EXIT,
+    MSG_HASH,
+    MSG_HELLO,
+    MSG_HISTORY,
+    MSG_INJECT,
+    MSG_QUERY,
+    MSG_VERDICT,
+    ring_path,
+)
 
 # The monitor's logger: every line of the node monitor carries one name in monitor.log.
 log = get_logger("robust_plugins.watchdog.monitor")
@@ -125,7 +138,7 @@ class _MonitorIPC:
                 return
             st.last_msg_wall = msg.get("t")
             kind = msg.get("k")
-            if kind == "hello":
+            if kind == MSG_HELLO:
                 st.registered = self._uses_api = True
                 st.pid = msg.get("pid", st.pid)
                 st.fh_path = msg.get("fh")
@@ -134,11 +147,11 @@ class _MonitorIPC:
                     # Both sides have it mapped: the name can go now, so nothing is left in
                     # /dev/shm whatever happens to either process later.
                     ring.unlink()
-            elif kind == "bad":
+            elif kind == MSG_BAD:
                 # A NaN/Inf step, also in the ring: flagged at once, and never lost to a lapped ring.
                 st.registered = self._uses_api = True
                 self._note_bad_number(st, int(msg["s"]), msg.get("l"), msg.get("g"), msg["t"])
-            elif kind == "inject":
+            elif kind == MSG_INJECT:
                 st.injected = msg
                 spec = msg.get("spec")
                 fired = [i for i in self.pending_injections if i.spec() == spec]
@@ -146,18 +159,18 @@ class _MonitorIPC:
                     # A bad batch stays armed: every replay of its step fires it again.
                     self.pending_injections = [i for i in self.pending_injections if i.spec() != spec]
                     self._fired += [(self.incarnation, int(msg["s"]), i) for i in fired]
-            elif kind == "emerg":
+            elif kind == MSG_EMERGENCY:
                 before = st.emergency or {}
                 st.emergency = {k: msg.get(k) for k in ("phase", "s", "ok", "sec", "error")}
                 # Where the monitor asks the rank's listener to save (monitor_emergency), and how
                 # it may save: from the registration, kept through the later phases.
                 st.emergency["addr"] = addr if msg.get("phase") == "registered" else before.get("addr")
                 st.emergency["via"] = msg.get("via") or before.get("via")
-            elif kind == "exit":
+            elif kind == MSG_EXIT:
                 st.finished = True
-            elif kind == "comm":
+            elif kind == MSG_COMM:
                 st.device_type = msg.get("dev")
-            elif kind == "history":
+            elif kind == MSG_HISTORY:
                 # Step times a rank loaded from its checkpoint: only a launcher that has learned
                 # nothing yet uses them (its own measurements are newer), once per rank.
                 rank = msg["r"]
@@ -169,7 +182,7 @@ class _MonitorIPC:
                     log.info("robust watchdog: rank %s restored %d step times from its checkpoint "
                              "(learned hang timeout without a new warm-up)", rank,
                              len(msg.get("times", [])))
-            elif kind == "query":
+            elif kind == MSG_QUERY:
                 if addr and self._stopping == self.incarnation:
                     # The fault was found (its check has returned): the ranks are being stopped,
                     # and a rank that asks now (a NaN's rank, hold.py) must not wait for a check
@@ -177,7 +190,7 @@ class _MonitorIPC:
                     self._send_verdict(int(msg["s"]), addr, False)
                 elif addr:
                     self._queries.append((int(msg["s"]), addr))
-            elif kind == "hash":
+            elif kind == MSG_HASH:
                 key = (self.incarnation, int(msg["s"]))
                 seen = self._hash_log.setdefault(key, {})
                 for r, h in (msg.get("all") or {}).items():
@@ -198,7 +211,7 @@ class _MonitorIPC:
                     every = msg.get("every")
                     st.sdc = (int(msg["s"]), [int(r) for r in msg["bad"]], str(msg["why"]), msg["t"],
                               int(every) if isinstance(every, int) and every > 0 else None)
-            elif kind == "end":
+            elif kind == MSG_END:
                 # A step as a datagram: from a rank without a ring.
                 self._on_step(st, msg["r"], int(msg["s"]), msg.get("l"), msg.get("g"), msg.get("w"),
                               msg.get("c"), msg["t"], now)
@@ -218,6 +231,6 @@ class _MonitorIPC:
 
     def _send_verdict(self, step: int, addr: Any, ok: bool) -> None:
         try:
-            self._sock.sendto(json.dumps({"k": "verdict", "s": step, "ok": ok}).encode(), socket.MSG_DONTWAIT, addr)
+            self._sock.sendto(json.dumps({"k": MSG_VERDICT, "s": step, "ok": ok}).encode(), socket.MSG_DONTWAIT, addr)
         except OSError as exc:  # the rank is gone or its buffer is full: it will time out
             log.warning("robust watchdog: could not answer a save question of step %d: %r", step, exc)

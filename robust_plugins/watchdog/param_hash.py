@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 
+from robust_plugins.watchdog.protocol import MSG_HASH
+
 
 def param_hash(params: list) -> int:
     """A 64-bit hash (signed, to fit an int64 tensor) of the parameters' bytes, in order.
@@ -89,7 +91,7 @@ def hash_message(step: int, mine: int, hashes: dict[int, int], every: int | None
     not the watchdog's ``sdc_every_steps`` (the snapshot check runs at every snapshot); a rollback
     goes back that far. Up to ``max_sent`` replicas' hashes travel as evidence (16 bytes each)."""
     minority, reason = minority_ranks(hashes)
-    msg = {"k": "hash", "s": step, "h": f"{mine & (2**64 - 1):016x}", "bad": minority, "why": reason,
+    msg = {"k": MSG_HASH, "s": step, "h": f"{mine & (2**64 - 1):016x}", "bad": minority, "why": reason,
            "n": len(hashes)}
     if every is not None:
         msg["every"] = int(every)

@@ -1,9 +1,12 @@
 """What the launcher (agent, node monitor) and the ranks it starts agree on: the environment variables
-it sets for each incarnation and the formats of their values.
+it sets for each incarnation, the formats of their values, and the kinds of datagram they exchange.
 
-The launcher side writes these (:meth:`.monitor.Monitor.worker_env`, the agent); the rank side
-(:mod:`.client`, :mod:`.hold`, :mod:`.emergency_rank`) reads them. A leaf: it imports nothing of
-ours, so either side can name the protocol without importing the other.
+The launcher side writes the variables (:meth:`.monitor.Monitor.worker_env`, the agent); the rank
+side (:mod:`.client`, :mod:`.hold`, :mod:`.emergency_rank`) reads them. Datagrams are JSON objects
+on the monitor's Unix socket (``ENV_SOCKET``); ``"k"`` holds their kind (``MSG_*``), and a rank's
+also carry ``r`` (global rank), ``i`` (incarnation) and ``t`` (wall time). Steps themselves travel
+in shared-memory rings (:mod:`.ring`), not as datagrams, where the monitor could create them.
+A leaf: it imports nothing of ours, so either side can name the protocol without importing the other.
 """
 
 from __future__ import annotations
@@ -38,6 +41,36 @@ ENV_LAUNCH_WORLD = "ROBUST_LAUNCH_WORLD_SIZE"
 #: (empty: no bound). Read by :func:`robust_plugins.checkpoint.restore.rollback_bound`, which names
 #: the variable itself (checkpoint does not import the watchdog).
 ENV_ROLLBACK_MAX_STEP = "ROBUST_ROLLBACK_MAX_STEP"
+
+
+# -- datagrams, rank -> node monitor ----------------------------------------------------------------
+#: Registration at first use: ``pid``, ``fh`` (faulthandler file), ``ring`` (mapped its ring).
+MSG_HELLO = "hello"
+#: A step, from a rank without a ring: ``s``, ``l`` (loss), ``g`` (grad norm), ``w`` (wall s),
+#: ``c`` (s inside collectives).
+MSG_END = "end"
+#: A NaN/Inf step, also in the ring (the datagram is never lost to a lapped ring): ``s``, ``l``, ``g``.
+MSG_BAD = "bad"
+#: An injected fault about to fire: ``s``, ``spec``.
+MSG_INJECT = "inject"
+#: The device type the rank's collectives run on (the hang verdict): ``dev``.
+MSG_COMM = "comm"
+#: Step times loaded from a checkpoint (:func:`.client.load_state_dict`): ``times``.
+MSG_HISTORY = "history"
+#: ``ok_to_save(s)``: asks for a :data:`MSG_VERDICT` to the sender's address: ``s``.
+MSG_QUERY = "query"
+#: A parameter-hash check (:func:`.param_hash.hash_message`).
+MSG_HASH = "hash"
+#: An emergency save's phase (``registered``, ``start``, ``done``): ``phase``, ``s``, ``via``, ...
+MSG_EMERGENCY = "emerg"
+#: The rank's interpreter exits: the monitor stops expecting its steps.
+MSG_EXIT = "exit"
+
+# -- datagrams, node monitor -> rank ----------------------------------------------------------------
+#: The answer to a :data:`MSG_QUERY`: ``s``, ``ok``.
+MSG_VERDICT = "verdict"
+#: Save now: sent to a rank's emergency listener (:mod:`.emergency_rank`).
+MSG_EMERGENCY_NOW = "emerg_now"
 
 
 def ring_path(prefix: str, rank: int) -> str:
