@@ -2,12 +2,11 @@
 
 Why: ``robust run`` rolls a NaN back to the step before it (that step's update is the bad one),
 and each rank keeps its two newest in-memory snapshots. Ranks that trained on while the
-agent stopped them took the snapshot of the next step, which evicted the last good one: the
-rollback then found only bad steps in memory and fell back to disk, or without a disk
-checkpoint to step 0 (the HF Trainer test saw it: memory held steps [46, 45] for a rollback to
-44). Here the rank that saw the NaN asks its node monitor and, when the monitor says the ranks
-are being stopped, takes no further step; a spike likewise, judged on the rank by the monitor's
-own rule (:class:`SpikeWatch`). Its data-parallel peers cannot finish the next step
+agent stopped them would take the snapshot of the next step, evicting the last good one: the
+rollback would then find only bad steps in memory and fall back to disk, or without a disk
+checkpoint to step 0. Here the rank that saw the NaN asks its node monitor and, when the
+monitor says the ranks are being stopped, takes no further step; a spike likewise, judged on the
+rank by the monitor's own rule (:class:`SpikeWatch`). Its data-parallel peers cannot finish the next step
 without its gradients, so no rank gets past the snapshot of the NaN step and every rank still
 holds the step before it: by construction, not by winning a race against the agent's stop.
 

@@ -45,8 +45,8 @@ class _MonitorEmergency:
     def hold_for_emergency_saves(self) -> None:
         """Before torch's agent stops the ranks after a crash (``patches.torch_elastic.
         before_failure_stop``): wait, bounded, while a live rank's emergency save runs or may
-        still start. Without it a survivor that had not reached its failing collective yet was
-        SIGTERMed 40 ms after the death, its save "not started"."""
+        still start: a survivor that has not reached its failing collective yet would otherwise
+        be stopped before its save could begin."""
         t0 = time.monotonic()
         asked = self._ask_for_saves()
         grace = self._emergency_start_grace_s()

@@ -1,10 +1,9 @@
 """Shared-memory step rings: how a rank reports every step to the node monitor without a system call.
 
-Why not a datagram a step (the first design): on a node whose cores are all busy training (the CPU
-benchmark machine: 4 ranks on 2 cores), a rank's ``sendto`` wakes the monitor's receiver thread,
-which the kernel runs at once on the sender's core while the rank waits; that cost 210 us of a
-37.5 ms step (0.56 %) for the signal alone. Draining the socket on a timer instead is no way out:
-a Unix datagram queue holds ``net.unix.max_dgram_qlen`` (10) datagrams, and signals were dropped.
+Why not a datagram a step: on a node whose cores are all busy training, a rank's ``sendto`` wakes
+the monitor's receiver thread on the sender's core while the rank waits (BENCHMARKS.md has the
+cost), and a Unix datagram queue holds only ``net.unix.max_dgram_qlen`` (10) datagrams, so a
+monitor that drains on a timer would lose signals.
 
 Here each rank writes its steps into a ring of fixed-size records in a shared-memory file, and
 the monitor reads every rank's ring when it polls (every ~0.1-0.2 s): no wake-up and no system
