@@ -143,8 +143,8 @@ def _renice_background_sessions(stop, own_sid: int) -> None:
     the default of most distributions) each session is one scheduling group, and a process's nice
     value weighs only against the processes of its own session. torchrun, ``robust run`` and
     ``tests/_dist.py``'s launcher start every rank in a session of its own, so a background
-    DeepSpeed job's ranks got the same CPU share as a fault test's, nice 10 or not, and the
-    fault tests' waits stretched (``test_multinode.py``: 296 s alone, ~530 s in the suite)."""
+    DeepSpeed job's ranks would get the same CPU share as a fault test's, nice 10 or not
+    (BENCHMARKS.md, "Test suite", has what that cost)."""
     while not stop.wait(AUTOGROUP_SCAN_S):
         for name in os.listdir("/proc"):
             if not name.isdigit():
