@@ -119,6 +119,7 @@ def _priority(request):
     want = 0 if request.node.get_closest_marker("fault") else BACKGROUND_NICE
     try:
         os.setpriority(os.PRIO_PROCESS, 0, want)
+        _set_own_group_nice(want)
     except PermissionError:  # lowering the niceness needs root: say so once
         if not _NICE_WARNED:
             _NICE_WARNED.append(True)
@@ -131,6 +132,23 @@ def _priority(request):
 
 _NICE_WARNED: list[bool] = []
 
+
+def pytest_configure(config):
+    """An xdist worker becomes a session of its own, so that with autogroup scheduling (below) its
+    tests and the processes they start in its session (``tests/_dist.py``'s fork server and ranks)
+    form one scheduling group whose niceness :func:`_priority` sets: background tests' compute
+    then weighs as nice 10 against a fault test's processes, not as one nice-0 group beside them."""
+    if _concurrent(config) and os.path.exists("/proc/self/autogroup") and os.getsid(0) != os.getpid():
+        os.setsid()
+
+
+def _set_own_group_nice(nice: int) -> None:
+    """The autogroup niceness of this worker's session, when it leads one (see pytest_configure)."""
+    if os.getsid(0) != os.getpid() or not os.path.exists("/proc/self/autogroup"):
+        return
+    with open("/proc/self/autogroup", "w") as f:
+        f.write(str(nice))
+
 #: How often the background niceness reaches the sessions that background tests start.
 AUTOGROUP_SCAN_S = 0.5
 
@@ -141,9 +159,9 @@ def _renice_background_sessions(stop, own_sid: int) -> None:
 
     Why: with the kernel's autogroup scheduling on (``/proc/sys/kernel/sched_autogroup_enabled``,
     the default of most distributions) each session is one scheduling group, and a process's nice
-    value weighs only against the processes of its own session. torchrun, ``robust run`` and
-    ``tests/_dist.py``'s launcher start every rank in a session of its own, so a background
-    DeepSpeed job's ranks would get the same CPU share as a fault test's, nice 10 or not
+    value weighs only against the processes of its own session. torchrun and ``robust run`` start
+    every rank in a session of its own, so a background DeepSpeed job's ranks would get the same
+    CPU share as a fault test's, nice 10 or not
     (BENCHMARKS.md, "Test suite", has what that cost)."""
     while not stop.wait(AUTOGROUP_SCAN_S):
         for name in os.listdir("/proc"):
