@@ -29,14 +29,30 @@ def _shm_files(job) -> list[str]:
     return memory.job_files(memory.job_key(str(job.run_dir.resolve())))
 
 
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """``clean_run(nproc)``: the fault-free run of ``nproc`` ranks that the kill and the bit-flip
+    tests compare with, run once a module (defaults only; disk saves every 8 steps, which do not
+    change what is trained)."""
+    runs = {}
+
+    def get(nproc: int):
+        if nproc not in runs:
+            args = [SCRIPT, "--steps", str(STEPS), "--persist-every", "8"]
+            clean = robust_run(tmp_path_factory.mktemp(f"clean{nproc}"), nproc, timeout_s=150, script=args)
+            assert clean.returncode == 0 and clean.faults == [], clean.output[-3000:]
+            runs[nproc] = clean
+        return runs[nproc]
+    return get
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_random_sigkill_resumes_from_memory_bitwise(tmp_path, nproc, draw):
+def test_random_sigkill_resumes_from_memory_bitwise(tmp_path, nproc, draw, clean_run):
     pytest.importorskip("deepspeed")
     rank, step = draw.randrange(nproc), draw.randrange(3, STEPS)
     where = f"(kill:rank={rank},step={step}, {nproc} ranks, ROBUST_TEST_SEED={draw.seed_value})"
     args = [SCRIPT, "--steps", str(STEPS), "--persist-every", "8"]
-    clean = robust_run(tmp_path / "clean", nproc, "--max-restarts", "0", timeout_s=150, script=args)
-    assert clean.returncode == 0 and clean.faults == [], clean.output[-3000:]
+    clean = clean_run(nproc)
     job = robust_run(tmp_path / "kill", nproc, "--max-restarts", "1", "--inject", f"kill:rank={rank},step={step}",
                      timeout_s=150, script=args)
     assert job.returncode == 0, f"{where}\n{job.output[-3000:]}"
@@ -125,7 +141,7 @@ def test_the_last_steps_background_save_lands_before_the_group_is_destroyed(tmp_
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_a_bit_flip_is_found_at_its_snapshot_and_rolled_back_one_step_from_memory(tmp_path, nproc, draw):
+def test_a_bit_flip_is_found_at_its_snapshot_and_rolled_back_one_step_from_memory(tmp_path, nproc, draw, clean_run):
     """Defaults only (no --max-restarts, no watchdog option): every snapshot's parameters are
     checked against the replicas on the snapshot thread, so a bit flipped on one rank at step S
     is found at the snapshot of S; the job rolls back to S-1 from memory (one step lost) and ends
@@ -134,8 +150,7 @@ def test_a_bit_flip_is_found_at_its_snapshot_and_rolled_back_one_step_from_memor
     rank, step = draw.randrange(nproc), draw.randrange(3, STEPS - 2)
     where = f"(bitflip:rank={rank},step={step}, {nproc} ranks, ROBUST_TEST_SEED={draw.seed_value})"
     args = [SCRIPT, "--steps", str(STEPS), "--persist-every", "100"]
-    clean = robust_run(tmp_path / "clean", nproc, timeout_s=150, script=args)
-    assert clean.returncode == 0 and clean.faults == [], clean.output[-3000:]
+    clean = clean_run(nproc)
     assert "checked against its" in clean.output, clean.output[-3000:]
     job = robust_run(tmp_path / "flip", nproc, "--inject", f"bitflip:rank={rank},step={step}",
                      timeout_s=150, script=args)

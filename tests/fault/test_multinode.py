@@ -150,12 +150,18 @@ def _run_nodes(tmp: Path, b_extra: tuple[str, ...] = (), kill_b_at_step: int | N
     return a, b
 
 
+_REFERENCES: dict[int, list[list[float]]] = {}
+
+
 def _reference(tmp: Path, steps: int = STEPS) -> list[list[float]]:
-    """The same training in one process, no process group: 4 samples a step, accumulation 4."""
-    out = tmp / "ref.json"
-    subprocess.run([sys.executable, SCRIPT, "--steps", str(steps), "--ckpt-dir", str(tmp / "ref-ckpt"),
-                    "--out", str(out)], check=True, timeout=60, env=launch_env())
-    return json.loads(out.read_text())["params"]
+    """The same training in one process, no process group: 4 samples a step, accumulation 4.
+    Run once a module for each number of steps (the script is deterministic)."""
+    if steps not in _REFERENCES:
+        out = tmp / "ref.json"
+        subprocess.run([sys.executable, SCRIPT, "--steps", str(steps), "--ckpt-dir", str(tmp / "ref-ckpt"),
+                        "--out", str(out)], check=True, timeout=60, env=launch_env())
+        _REFERENCES[steps] = json.loads(out.read_text())["params"]
+    return _REFERENCES[steps]
 
 
 def _assert_close(got: list[list[float]], want: list[list[float]]) -> None:
