@@ -10,6 +10,7 @@ every rank agrees; ZeRO-1 training with the hierarchy keeps replicas identical a
 """
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,31 @@ def test_zero1_training_with_the_hierarchy_keeps_replicas_identical_and_tracks_v
         assert len(run["losses"]) == STEPS and len(set(run["digests"])) == 1, name
         assert abs(run["val_loss"] / van["val_loss"] - 1) < 0.02, (name, run["val_loss"], van["val_loss"])
     assert van["losses"][-1] < van["losses"][0]
+
+
+def _int8_row_bytes(numel: int, block: int = 256) -> int:
+    blocks = -(-numel // block)
+    return blocks * block + 4 * blocks  # int8 codes of whole blocks + one fp32 scale a block
+
+
+def test_zero3_reduce_scatter_goes_node_first_within_the_int8_bound(results):
+    z = results["zero3"]
+    shard = z["shard"]  # this rank's shard of the step's bucket: sum of ceil(numel / 4) per parameter
+    # Each sender quantizes its node's sum of gradients / 4 once on the rail: half an int8 step of
+    # at most 2 x absmax / 4 per node, over 2 nodes.
+    bound = z["absmax"] / 254
+    for x in z["hier_int8"]:
+        assert 0 < x["max_abs"] <= bound * (1 + 1e-5), (x["max_abs"], bound)
+        assert 1e-4 < x["rel_error"] < 3e-2, x["rel_error"]
+        assert x["stats"]["hierarchical_elements"] > 0 and set(x["stats"]["by_codec"]) == {"int8"}
+        # Across nodes: one int8 shard to the rail peer; in the node: fp32 reduce-scatter of the
+        # 4 shards, (2-1)/2 of 4 x shard x 4 bytes.
+        assert x["bytes"]["rail"] == _int8_row_bytes(shard), (x["bytes"], shard)
+        assert x["bytes"]["intra"] == 8 * shard, (x["bytes"], shard)
+    for x in z["auto_slow"]:
+        assert x["stats"]["by_route"] == {"hier int8": x["stats"]["hierarchical_elements"]}, x["stats"]
+        assert set(x["stats"]["collectives"]) == {"reduce_scatter"}
+        assert x["max_abs"] <= bound * (1 + 1e-5)
+    van, hier = z["train_vanilla"]["losses"], z["train_hier_int8"]["losses"]
+    assert all(math.isfinite(v) for v in hier) and len(hier) == len(van)
+    assert abs(hier[-1] / van[-1] - 1) < 0.02, (hier, van)
