@@ -416,8 +416,8 @@ class GradientSync:
         from robust_plugins.comm import compressed_reduce
 
         if self.hierarchical:
-            warn_once(log, "hierarchical-reduce", "topology.hierarchical covers all-reduces and reduce-scatters: a reduce "
-                      "to one rank (%s) stays a flat compressed reduce.", key)
+            warn_once(log, "hierarchical-reduce", "topology.hierarchical covers all-reduces and reduce-scatters: "
+                      "a reduce to one rank (%s) stays a flat compressed reduce.", key)
         codec = self._codec(tensor, group, tensor.numel(), key)
         state = self.states.get(codec)
         return compressed_reduce(tensor, dst, group=group, codec=None if state else codec, op="sum",
