@@ -12,8 +12,9 @@ error).
 
 DP 4 with megatron's DistributedOptimizer (same launch): the DP group spans both nodes, so each
 bucket is reduce-scattered in fp32 inside the node and compressed across nodes, and each rank's
-shard of the reduced bucket is compared with vanilla's: ``int8`` (fixed, and ``auto`` with the
-hierarchy, whose route is recorded) within half a quantization step of
+shard of the reduced bucket is compared with vanilla's: ``int8`` (fixed, also overlapped with
+backward on the sync thread against vanilla overlapped, and ``auto`` with the hierarchy, whose
+route is recorded) within half a quantization step of
 the largest local gradient (each sender's scaled gradient, 1/dp of it, is quantized once: the
 node's sum of the 1/dp-scaled gradients, then summed over the nodes).
 """
@@ -72,8 +73,9 @@ def _tp2_dp2(rank: int, world: int, steps: int) -> dict:
     return out
 
 
-DISTOPT = (("vanilla", None),
+DISTOPT = (("vanilla", None), ("vanilla_overlap", None),
            ("hier_int8", {"compression": {"codec": "int8"}, "topology": {"hierarchical": True}}),
+           ("hier_int8_overlap", {"compression": {"codec": "int8"}, "topology": {"hierarchical": True}}),
            # 10 Mbit/s across nodes: the model alone decides, and int8's 4x fewer bytes win there.
            ("hier_auto", {"compression": {"codec": "auto", "auto_candidates": ["int8"], "auto_link_gbit": 0.01},
                           "topology": {"hierarchical": True}}))
@@ -85,7 +87,8 @@ def _dp4_distopt(preset, corpus, steps: int) -> dict:
 
     out = {}
     for name, block in DISTOPT:
-        parts = build(preset, tp=1, seed=0, codec=None, overlap=False, distopt=True, block=block, optimizer="megatron")
+        parts = build(preset, tp=1, seed=0, codec=None, overlap=name.endswith("overlap"), distopt=True, block=block,
+                      optimizer="megatron")
         absmax, grads, losses = _local_absmax(parts), [], []
         for s in range(1, steps + 1):
             hook = (lambda: grads.append(_reduced_grads(parts))) if s == 1 else None
@@ -96,7 +99,7 @@ def _dp4_distopt(preset, corpus, steps: int) -> dict:
         plugin = parts["plugin"]
         if plugin is not None:
             stats = plugin.sync.stats
-            res.update(hier=stats.hierarchical_elements, by_route=dict(stats.by_route),
+            res.update(hier=stats.hierarchical_elements, by_route=dict(stats.by_route), threaded=plugin.thread is not None,
                        decisions=[d["collective"] for d in stats.auto_decisions],
                        step_elements=sum(b.grad_data.numel() for gr in parts["ddp"].bucket_groups for b in gr.buckets))
             plugin.close()
@@ -142,12 +145,14 @@ def test_distributed_optimizer_reduce_scatter_goes_node_first(res):
         van = d["vanilla"]
         assert van["inner"] == ["DistributedOptimizer"], van["inner"]
         assert all(torch.isfinite(torch.tensor(v["losses"])).all() for v in d.values())
-        for name in ("hier_int8", "hier_auto"):
+        for name in ("hier_int8", "hier_int8_overlap", "hier_auto"):
             assert d[name]["hier"] == STEPS * d[name]["step_elements"], (name, d[name])  # every bucket, node first
+        assert d["hier_int8_overlap"]["threaded"] and not d["hier_int8"]["threaded"]
         assert d["hier_auto"]["by_route"] == {"hier int8": d["hier_auto"]["hier"]}, d["hier_auto"]
         assert set(d["hier_auto"]["decisions"]) == {"reduce_scatter"}
-        ref = van["grads"]
-        for name in ("hier_int8", "hier_auto"):
+        for name in ("hier_int8", "hier_int8_overlap", "hier_auto"):
+            # overlap_grad_reduce lays the buckets out differently: compared with vanilla's overlapped run
+            ref = d["vanilla_overlap" if name.endswith("overlap") else "vanilla"]["grads"]
             err = float((d[name]["grads"] - ref).abs().max())
             assert 0 < err <= int8_half_step * absmax * (1 + 1e-5), (rank, name, err, int8_half_step * absmax)
             assert abs(d[name]["losses"][-1] / van["losses"][-1] - 1) < 0.02, (name, d[name]["losses"], van["losses"])
