@@ -16,8 +16,7 @@ from _dist import run_ranks
 from robust_plugins.comm import CompressionState, WireCounter, compressed_reduce_scatter
 from robust_plugins.comm.gradient_sync import GradientSync
 from robust_plugins.config import CompressionConfig, TopologyConfig
-from robust_plugins.topology import build_groups, discover, hierarchical_reduce_scatter, parse_sim, plan_groups
-from robust_plugins.topology.planner import reduce_scatter_order
+from robust_plugins.topology import build_groups, discover, hierarchical_reduce_scatter, parse_sim
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(120)]
 
@@ -90,15 +89,6 @@ def _int8_bound(codec_levels: int = 127) -> float:
     # a step, amax(block) / levels / 2, per node; the partial sums are bounded by the node's |x|.
     amax = max(float(rank_input(r).abs().max()) for r in range(WORLD))
     return NODES * PER_NODE * amax / codec_levels / 2
-
-
-def test_reduce_scatter_order_is_a_node_major_permutation():
-    plan = plan_groups(parse_sim("2x2"))
-    assert reduce_scatter_order(plan, (0, 1), range(4)) == (0, 2, 1, 3)
-    assert reduce_scatter_order(plan, (2, 3), range(4)) == (0, 2, 1, 3)
-    plan8 = plan_groups(parse_sim("2x4"))
-    order = reduce_scatter_order(plan8, (4, 5, 6, 7), range(8))
-    assert order == (0, 4, 1, 5, 2, 6, 3, 7) and sorted(order) == list(range(8))
 
 
 def test_none_is_the_flat_reduce_scatter_in_its_layout():
