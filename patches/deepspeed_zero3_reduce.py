@@ -12,13 +12,16 @@ DeepSpeed's scaling (communication dtype, ``gradient_predivide_factor`` with
 :func:`robust_plugins.comm.compressed_reduce_scatter`: each rank quantizes every destination's
 shard (int8 / int4 blocks, sender-side error feedback over the whole bucket under a per-step
 bucket key), one ``all_to_all_single`` sends shard ``r`` to rank ``r``, which sums the decoded
-copies in fp32 in rank order. Padding is zeros (DeepSpeed pads with uninitialised memory, which
+copies in fp32 in rank order. With ``topology.hierarchical`` the bucket goes node first (fp32
+reduce-scatter inside the node, then the compressed one across nodes among the ranks of one local
+index: :func:`robust_plugins.topology.hierarchical_reduce_scatter`), and with ``codec: auto``
+:meth:`robust_plugins.comm.gradient_sync.GradientSync.reduce_scatter_sum` picks each bucket's route
+and codec; the shard layout is DeepSpeed's either way. Padding is zeros (DeepSpeed pads with uninitialised memory, which
 would enter the block scales). Buckets the compression leaves alone (codec ``none``, warm-up,
 ``min_numel``) go to DeepSpeed's own method unchanged, so codec ``none`` is bitwise vanilla.
 
 Refused (:func:`unsupported_reason`), each naming the key: codecs other than ``none``, ``int8``,
-``int4`` (``auto`` among them) and ``topology.hierarchical`` (this reduce-scatter is flat), ``zero_optimization.reduce_scatter:
-false`` (ZeRO-3 then all-reduces), ``zero_quantized_gradients`` (DeepSpeed's qgZ takes the same
+``int4`` and ``auto``, ``zero_optimization.reduce_scatter: false`` (ZeRO-3 then all-reduces), ``zero_quantized_gradients`` (DeepSpeed's qgZ takes the same
 call), parameter partitions of other groups than the data-parallel one (MoE, hpZ).
 """
 
@@ -39,10 +42,9 @@ _SIGNATURE = ["self", "params_to_reduce", "communication_data_type"]
 def unsupported_reason(engine, plugin) -> str | None:
     """Why the compressed reduce-scatter cannot serve this ZeRO-3 engine (key, value, allowed), or None."""
     cfg, zero = plugin.config.compression, engine._config.zero_config
-    if cfg.codec not in ("none", "int8", "int4"):
-        return f"compression.codec = {cfg.codec!r} is not wired for ZeRO-3's reduce-scatter; allowed there: none, int8, int4"
-    if plugin.config.topology is not None and plugin.config.topology.hierarchical:
-        return "topology.hierarchical = true: the ZeRO-3 reduce-scatter is flat; allowed there: false"
+    if cfg.codec not in ("none", "int8", "int4", "auto"):
+        return (f"compression.codec = {cfg.codec!r} is not wired for ZeRO-3's reduce-scatter; allowed there: "
+                f"none, int8, int4, auto")
     if cfg.sign_mode == "momentum":
         return "compression.sign_mode = 'momentum' (1-bit Adam) needs ZeRO stage 0; allowed with ZeRO-3: 'gradient'"
     if cfg.overlap:
@@ -85,7 +87,7 @@ def attach_zero3_reduce(engine, plugin) -> None:
             grads = [g.to(communication_data_type) for g in grads]
         if opt.postscale_gradients and opt.gradient_predivide_factor != 1.0:
             grads = [g.div(opt.gradient_predivide_factor) for g in grads]
-        parts = compressed_reduce_scatter_coalesced(grads, group, plugin.sync.state, key)
+        parts = compressed_reduce_scatter_coalesced(grads, group, plugin.sync, key)
         world = dist.get_world_size(group=group)
         if (opt.postscale_gradients and opt.gradient_predivide_factor != 1.0
                 and opt.gradient_predivide_factor != world):
@@ -122,9 +124,11 @@ def interleave(tensors: list, world: int) -> tuple[torch.Tensor, list[int]]:
     return torch.cat(pieces), chunks
 
 
-def compressed_reduce_scatter_coalesced(tensors: list, group, state, key) -> list[torch.Tensor]:
+def compressed_reduce_scatter_coalesced(tensors: list, group, sync, key) -> list[torch.Tensor]:
     """``reduce_scatter_coalesced`` (divide by ``world``, sum, this rank's chunk of each tensor,
-    unpadded) through the compressed reduce-scatter; fp32 results in the tensors' dtype."""
+    unpadded) through the compressed reduce-scatter of ``sync`` (a
+    :class:`~robust_plugins.comm.gradient_sync.GradientSync`: flat with a fixed codec, else its
+    route); fp32 results in the tensors' dtype."""
     from deepspeed import comm as dist
 
     from robust_plugins.comm import compressed_reduce_scatter
@@ -134,7 +138,10 @@ def compressed_reduce_scatter_coalesced(tensors: list, group, state, key) -> lis
     buffer.div_(world)
     shard = sum(chunks)
     out = buffer.narrow(0, rank * shard, shard)
-    compressed_reduce_scatter(out, buffer, group=group, state=state, key=key)
+    if sync.auto is None and not sync.hierarchical:
+        compressed_reduce_scatter(out, buffer, group=group, state=sync.state, key=key)
+    else:
+        sync.reduce_scatter_sum(out, buffer, group, key)
     parts, offset = [], 0
     for t, c in zip(tensors, chunks):
         valid = max(0, min(c, t.numel() - rank * c))

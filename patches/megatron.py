@@ -19,7 +19,10 @@ megatron's preamble (the same NaN/large-grad check, the same scaling) and its ha
 swaps only the collective: an all-reduce becomes the plugin's two-phase compressed all-reduce, a
 reduce-scatter becomes the one-phase compressed reduce-scatter
 (:func:`robust_plugins.comm.compressed_reduce_scatter`) that writes the fp32 sum straight into the
-local shard. A bucket group whose buckets all go uncompressed (codec ``none``, warm-up, below
+local shard. With ``topology.hierarchical`` or ``codec: auto`` both go through
+:class:`~robust_plugins.comm.gradient_sync.GradientSync`, which picks the codec and the route
+(the reduce-scatter: :meth:`~robust_plugins.comm.gradient_sync.GradientSync.reduce_scatter_sum`,
+node first in fp32, then compressed across nodes, in megatron's shard layout). A bucket group whose buckets all go uncompressed (codec ``none``, warm-up, below
 ``min_numel``) runs megatron's own method, bitwise identical to vanilla.
 
 With ``overlap_grad_reduce`` the compressed sync overlaps backward as megatron's own does: when a
@@ -273,7 +276,9 @@ def enable(ddp, config: Any = None) -> MegatronPlugin:
     if plugin.sync is not None and plugin.sync.hierarchical:
         # Build the node and rail groups now, on every rank (a collective), rather than at the
         # first bucket, which may run on the sync thread; refuses a DP group smaller than the job.
-        pg = ddp.bucket_groups[0].data_parallel_group if ddp.bucket_groups else None
+        first = ddp.bucket_groups[0] if ddp.bucket_groups else None
+        pg = None if first is None else (first.intra_distributed_optimizer_instance_group
+                                         if ddp.ddp_config.use_distributed_optimizer else first.data_parallel_group)
         plugin.sync._hierarchy(pg)
     if plugin.uses_thread:
         plugin._start_thread()
@@ -320,17 +325,10 @@ def _refuse_pipeline(ddp) -> None:
 
 def _refuse_config(cfg: PluginConfig, ddp) -> None:
     """Settings this integration cannot serve: refused, never ignored."""
-    distopt = ddp.ddp_config.use_distributed_optimizer
     if cfg.compression is not None and cfg.compression.sign_mode == "momentum":
         raise UnsupportedError(
             "robust_plugins.megatron: compression.sign_mode = 'momentum' (1-bit Adam) is wired for DeepSpeed "
             "ZeRO 0 only; megatron-core's optimizer is not hooked. Use sign_mode 'gradient' (the default) here."
-        )
-    if cfg.compression is not None and cfg.compression.codec == "auto" and distopt:
-        raise UnsupportedError(
-            "robust_plugins.megatron: compression.codec = 'auto' covers all-reduces only, and "
-            "use_distributed_optimizer = True reduce-scatters the gradients. Use a fixed codec (none, bf16, "
-            "int8, int4, sign) with the distributed optimizer, or turn it off."
         )
     comp = cfg.compression
     if comp is not None and comp.overlap is not None and comp.overlap != ddp.ddp_config.overlap_grad_reduce:
@@ -344,12 +342,6 @@ def _refuse_config(cfg: PluginConfig, ddp) -> None:
         raise UnsupportedError(
             f"robust_plugins.megatron: compression.bucket_mb = {comp.bucket_mb:g} sizes DeepSpeed ZeRO 0's "
             f"buckets; megatron-core's buckets are DistributedDataParallelConfig.bucket_size. Remove bucket_mb."
-        )
-    if cfg.topology is not None and cfg.topology.hierarchical and distopt:
-        raise UnsupportedError(
-            "robust_plugins.megatron: topology.hierarchical covers all-reduces only, and "
-            "use_distributed_optimizer = True reduce-scatters the gradients. Remove topology.hierarchical "
-            "or turn the distributed optimizer off."
         )
 
 
@@ -479,8 +471,13 @@ def _reduce_buckets(plugin: MegatronPlugin, buckets: list, keys: list, locals_: 
         if local is not None:
             if key is None:
                 dist.reduce_scatter_tensor(local, bucket.grad_data, op=reduce_op, group=pg)
-            else:
+            elif sync.auto is None and not sync.hierarchical:
                 compressed_reduce_scatter(local, bucket.grad_data, group=pg, op=op, state=sync.state, key=key)
+            else:
+                # codec auto / topology.hierarchical: GradientSync picks the codec and the route.
+                sync.reduce_scatter_sum(local, bucket.grad_data, pg, key)
+                if op == "avg":
+                    local.div_(dist.get_world_size(pg))
         elif key is None:
             dist.all_reduce(bucket.grad_data, op=reduce_op, group=pg)
         elif sync.auto is None and not sync.hierarchical:

@@ -41,11 +41,12 @@ def check(path: str) -> list[str]:
         if stage not in (0, 1, 2, 3):
             lines.append(f"  ERROR: zero_optimization.stage = {stage}: compression supports ZeRO 0-3 only; "
                          f"deepspeed.initialize will refuse this config.")
-        elif stage == 3 and cfg.compression.codec not in ("none", "int8", "int4"):
+        elif stage == 3 and cfg.compression.codec not in ("none", "int8", "int4", "auto"):
             lines.append(f"  ERROR: compression.codec = {cfg.compression.codec!r} with ZeRO-3: its reduce-scatter "
-                         f"takes none, int8, int4; deepspeed.initialize will refuse this config.")
+                         f"takes none, int8, int4, auto; deepspeed.initialize will refuse this config.")
         elif stage == 3:
-            lines.append("  on ZeRO-3's gradient reduce-scatter (flat; the parameter all-gather stays DeepSpeed's).")
+            route = "node first" if cfg.topology is not None and cfg.topology.hierarchical else "flat"
+            lines.append(f"  on ZeRO-3's gradient reduce-scatter ({route}; the parameter all-gather stays DeepSpeed's).")
         elif cfg.compression.sign_mode == "momentum":
             if stage != 0 or any((ds.get(k) or {}).get("enabled") for k in ("fp16", "bf16")):
                 lines.append(f"  ERROR: compression.sign_mode = 'momentum' (1-bit Adam) needs ZeRO stage 0 in fp32 "

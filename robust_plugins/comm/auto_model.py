@@ -32,6 +32,19 @@ adds the intra-node steps, priced like one fp32 all-reduce on the node group, to
     flat c:  codec time of n elements on the data-parallel group's link
     hier c:  none time of n elements on the node's link + codec time of n / p on the rail's link
 
+**Reduce-scatters** (megatron-core's distributed optimizer, DeepSpeed ZeRO-3) choose among the
+same routes with the reduce-scatter's model (:func:`predict_reduce_scatter_seconds`): each rank
+sends and receives ``(W-1) / W`` of the bucket, half the all-reduce's bus traffic, in one
+collective (the compressed one is one all-to-all, no requantization)::
+
+    none:  latency + (W-1)/W * n * 4   / bus_bandwidth
+    codec: latency + (W-1)/W * n * bpe / bus_bandwidth + n * cost_per_element
+    hier c: none reduce-scatter of n on the node's link + codec reduce-scatter of n / p on the rail
+
+``cost_per_element`` is the all-reduce's measured codec cost (encode, reduce, requantize, decode),
+an upper bound for the reduce-scatter's encode and decode; the trial runs time the real thing.
+:data:`FLAT_ONLY` candidates are no reduce-scatter (they are one all-reduce of the whole bucket).
+
 The model alone decides when the link rate is given (``auto_link_gbit``). Otherwise it only
 prunes: every route predicted within ``TRIAL_FACTOR`` of the best (and the best exact route, so
 that an uncompressed baseline is always measured) is run once on a copy of the real bucket
@@ -90,6 +103,8 @@ class Decision:
     """``flat`` or ``hier`` (routes only; a plain codec decision is ``flat``)."""
     measured_s: Mapping[str, float] = field(default_factory=dict)
     """Routes only: the agreed (slowest rank's) trial time of every route that was run."""
+    collective: str = "all_reduce"
+    """What the route reduces with: ``all_reduce`` or ``reduce_scatter``."""
 
     @property
     def route(self) -> str:
@@ -100,7 +115,7 @@ class Decision:
         """JSON-ready form for logs and metrics."""
         return {"numel": self.numel, "codec": self.codec, "layout": self.layout, "route": self.route,
                 "reason": self.reason, "predicted_s": dict(self.predicted_s), "measured_s": dict(self.measured_s),
-                "excluded": dict(self.excluded)}
+                "excluded": dict(self.excluded), "collective": self.collective}
 
 
 def predict_seconds(codec: str, numel: int, link: LinkEstimate, cost: CodecCost | None, block_size: int) -> float:
@@ -115,6 +130,28 @@ def predict_seconds(codec: str, numel: int, link: LinkEstimate, cost: CodecCost 
         raise ConfigError(f"no measured cost for codec {codec!r}: probe it or drop it from the candidates.")
     collectives = 1 if codec == BF16_ALLREDUCE else 2
     return collectives * link.latency_s + bus + numel * cost.seconds_per_element
+
+
+def predict_reduce_scatter_seconds(codec: str, numel: int, link: LinkEstimate, cost: CodecCost | None,
+                                   block_size: int) -> float:
+    """Predicted reduce-scatter time of ``numel`` elements (the whole input) with ``codec`` (the
+    module's reduce-scatter model: half the all-reduce's bus bytes, one collective)."""
+    if codec in FLAT_ONLY:
+        raise ConfigError(f"codec {codec!r} is an all-reduce of the whole bucket, not a reduce-scatter; "
+                          f"allowed: none and the two-phase codecs.")
+    w = link.group_size
+    if w <= 1:
+        return 0.0 if codec == "none" else numel * (cost.seconds_per_element if cost else 0.0)
+    bus = (w - 1) / w * numel * bytes_per_element(codec, block_size) / link.bus_bytes_per_s
+    if codec == "none":
+        return link.latency_s + bus
+    if cost is None:
+        raise ConfigError(f"no measured cost for codec {codec!r}: probe it or drop it from the candidates.")
+    return link.latency_s + bus + numel * cost.seconds_per_element
+
+
+#: What a route reduces with, and its one-collective time model.
+COLLECTIVES = {"all_reduce": predict_seconds, "reduce_scatter": predict_reduce_scatter_seconds}
 
 
 def _usable_codecs(candidates, costs: Mapping[str, CodecCost], max_error: float) -> tuple[list[str], dict[str, str]]:
@@ -179,23 +216,28 @@ CLOSE_RERUNS = 2
 
 
 def predict_route_seconds(route: str, numel: int, links: Mapping[str, LinkEstimate],
-                          costs: Mapping[str, CodecCost], block_size: int, per_node: int) -> float:
+                          costs: Mapping[str, CodecCost], block_size: int, per_node: int,
+                          collective: str = "all_reduce") -> float:
     """Predicted time of ``route`` (``"flat <codec>"`` or ``"hier <codec>"``) for ``numel`` elements.
 
     ``links`` holds the ``"flat"`` (data-parallel group), ``"intra"`` (node group) and ``"rail"``
-    link estimates; ``per_node`` is the number of ranks of a node in the data-parallel group.
+    link estimates; ``per_node`` is the number of ranks of a node in the data-parallel group;
+    ``collective`` is ``all_reduce`` or ``reduce_scatter`` (:data:`COLLECTIVES`).
     """
+    if collective not in COLLECTIVES:
+        raise ConfigError(f"collective {collective!r}: allowed: {', '.join(COLLECTIVES)}.")
+    one = COLLECTIVES[collective]
     layout, codec = route.split()
     cost = costs.get(codec)
     if layout == "flat":
-        return predict_seconds(codec, numel, links["flat"], cost, block_size)
+        return one(codec, numel, links["flat"], cost, block_size)
     if layout != "hier":
         raise ConfigError(f"route {route!r}: the layout must be flat or hier.")
     if codec in FLAT_ONLY:
         raise ConfigError(f"route {route!r}: {codec} is a flat route only (the rail step needs a codec).")
     shard = -(-numel // per_node)
-    return (predict_seconds("none", numel, links["intra"], None, block_size)
-            + predict_seconds(codec, shard, links["rail"], cost, block_size))
+    return (one("none", numel, links["intra"], None, block_size)
+            + one(codec, shard, links["rail"], cost, block_size))
 
 
 def trial_routes(predicted: Mapping[str, float], factor: float = TRIAL_FACTOR) -> list[str]:
@@ -234,6 +276,7 @@ def choose_route(
     min_gain: float = 0.1,
     max_error: float = 0.1,
     measured: Mapping[str, float] | None = None,
+    collective: str = "all_reduce",
 ) -> Decision:
     """Pick the route (layout and codec) for a bucket of ``numel`` elements (pure).
 
@@ -243,15 +286,22 @@ def choose_route(
     were run) when given, else the predictions of
     :func:`predict_route_seconds`. The fastest exact route (codec ``none``) wins unless a lossy
     route is at least ``min_gain`` faster than it; of the exact routes, ``hier none`` only where it
-    is at least ``min_gain`` faster than ``flat none``.
+    is at least ``min_gain`` faster than ``flat none``. ``collective`` picks the time model
+    (:data:`COLLECTIVES`); for ``reduce_scatter`` the :data:`FLAT_ONLY` candidates are excluded.
     """
     if not 0 <= min_gain < 1:
         raise ConfigError(f"min_gain = {min_gain!r} must lie in [0, 1).")
     if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1:
         raise ConfigError(f"per_node = {per_node!r} must be an int >= 1.")
+    if collective not in COLLECTIVES:
+        raise ConfigError(f"collective {collective!r}: allowed: {', '.join(COLLECTIVES)}.")
     codecs, excluded = _usable_codecs(candidates, costs, max_error)
+    if collective == "reduce_scatter":
+        excluded.update({c: "an all-reduce, not a reduce-scatter" for c in codecs if c in FLAT_ONLY})
+        codecs = [c for c in codecs if c not in FLAT_ONLY]
     layouts = ("flat", "hier") if hierarchical else ("flat",)
-    predicted = {f"{lay} {c}": predict_route_seconds(f"{lay} {c}", numel, links, costs, block_size, per_node)
+    predicted = {f"{lay} {c}": predict_route_seconds(f"{lay} {c}", numel, links, costs, block_size, per_node,
+                                                     collective)
                  for lay in layouts for c in codecs if lay == "flat" or c not in FLAT_ONLY}
     if measured:
         unknown = set(measured) - set(predicted)
@@ -283,7 +333,7 @@ def choose_route(
             reason = f"{best} {how} {gain:.0%} faster than {base}"
     layout, codec = pick.split()
     return Decision(numel, codec, predicted, reason, excluded, layout=layout,
-                    measured_s=dict(measured or {}))
+                    measured_s=dict(measured or {}), collective=collective)
 
 
 #: The routes a host's own single bucket can send (uncompressed, or DeepSpeed's bf16 scheme): what

@@ -45,6 +45,7 @@ from robust_plugins.comm.auto_measure import (  # noqa: F401  (measurements; re-
 from robust_plugins.comm.auto_model import (  # noqa: F401  (the cost model; re-exported)
     CLOSE_FACTOR,
     CLOSE_RERUNS,
+    COLLECTIVES,
     FLAT_ONLY,
     HOST_ROUTES,
     HOST_TRIALS,
@@ -55,6 +56,7 @@ from robust_plugins.comm.auto_model import (  # noqa: F401  (the cost model; re-
     choose_codec,
     choose_host_wire,
     choose_route,
+    predict_reduce_scatter_seconds,
     predict_route_seconds,
     predict_seconds,
     rerun_routes,
@@ -233,14 +235,18 @@ class AutoCodec:
         return times
 
     def route_for(self, tensor: torch.Tensor, *, group, intra, rail, per_node: int,
-                  run: Callable[[str, torch.Tensor], Any], numel: int | None = None) -> Decision:
+                  run: Callable[[str, torch.Tensor], Any], numel: int | None = None,
+                  collective: str = "all_reduce") -> Decision:
         """The route (layout and codec) for reducing ``tensor`` over ``group`` (see the module docstring).
 
         A collective on ``group``: probes the links when this group was never probed or
         ``recheck_steps`` steps have passed, and, unless ``link_gbit`` is given, runs the candidate
         routes on copies of ``tensor`` through ``run(route, copy)`` (which must reduce without
         error feedback) at the first bucket of each size. Without a hierarchy (``intra`` and
-        ``rail`` ``None``) only the flat routes, i.e. the codecs, are candidates.
+        ``rail`` ``None``) only the flat routes, i.e. the codecs, are candidates. ``collective``
+        (``all_reduce`` or ``reduce_scatter``, whose ``tensor`` is the whole input) selects the time
+        model of :func:`choose_route`; each collective's decisions are kept apart, and ``run`` must
+        run that collective.
         """
         self._calls += 1
         numel = tensor.numel() if numel is None else numel
@@ -251,21 +257,24 @@ class AutoCodec:
             links, costs = self.probe_routes(tensor.reshape(-1), group, intra, rail)
             self._probes[gkey] = probed = (step, links, costs)
             self._decisions = {k: v for k, v in self._decisions.items() if k[0] != gkey}
-        decision = self._decisions.get((gkey, numel))
+        cache = (gkey, numel) if collective == "all_reduce" else (gkey, numel, collective)
+        decision = self._decisions.get(cache)
         if decision is None:
             _, links, costs = probed
             kw = dict(per_node=per_node, hierarchical=links["rail"].group_size > 1, candidates=self.candidates,
-                      block_size=self.block_size, min_gain=self.min_gain, max_error=self.max_error)
+                      block_size=self.block_size, min_gain=self.min_gain, max_error=self.max_error,
+                      collective=collective)
             decision = choose_route(numel, links, costs, **kw)
             if self.link_gbit is None:
                 measured = self._trial(tensor, trial_routes(decision.predicted_s), run, group,
                                        decision.predicted_s)
                 decision = choose_route(numel, links, costs, measured=measured, **kw)
-            self._decisions[(gkey, numel)] = decision
+            self._decisions[cache] = decision
             self.history.append({"step": step, "group": list(gkey[1:]), **decision.to_dict()})
             log_rank0(
                 _log, logging.INFO,
-                "auto route: %d elements -> %s (%s; predicted %s%s)", numel, decision.route, decision.reason,
+                "auto route (%s): %d elements -> %s (%s; predicted %s%s)", collective, numel, decision.route,
+                decision.reason,
                 ", ".join(f"{r} {t * 1e3:.1f} ms" for r, t in decision.predicted_s.items()),
                 "; measured " + ", ".join(f"{r} {t * 1e3:.1f} ms" for r, t in decision.measured_s.items())
                 if decision.measured_s else "",
@@ -296,4 +305,4 @@ class AutoCodec:
 
     def decisions(self) -> list[dict[str, Any]]:
         """The decisions now in force, as dicts (for metrics)."""
-        return [{"group": [r for r in g if r != "route"], **d.to_dict()} for (g, _), d in self._decisions.items()]
+        return [{"group": [r for r in g if r != "route"], **d.to_dict()} for (g, *_), d in self._decisions.items()]

@@ -23,6 +23,11 @@ then means "the hierarchy may be used"). Among the routes is ``flat bf16_allredu
 all-reduce of the whole bucket (DeepSpeed's ``communication_data_type: bf16``), with error feedback
 of the cast's rounding only with ``auto_bf16_error_feedback`` (residuals under the bucket's key,
 like a codec's, and checkpointed with them).
+
+Reduce-scatters (:meth:`GradientSync.reduce_scatter_sum`: megatron-core's distributed optimizer,
+DeepSpeed ZeRO-3) take the same settings: ``topology.hierarchical`` runs
+:func:`~robust_plugins.topology.hierarchical_reduce_scatter`, and ``auto`` picks their route with
+the reduce-scatter's time model through the same :meth:`AutoCodec.route_for`.
 """
 
 from __future__ import annotations
@@ -297,19 +302,57 @@ class GradientSync:
         return compressed_all_reduce(tensor, group=group, codec=None if state else codec, op="sum",
                                      state=state, key=key)
 
-    def _auto_route(self, tensor: torch.Tensor, group, groups, key: str) -> torch.Tensor:
+    def reduce_scatter_sum(self, output: torch.Tensor, input: torch.Tensor, group, key: str) -> torch.Tensor:
+        """``output`` = the sum over ``group`` of ``input``'s shard ``rank`` (as
+        ``reduce_scatter_tensor`` cuts it), for a key from :meth:`compress_key`: compressed with the
+        fixed codec, hierarchical with ``topology.hierarchical``
+        (:func:`~robust_plugins.topology.hierarchical_reduce_scatter`), and with ``codec: auto`` by
+        the route ``auto`` picks for this bucket with the reduce-scatter's model (``flat none`` is
+        the host's plain ``reduce_scatter_tensor``). ``output`` may be a view into ``input``."""
+        import torch.distributed as dist
+
+        from robust_plugins.comm import compressed_reduce_scatter
+        from robust_plugins.topology import hierarchical_reduce_scatter
+
+        groups = None
+        if self.hierarchical:
+            # Reduce on the group this call was given (a sync thread's clone on gloo), never on the
+            # host's own; the clone has the same ranks in the same order.
+            groups = dataclasses.replace(self._hierarchy(group), group=group)
+        if self.auto is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            planned = groups if groups is not None and groups.plan is not None else None
+            return self._auto_route(input, group, planned, key, output=output)
+        codec = self._codec(input, group, input.numel(), key)
+        state = self.states.get(codec)
+        if groups is not None:
+            self.stats.hierarchical_elements += input.numel()
+            return hierarchical_reduce_scatter(output, input, groups, codec=None if state else codec, op="sum",
+                                               state=state, key=key)
+        return compressed_reduce_scatter(output, input, group=group, codec=None if state else codec, op="sum",
+                                         state=state, key=key)
+
+    def _auto_route(self, tensor: torch.Tensor, group, groups, key: str,
+                    output: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``auto``: the codec, and with ``topology.hierarchical`` (``groups``) the layout (flat or
         hierarchical), chosen from measured trial runs (see ``robust_plugins.comm.autocodec``);
-        ``flat none`` is the plain uncompressed all-reduce the host would run."""
-        from robust_plugins.comm import compressed_all_reduce
+        ``flat none`` is the plain uncompressed collective the host would run. With ``output`` the
+        collective is a reduce-scatter of ``tensor`` into ``output`` (:meth:`reduce_scatter_sum`),
+        else an in-place all-reduce of ``tensor``."""
+        from robust_plugins.comm import compressed_all_reduce, compressed_reduce_scatter
         from robust_plugins.comm.collectives import bf16_all_reduce
-        from robust_plugins.topology import hierarchical_all_reduce
+        from robust_plugins.topology import hierarchical_all_reduce, hierarchical_reduce_scatter
 
         scratch: dict = {}  # lives for this bucket's trials only
 
         def run(route: str, t: torch.Tensor) -> None:  # trial runs: no residual is kept
             layout, codec = route.split()
-            if codec == BF16_ALLREDUCE:
+            if output is not None:
+                out = torch.empty_like(output)
+                if layout == "hier":
+                    hierarchical_reduce_scatter(out, t, groups, codec=codec, op="sum")
+                else:
+                    compressed_reduce_scatter(out, t, group=group, codec=codec, op="sum")
+            elif codec == BF16_ALLREDUCE:
                 # Its error feedback is most of its compute (3 passes of 4 over the bucket), so the
                 # trial pays for it, on a scratch residual that is thrown away. The scratch is kept
                 # for a second trial run: a step reuses its residual, and allocating (first-touch
@@ -326,11 +369,13 @@ class GradientSync:
                 compressed_all_reduce(t, group=group, codec=codec, op="sum")
 
         before = len(self.auto.history)
+        collective = "all_reduce" if output is None else "reduce_scatter"
         if groups is None:  # flat only: the codec, timed on the real bucket like the routes
-            d = self.auto.route_for(tensor, group=group, intra=None, rail=None, per_node=1, run=run)
+            d = self.auto.route_for(tensor, group=group, intra=None, rail=None, per_node=1, run=run,
+                                    collective=collective)
         else:
             d = self.auto.route_for(tensor, group=group, intra=groups.intra, rail=groups.rail,
-                                    per_node=len(groups.intra_ranks), run=run)
+                                    per_node=len(groups.intra_ranks), run=run, collective=collective)
         if len(self.auto.history) != before:
             self.stats.auto_decisions = self.auto.decisions()
         last = self._last_codec.get(key)
@@ -348,6 +393,13 @@ class GradientSync:
         self.stats.by_codec[d.codec] += tensor.numel()
         self.stats.by_route[d.route] += tensor.numel()
         state = self.states.get(d.codec)
+        if output is not None:
+            if d.layout == "hier":
+                self.stats.hierarchical_elements += tensor.numel()
+                return hierarchical_reduce_scatter(output, tensor, groups, codec=None if state else d.codec,
+                                                   op="sum", state=state, key=key)
+            return compressed_reduce_scatter(output, tensor, group=group, codec=None if state else d.codec,
+                                             op="sum", state=state, key=key)
         if d.codec == BF16_ALLREDUCE:
             residual = (state.sender_residual(key, tensor.numel(), tensor.device)
                         if state is not None and state.error_feedback else None)
@@ -364,8 +416,8 @@ class GradientSync:
         from robust_plugins.comm import compressed_reduce
 
         if self.hierarchical:
-            warn_once(log, "hierarchical-reduce", "topology.hierarchical covers all-reduces only: a reduce "
-                      "to one rank (%s) stays a flat compressed reduce.", key)
+            warn_once(log, "hierarchical-reduce", "topology.hierarchical covers all-reduces and reduce-scatters: "
+                      "a reduce to one rank (%s) stays a flat compressed reduce.", key)
         codec = self._codec(tensor, group, tensor.numel(), key)
         state = self.states.get(codec)
         return compressed_reduce(tensor, dst, group=group, codec=None if state else codec, op="sum",

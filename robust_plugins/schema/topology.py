@@ -21,7 +21,9 @@ class TopologyConfig(Section):
 
     hierarchical: bool = False
     """Reduce data-parallel gradients hierarchically: fp32 reduce-scatter inside each node, the
-    ``compression`` codec across nodes on rail groups, fp32 all-gather inside the node. Needs the
+    ``compression`` codec across nodes on rail groups, fp32 all-gather inside the node (a gradient
+    reduce-scatter, megatron-core's distributed optimizer and DeepSpeed ZeRO-3, stops before the
+    all-gather, each rank with its own shard). Needs the
     ``compression`` sub-block (``"codec": "none"`` for an all-fp32 hierarchy). A data-parallel
     group smaller than the job (tensor/pipeline parallelism) gets a hierarchy planned on its own
     ranks. With ``"codec": "auto"`` this allows the hierarchy: ``auto`` then chooses per bucket

@@ -2,7 +2,7 @@
 
 Layers, each depending only on the ones above it: ``records`` (data) -> ``discover`` (sources)
 -> ``planner`` (pure rank lists) -> ``builder`` (process groups) -> ``hierarchical`` (the
-all-reduce) ; ``megatron`` maps megatron-core's rank order onto the topology.
+all-reduce and the reduce-scatter) ; ``megatron`` maps megatron-core's rank order onto the topology.
 """
 
 from __future__ import annotations
@@ -18,9 +18,16 @@ from robust_plugins.topology.discover import (
     records_from_gathered,
     records_from_host_table,
 )
-from robust_plugins.topology.hierarchical import hierarchical_all_reduce
+from robust_plugins.topology.hierarchical import hierarchical_all_reduce, hierarchical_reduce_scatter
 from robust_plugins.topology.megatron import inverse, megatron_rank_order
-from robust_plugins.topology.planner import TopologyPlan, check_dp_groups, check_records, plan_groups, plan_within
+from robust_plugins.topology.planner import (
+    TopologyPlan,
+    check_dp_groups,
+    check_records,
+    plan_groups,
+    plan_within,
+    reduce_scatter_order,
+)
 from robust_plugins.topology.records import RankRecord, TopologyError, UnevenTopologyError
 
 __all__ = [
@@ -38,6 +45,7 @@ __all__ = [
     "clear_cache",
     "discover",
     "hierarchical_all_reduce",
+    "hierarchical_reduce_scatter",
     "inverse",
     "load_topology_file",
     "megatron_rank_order",
@@ -47,4 +55,5 @@ __all__ = [
     "plan_within",
     "records_from_gathered",
     "records_from_host_table",
+    "reduce_scatter_order",
 ]

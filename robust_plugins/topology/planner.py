@@ -221,3 +221,31 @@ def plan_within(records: Sequence[RankRecord], members: Sequence[int]) -> Topolo
 
     return TopologyPlan(len(order), glob(plan.intra), glob(plan.rails),
                         tuple(glob(t) for t in plan.switch_tiers), plan.domain_names, plan.switch_names)
+
+
+def reduce_scatter_order(plan: TopologyPlan, node: Sequence[int], group_ranks: Sequence[int]) -> tuple[int, ...]:
+    """The order in which a rank of ``node`` stages the shards of a hierarchical reduce-scatter.
+
+    ``group_ranks`` are the global ranks of the group the flat reduce-scatter runs on, in
+    group-rank order (rank ``group_ranks[i]`` owns shard ``i``); ``node`` is the intra-node group
+    of the caller. Process groups order their members by global rank (``new_group`` sorts them),
+    so the intra-node reduce-scatter hands block ``i`` to the ``i``-th lowest rank of the node,
+    and the rail reduce-scatter hands sub-block ``j`` to the ``j``-th lowest rank of the rail.
+    Block ``i`` must therefore hold the shards of the rail of the node's ``i``-th rank, in that
+    rail's rank order. Returns shard indices: staged row ``k`` is input shard ``order[k]``; every
+    rank of one node gets the same order, and it is a permutation of ``range(len(group_ranks))``.
+
+    Raises:
+        TopologyError: ``group_ranks`` and the plan hold different ranks, or ``node`` is not one
+            of the plan's nodes.
+    """
+    if sorted(group_ranks) != sorted(r for g in plan.intra for r in g):
+        raise TopologyError(
+            f"the reduce-scatter group {_short(group_ranks)} is not the planned group "
+            f"{_short(sorted(r for g in plan.intra for r in g))}."
+        )
+    if tuple(sorted(node)) not in {tuple(sorted(g)) for g in plan.intra}:
+        raise TopologyError(f"ranks {_short(node)} are not one node of the plan {[list(g) for g in plan.intra]}.")
+    shard_of = {r: i for i, r in enumerate(group_ranks)}
+    rail_of = {r: rail for rail in plan.rails for r in rail}
+    return tuple(shard_of[r] for member in sorted(node) for r in sorted(rail_of[member]))

@@ -4,7 +4,10 @@ Run as ``torchrun --nproc-per-node 4 ds_hier_worker.py --out DIR``. For ZeRO 0, 
 SGD(lr=1) step (the update is the averaged gradient) with plain DeepSpeed and with
 ``"topology": {"hierarchical": true}`` under codecs none, int8 and auto (told a very slow and a
 very fast link), counting the bytes each rank sends on its rail (inter-node) group and its
-intra-node group; then trains ZeRO-1 hierarchical int8 and vanilla for a few steps. Rank 0 writes
+intra-node group; then trains ZeRO-1 hierarchical int8 and vanilla for a few steps. ZeRO-3 (its
+gradient reduce-scatter, node first): one SGD(lr=1) step of each rank's partition, vanilla vs
+hierarchical int8 and ``auto`` told a slow link, with the largest local gradient of the plain model
+for the codec's bound, then a few AdamW steps vanilla vs hierarchical int8. Rank 0 writes
 ``DIR/results.json``; ``test_deepspeed_hierarchical.py`` asserts on it.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import robust_plugins  # noqa: F401  (installs the patch before deepspeed.initialize)
 
@@ -20,7 +24,9 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from ds_worker import all_digests, load_corpus, make_engine, train, val_loss
+from ds_worker import MICRO_BATCH, SEED, SEQ_LEN, all_digests, load_corpus, make_engine, train, val_loss
+from robust_plugins.workloads.gpt import build_gpt
+from robust_plugins.workloads.text import get_batch
 from robust_plugins.comm import WireCounter
 from _exit import leave_without_teardown
 
@@ -63,11 +69,68 @@ def one_step(stage: int, block: dict | None, corpus) -> dict:
     return out
 
 
+ZERO3 = {"stage3_param_persistence_threshold": 1000}  # the matrices partitioned, the small ones persistent
+
+
+def zero3_step(block: dict | None, corpus) -> dict:
+    """One SGD(lr=1) ZeRO-3 step: this rank's partition update (the reduced gradient), its bytes."""
+    engine = make_engine(3, block, vanilla=block is None, sgd=True, zero_extra=ZERO3)
+    params = list(engine.module.parameters())
+    before = [p.ds_tensor.detach().float().clone() for p in params]
+    plugin = getattr(engine, "robust_plugins", None)
+    counters = {"all": WireCounter()}
+    if plugin is not None and plugin.config.topology is not None:
+        groups = plugin.sync._hierarchy(None)
+        counters |= {"rail": WireCounter(groups.rail), "intra": WireCounter(groups.intra)}
+    for c in counters.values():
+        c.__enter__()
+    try:
+        train(engine, 1, corpus)
+    finally:
+        for c in counters.values():
+            c.__exit__(None, None, None)
+    update = torch.cat([(b - p.ds_tensor.detach().float()).reshape(-1) for b, p in zip(before, params)])
+    out = {"update": update, "bytes": {k: c.bytes_sent for k, c in counters.items()},
+           "shard": sum(-(-p.ds_numel // dist.get_world_size()) for p in params)}
+    if plugin is not None:
+        s = plugin.sync.stats
+        out["stats"] = {"hierarchical_elements": s.hierarchical_elements, "by_codec": dict(s.by_codec),
+                        "by_route": dict(s.by_route), "collectives": [d["collective"] for d in s.auto_decisions]}
+    return out
+
+
+def zero3(corpus, steps: int) -> dict:
+    """ZeRO-3 scenarios (module docstring); this rank's view gathered on every rank."""
+    x, y = get_batch(corpus, "train", seed=SEED, step=0, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                     micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
+    model = build_gpt("tiny", seed=SEED)
+    model(x, y).backward()  # the plain model's local gradient: what each rank's sender quantizes, / world
+    absmax = torch.tensor([max(float(p.grad.abs().max()) for p in model.parameters())])
+    dist.all_reduce(absmax, op=dist.ReduceOp.MAX)
+    exact = zero3_step(None, corpus)
+    res: dict = {"absmax": float(absmax), "shard": exact["shard"]}
+    for name in ("hier_int8", "auto_slow"):
+        got = zero3_step(SCENARIOS[name], corpus)
+        diff = got["update"] - exact["update"]
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, {"bytes": got["bytes"], "stats": got["stats"],
+                                          "max_abs": float(diff.abs().max()),
+                                          "rel_error": float(diff.norm() / exact["update"].norm())})
+        res[name] = per_rank
+    for name, block in (("vanilla", None), ("hier_int8", SCENARIOS["hier_int8"])):
+        engine = make_engine(3, block, vanilla=block is None, zero_extra=ZERO3)
+        losses, _ = train(engine, steps, corpus)
+        res[f"train_{name}"] = {"losses": losses}
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--zero3-steps", type=int, default=4)
     args = ap.parse_args()
+    launched = time.perf_counter()
     deepspeed.init_distributed(dist_backend="gloo")
     torch.use_deterministic_algorithms(True)
     corpus = load_corpus()
@@ -93,6 +156,10 @@ def main() -> None:
         engine = make_engine(1, block, vanilla=block is None)
         losses, _ = train(engine, args.steps, corpus)
         results[f"train_{name}"] = {"losses": losses, "digests": all_digests(engine), "val_loss": val_loss(engine, corpus)}
+    start = time.perf_counter()
+    results["zero3"] = zero3(corpus, args.zero3_steps)
+    results["zero3"]["seconds"] = time.perf_counter() - start  # its share of the launch (test cost)
+    results["seconds_before_zero3"] = start - launched
     if rank == 0:
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(results, f)

@@ -73,7 +73,7 @@ def main() -> None:
                          "digests": sorted(p.read_text().strip() for p in (out / name).glob("digest.rank*"))}
     if a.zero3:
         try:
-            # ZeRO-3's reduce-scatter takes none, int8, int4; sign stays refused there (codec auto cannot
+            # ZeRO-3's reduce-scatter takes none, int8, int4, auto; sign stays refused there (codec auto cannot
             # be tried under the HF Trainer: Accelerate takes every "auto" in the config for its own).
             train(out / "zero3", _config(3, {"compression": {"codec": "sign"}}), steps=2)
             results["zero3"] = {"error": None}

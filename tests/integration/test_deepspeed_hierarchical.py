@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 0/1/2 on 4 CPU ranks laid out as 2 simulated nodes x 2 ranks, with
+"""DeepSpeed ZeRO 0/1/2 and 3 on 4 CPU ranks laid out as 2 simulated nodes x 2 ranks, with
 ``"topology": {"hierarchical": true}`` and the ``auto`` codec (one launch of ``ds_hier_worker.py``).
 
 Asserted: the hierarchy really runs (groups {0,1},{2,3} inside nodes and rails {0,2},{1,3}; the
@@ -7,16 +7,21 @@ through the hierarchy equals DeepSpeed's flat fp32 gradient up to summation orde
 nodes sends about a quarter of the rail bytes of fp32 with ~1 % error; ``auto`` told a slow link
 picks hierarchical int8 (and says why), told a fast link picks the flat uncompressed all-reduce;
 every rank agrees; ZeRO-1 training with the hierarchy keeps replicas identical and tracks vanilla.
+ZeRO-3 (the same launch): the gradient reduce-scatter goes node first, int8 within its bound of
+vanilla's partition update, the bytes by hand, ``auto`` told a slow link picks hierarchical int8,
+and training tracks vanilla.
 """
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
 from _dist import run_script
 
-pytestmark = [pytest.mark.integration]
+# One launch of 4 ranks (ZeRO 0/1/2 and 3) under its own 400 s limit, paid by the first test's fixture.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 WORKER = str(Path(__file__).with_name("ds_hier_worker.py"))
 STEPS = 20
@@ -98,3 +103,32 @@ def test_zero1_training_with_the_hierarchy_keeps_replicas_identical_and_tracks_v
         assert len(run["losses"]) == STEPS and len(set(run["digests"])) == 1, name
         assert abs(run["val_loss"] / van["val_loss"] - 1) < 0.02, (name, run["val_loss"], van["val_loss"])
     assert van["losses"][-1] < van["losses"][0]
+
+
+def _int8_row_bytes(numel: int, block: int = 256) -> int:
+    blocks = -(-numel // block)
+    return blocks * block + 4 * blocks  # int8 codes of whole blocks + one fp32 scale a block
+
+
+def test_zero3_reduce_scatter_goes_node_first_within_the_int8_bound(results):
+    z = results["zero3"]
+    shard = z["shard"]  # this rank's shard of the step's bucket: sum of ceil(numel / 4) per parameter
+    # Each sender quantizes its node's sum of gradients / 4 once on the rail: half an int8 step of
+    # at most 2 x absmax / 4 per node, over 2 nodes.
+    bound = z["absmax"] / 254
+    for x in z["hier_int8"]:
+        assert 0 < x["max_abs"] <= bound * (1 + 1e-5), (x["max_abs"], bound)
+        assert 1e-4 < x["rel_error"] < 3e-2, x["rel_error"]
+        assert x["stats"]["hierarchical_elements"] > 0 and set(x["stats"]["by_codec"]) == {"int8"}
+        # Across nodes: one int8 shard to the rail peer; in the node: fp32 reduce-scatter of the
+        # 4 shards, (2-1)/2 of 4 x shard x 4 bytes.
+        assert x["bytes"]["rail"] == _int8_row_bytes(shard), (x["bytes"], shard)
+        assert x["bytes"]["intra"] == 8 * shard, (x["bytes"], shard)
+    for x in z["auto_slow"]:
+        assert x["stats"]["by_route"] == {"hier int8": x["stats"]["hierarchical_elements"]}, x["stats"]
+        assert set(x["stats"]["collectives"]) == {"reduce_scatter"}
+        assert x["max_abs"] <= bound * (1 + 1e-5)
+    print(f"ZeRO-3 share of the launch: {z['seconds']:.1f} s (ZeRO 0-2 before it: {results['seconds_before_zero3']:.1f} s)")
+    van, hier = z["train_vanilla"]["losses"], z["train_hier_int8"]["losses"]
+    assert all(math.isfinite(v) for v in hier) and len(hier) == len(van)
+    assert abs(hier[-1] / van[-1] - 1) < 0.02, (hier, van)

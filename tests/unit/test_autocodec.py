@@ -381,3 +381,31 @@ def test_hier_none_replaces_flat_none_only_by_min_gain():
     # A lossy route is weighed against the exact route that stands: here flat none.
     d = choose_route(N, lk, COSTS, per_node=2, measured={"flat none": 0.100, "hier none": 0.095, "hier int8": 0.092})
     assert d.route == "flat none" and "only 8% faster than flat none" in d.reason, d.reason
+
+
+def test_reduce_scatter_model_moves_half_the_bytes_in_one_collective():
+    from robust_plugins.comm.autocodec import predict_reduce_scatter_seconds
+
+    lk = link(1, w=4)
+    bus = 3 / 4 * N * 4 / lk.bus_bytes_per_s
+    assert predict_reduce_scatter_seconds("none", N, lk, None, 256) == pytest.approx(lk.latency_s + bus)
+    int8 = 3 / 4 * N * bytes_per_element("int8", 256) / lk.bus_bytes_per_s
+    assert predict_reduce_scatter_seconds("int8", N, lk, COSTS["int8"], 256) == pytest.approx(
+        lk.latency_s + int8 + N * COSTS["int8"].seconds_per_element)
+    assert predict_route_seconds("hier int8", N, links(0.2, 20), COSTS, 256, 2, "reduce_scatter") == pytest.approx(
+        predict_reduce_scatter_seconds("none", N, links(0.2, 20)["intra"], None, 256)
+        + predict_reduce_scatter_seconds("int8", N // 2, links(0.2, 20)["rail"], COSTS["int8"], 256))
+    with pytest.raises(ConfigError, match="not a reduce-scatter"):
+        predict_reduce_scatter_seconds("bf16_allreduce", N, lk, COSTS["bf16_allreduce"], 256)
+    with pytest.raises(ConfigError, match="collective"):
+        predict_route_seconds("flat none", N, links(0.2, 20), COSTS, 256, 2, "broadcast")
+
+
+def test_reduce_scatter_routes_slow_link_hierarchical_and_no_whole_bucket_allreduce():
+    slow = choose_route(N, links(0.2, 20), COSTS, per_node=2, collective="reduce_scatter")
+    assert slow.route == "hier int8" and slow.collective == "reduce_scatter", slow
+    assert slow.to_dict()["collective"] == "reduce_scatter"
+    fast = choose_route(N, links(10, 10), COSTS, per_node=2, collective="reduce_scatter")
+    assert not any("bf16_allreduce" in r for r in fast.predicted_s)
+    assert fast.excluded["bf16_allreduce"] == "an all-reduce, not a reduce-scatter"
+    assert fast.layout == "flat", fast

@@ -61,8 +61,12 @@ def test_check_config_flags_zero3_and_cpu_buckets(tmp_path):
     p.write_text(json.dumps({"zero_optimization": {"stage": 3}, "robust_plugins": {"compression": {"codec": "int8"}}}))
     text = "\n".join(check_config.check(str(p)))  # ZeRO-3's reduce-scatter is compressed
     assert "ERROR" not in text and "ZeRO-3's gradient reduce-scatter" in text
-    p.write_text(json.dumps({"zero_optimization": {"stage": 3}, "robust_plugins": {"compression": {"codec": "auto"}}}))
-    assert "ERROR: compression.codec = 'auto' with ZeRO-3" in "\n".join(check_config.check(str(p)))
+    p.write_text(json.dumps({"zero_optimization": {"stage": 3}, "robust_plugins": {"compression": {"codec": "sign"}}}))
+    assert "ERROR: compression.codec = 'sign' with ZeRO-3" in "\n".join(check_config.check(str(p)))
+    p.write_text(json.dumps({"zero_optimization": {"stage": 3}, "robust_plugins": {
+        "compression": {"codec": "auto"}, "topology": {"hierarchical": True}}}))
+    text = "\n".join(check_config.check(str(p)))
+    assert "ERROR" not in text and "reduce-scatter (node first" in text
     p.write_text(json.dumps({"zero_optimization": {"stage": 2}, "robust_plugins": {"compression": {}}}))
     assert "reduce_bucket_size" in "\n".join(check_config.check(str(p)))
 

@@ -110,18 +110,17 @@ def test_cpu_shim_covers_schedules_optimizers_and_tensor_cuda_and_undoes():
     assert clip_grads.clip_grad_by_total_norm_fp32 is clip is mcore_optimizer.clip_grad_by_total_norm_fp32
 
 
-@pytest.mark.parametrize("block, what", [
-    ({"compression": {"codec": "auto"}}, "codec = 'auto' covers all-reduces only"),
-    ({"compression": {"codec": "int8"}, "topology": {"hierarchical": True}}, "topology.hierarchical covers"),
+@pytest.mark.parametrize("block", [
+    {"compression": {"codec": "auto"}},
+    {"compression": {"codec": "int8"}, "topology": {"hierarchical": True}},
+    {"compression": {"codec": "auto"}, "topology": {"hierarchical": True}},
 ])
-def test_enable_refuses_all_reduce_only_features_with_the_distributed_optimizer(block, what):
+def test_auto_and_hierarchical_are_served_with_and_without_the_distributed_optimizer(block):
     from types import SimpleNamespace
 
-    distopt = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=True))
-    with pytest.raises(UnsupportedError, match=what):
-        patch._refuse_config(patch._as_plugin_config(block), distopt)
-    plain = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=False))
-    patch._refuse_config(patch._as_plugin_config(block), plain)  # served on the all-reduce path
+    for distopt in (True, False):  # the reduce-scatter and the all-reduce path
+        ddp = SimpleNamespace(ddp_config=SimpleNamespace(use_distributed_optimizer=distopt, overlap_grad_reduce=False))
+        patch._refuse_config(patch._as_plugin_config(block), ddp)
 
 
 def test_distributed_optimizer_checkpoint_fixes_install_once_and_undo(monkeypatch):

@@ -79,11 +79,9 @@ def test_pipeline_compression_refuses_what_was_not_verified(block, needle):
 
 
 @pytest.mark.parametrize("block,zero,needle", [
-    ({"compression": {"codec": "auto"}}, {}, "compression.codec = 'auto' is not wired for ZeRO-3's reduce-scatter; "
-                                             "allowed there: none, int8, int4"),
-    ({"compression": {"codec": "sign"}}, {}, "compression.codec = 'sign'"),
-    ({"compression": {"codec": "int8"}, "topology": {"hierarchical": True}}, {},
-     "topology.hierarchical = true: the ZeRO-3 reduce-scatter is flat; allowed there: false"),
+    ({"compression": {"codec": "sign"}}, {}, "compression.codec = 'sign' is not wired for ZeRO-3's reduce-scatter; "
+                                             "allowed there: none, int8, int4, auto"),
+    ({"compression": {"codec": "bf16"}}, {}, "compression.codec = 'bf16'"),
     ({"compression": {"codec": "int8", "overlap": True}}, {}, "compression.overlap = true"),
     ({"compression": {"codec": "int8"}}, {"reduce_scatter": False}, "zero_optimization.reduce_scatter = false"),
     ({"compression": {"codec": "int8"}}, {"zero_quantized_gradients": True},
@@ -99,3 +97,17 @@ def test_zero3_compression_refusals_name_key_value_allowed(block, zero, needle):
     assert needle in unsupported_reason(_engine(**zero), plugin)
     ok = NS(config=PluginConfig.from_ds_config({"robust_plugins": {"compression": {"codec": "int8"}}}))
     assert unsupported_reason(_engine(), ok) is None
+
+
+@pytest.mark.parametrize("block", [
+    {"compression": {"codec": "auto"}},
+    {"compression": {"codec": "int8"}, "topology": {"hierarchical": True}},
+    {"compression": {"codec": "auto"}, "topology": {"hierarchical": True}},
+])
+def test_zero3_serves_auto_and_the_hierarchy(block):
+    pytest.importorskip("deepspeed")
+    from types import SimpleNamespace as NS
+
+    from robust_plugins.patches.deepspeed_zero3_reduce import unsupported_reason
+
+    assert unsupported_reason(_engine(), NS(config=PluginConfig.from_ds_config({"robust_plugins": block}))) is None

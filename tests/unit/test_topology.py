@@ -229,3 +229,23 @@ def test_dp_groups_must_split_the_job_and_sit_evenly():
         plan_within(parse_sim("2x4"), [0, 1, 2, 4])
     with pytest.raises(_TopoErr, match="no topology record"):
         plan_within(parse_sim("2x2"), [0, 9])
+
+
+def test_reduce_scatter_order_stages_each_rails_shards_node_major():
+    from robust_plugins.topology import reduce_scatter_order
+
+    plan = plan_groups(parse_sim("2x2"))
+    # node {0,1}: block 0 for rank 0's rail {0,2}, block 1 for rank 1's rail {1,3}
+    assert reduce_scatter_order(plan, (0, 1), range(4)) == (0, 2, 1, 3)
+    assert reduce_scatter_order(plan, (2, 3), range(4)) == (0, 2, 1, 3)
+    order = reduce_scatter_order(plan_groups(parse_sim("2x4")), (4, 5, 6, 7), range(8))
+    assert order == (0, 4, 1, 5, 2, 6, 3, 7)
+    big = plan_groups(parse_sim("16x8"))
+    assert sorted(reduce_scatter_order(big, big.intra[3], range(128))) == list(range(128))
+    # A data-parallel group planned within the job: shard i belongs to the group's i-th rank.
+    within = plan_within(parse_sim("2x4"), [1, 3, 5, 7])
+    assert reduce_scatter_order(within, (5, 7), [1, 3, 5, 7]) == (0, 2, 1, 3)
+    with pytest.raises(TopologyError, match="not the planned group"):
+        reduce_scatter_order(plan, (0, 1), range(5))
+    with pytest.raises(TopologyError, match="not one node"):
+        reduce_scatter_order(plan, (0, 2), range(4))
