@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from functools import partial
 from typing import Any
 
 import torch
 
 from robust_plugins._logging import current_rank, get_logger
+from robust_plugins.comm.state import residuals_sq_norm
 from robust_plugins.patches import _guard
 
 log = get_logger(__name__)
@@ -70,7 +72,8 @@ def attach_telemetry(engine, plugin) -> Any:
     # ZeRO-3's parameters are partitioned (numel() is this rank's share or 0): ds_numel is the whole.
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)
     comm_dtype = engine.communication_data_type or engine.get_data_types()[0]
-    state = plugin.sync.state if plugin.sync is not None else None
+    residual_sq_fn = (partial(residuals_sq_norm, tuple(plugin.sync.states.values()))
+                      if plugin.sync is not None else None)
     # SyncStats, not the GradientSync: its step function holds the engine, which the recorder must
     # not keep alive (it is closed when the engine is collected).
     stats = plugin.sync.stats if plugin.sync is not None else None
@@ -106,7 +109,7 @@ def attach_telemetry(engine, plugin) -> Any:
                     grad_element_size=torch.empty((), dtype=comm_dtype).element_size(),
                     dp_world_size=engine.dp_world_size, device=torch.device(engine.device),
                     flops_per_token=6.0 * trainable,
-                    residual_sq_fn=state.residual_sq_norm if state is not None else None,
+                    residual_sq_fn=residual_sq_fn,
                     grad_norm_fn=grad_norm, info_fn=info if stats is not None or zero3 is not None else None)
     plugin.telemetry = tel
 

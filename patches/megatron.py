@@ -59,12 +59,14 @@ saved by :class:`robust_plugins.megatron.MegatronCheckpointer` beside the model.
 from __future__ import annotations
 
 import os
+from functools import partial
 from typing import Any, Mapping
 
 import torch
 
 from robust_plugins._logging import announce, current_rank, get_logger
 from robust_plugins.comm.overlap import Completed, SyncThread, clone_groups
+from robust_plugins.comm.state import residuals_sq_norm
 from robust_plugins.config import PluginConfig
 from robust_plugins.device import collective_device
 from robust_plugins.errors import CheckpointError, ConfigError, RobustPluginsError, UnsupportedError
@@ -400,7 +402,8 @@ def _attach_telemetry(ddp, plugin: MegatronPlugin) -> None:
     grad_dtype = torch.float32 if c.grad_reduce_in_fp32 else next(ddp.module.parameters()).dtype
     dp = ps.get_data_parallel_world_size()
     stats = plugin.sync.stats if plugin.sync is not None else None
-    state = plugin.sync.state if plugin.sync is not None and plugin.sync.auto is None else None
+    residual_sq_fn = (partial(residuals_sq_norm, tuple(plugin.sync.states.values()))
+                      if plugin.sync is not None else None)
 
     def sync_info() -> dict[str, Any]:
         total = sum(stats.by_codec.values())
@@ -417,7 +420,7 @@ def _attach_telemetry(ddp, plugin: MegatronPlugin) -> None:
                     grad_element_size=torch.finfo(grad_dtype).bits // 8, dp_world_size=dp,
                     device=device, flops_per_token=6.0 * float(whole),
                     wire_filter=lambda group: id(group) not in model_parallel,
-                    residual_sq_fn=state.residual_sq_norm if state is not None else None,
+                    residual_sq_fn=residual_sq_fn,
                     grad_norm_fn=lambda: plugin._grad_norm, info_fn=sync_info if stats is not None else None)
     plugin.telemetry = tel
 

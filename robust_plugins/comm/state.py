@@ -209,3 +209,11 @@ class CompressionState:
                     )
         self._sender = {k: v.detach().to(torch.float32).clone() for k, v in sd["sender"].items()}
         self._server = {k: v.detach().to(torch.float32).clone() for k, v in sd["server"].items()}
+
+
+def residuals_sq_norm(states) -> float:
+    """Squared L2 norm of the residuals of every :class:`CompressionState` in ``states`` (codec
+    ``auto`` keeps one state a candidate): telemetry's residual figure. Takes the states, not the
+    :class:`~robust_plugins.comm.GradientSync`, so a recorder holding it keeps no engine alive."""
+    return sum(st.residual_sq_norm() for st in states)
+

@@ -29,9 +29,10 @@ pytestmark = [pytest.mark.integration]
 STEPS, EVERY = 20, 5
 
 
-def _config(src: str, out: Path, name: str, heatmap: bool) -> str:
+def _config(src: str, out: Path, name: str, heatmap: bool, **compression) -> str:
     cfg = load_json(recipe_config(src))
     block = cfg.setdefault("robust_plugins", {})
+    block.get("compression", {}).update(compression)
     block["telemetry"] = {"dir": str(out / name), "log_every": EVERY, "heatmap_at_start": heatmap,
                           "heatmap_bytes": 1 << 16,
                           "wandb": {"project": "robust-test", "group": "cmp", "mode": "offline"}}
@@ -44,7 +45,10 @@ def _config(src: str, out: Path, name: str, heatmap: bool) -> str:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("telemetry")
     plan = {"runs": [{"name": "baseline", "config": _config("baseline.json", out, "baseline", False)},
-                     {"name": "plugin", "config": _config("plugin.json", out, "plugin", True)}]}
+                     {"name": "plugin", "config": _config("plugin.json", out, "plugin", True)},
+                     # codec auto told a slow link: it compresses, with one residual state a codec
+                     {"name": "auto", "config": _config("plugin.json", out, "auto", False, codec="auto",
+                                                        auto_candidates=["int8", "int4"], auto_link_gbit=0.1)}]}
     (out / "plan.json").write_text(json.dumps(plan))
     run_script(RECIPE_MODULE, ["--plan", str(out / "plan.json"), "--out-dir", str(out), "--steps", str(STEPS),
                                  "--preset", "tiny"], nproc=2, timeout_s=200, log_path=out / "launch.log")
@@ -95,6 +99,15 @@ def test_metrics_agree_with_the_recipes_own_counts(runs, name):
     else:
         assert all(r["residual_norm"] == 0 and "codec_share" not in r for r in steps)
         assert all(r["compression_ratio"] == pytest.approx(1.0) for r in steps)  # ZeRO-1's own all-reduce
+
+
+def test_codec_auto_reports_its_codecs_and_every_candidates_residuals(runs):
+    steps = _steps(runs / "auto")
+    assert [r["step"] for r in steps] == list(range(EVERY, STEPS + 1, EVERY))
+    for r in steps:
+        assert sum(r["codec_share"].values()) == pytest.approx(1.0), r["codec_share"]
+        assert set(r["codec_share"]) & {"int8", "int4"}, r["codec_share"]  # a slow link: compressed
+        assert r["residual_norm"] > 0 and r["compression_ratio"] < 0.6, r
 
 
 def test_wandb_offline_run_carries_config_and_values(runs):
