@@ -42,7 +42,7 @@ from robust_plugins.checkpoint import DiskCheckpointer
 from robust_plugins.errors import CheckpointError, UnsupportedError
 from robust_plugins.patches import _guard
 from robust_plugins.patches import deepspeed_universal as _universal
-from robust_plugins.patches import torch_jit_lock
+from robust_plugins.patches import deepspeed_wire, torch_jit_lock
 from robust_plugins.patches.deepspeed_checkpoint import (  # noqa: F401  (CLIENT_KEYS, STATE_FILE re-exported)
     CLIENT_KEYS,
     STATE_FILE,
@@ -112,6 +112,7 @@ def install() -> None:
     # DeepSpeed JIT-loads ops under torch's build lock, which a rank killed during start-up
     # would leave behind for every later job: this lock names its holder (torch_jit_lock.py).
     torch_jit_lock.install()
+    deepspeed_wire.install()
     original = deepspeed.initialize
     signature = inspect.signature(original)
 

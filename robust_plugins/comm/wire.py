@@ -5,9 +5,8 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
-import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -41,9 +40,17 @@ INTERCEPTED = (
     "irecv",
 )
 
-# DeepSpeed's TorchBackend (deepspeed/comm/torch.py, 0.19.8) binds these two torch functions to
-# instance attributes when the backend is built; patching the torch module misses them.
-_DEEPSPEED_BOUND = {"all_gather_function": "all_gather_into_tensor", "reduce_scatter_function": "reduce_scatter_tensor"}
+#: Sources of collectives a host bound to its own objects at start-up (patching torch's module
+#: misses those): each returns ``(owner, attribute, torch name)`` triples to wrap while a counter is
+#: open. Host patches register them (:func:`register_bound_collectives`); this module names no host.
+_BOUND_SOURCES: list[Callable[[], Iterable[tuple[Any, str, str]]]] = []
+
+
+def register_bound_collectives(source: Callable[[], Iterable[tuple[Any, str, str]]]) -> None:
+    """Have every counter opened from now on also wrap the collectives ``source()`` names (each
+    counted as the torch function named third); registering the same source twice is a no-op."""
+    if source not in _BOUND_SOURCES:
+        _BOUND_SOURCES.append(source)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -269,13 +276,11 @@ def _install() -> None:
     append = getattr(manager, "append", None)
     if append is not None and not getattr(append, "_robust_wire_counter", False):
         _patch(manager, "append", _append_timed(append))
-    ds_comm = sys.modules.get("deepspeed.comm.comm")
-    cdb = getattr(ds_comm, "cdb", None)
-    for attr, name in _DEEPSPEED_BOUND.items():
-        bound = getattr(cdb, attr, None)
-        if bound is not None and not getattr(bound, "_robust_wire_counter", False):
-            wrapper = wrappers.get(id(bound)) or _make_wrapper(name, bound)
-            _patch(cdb, attr, wrapper)
+    for source in _BOUND_SOURCES:
+        for owner, attr, name in source():
+            bound = getattr(owner, attr)
+            if not getattr(bound, "_robust_wire_counter", False):
+                _patch(owner, attr, wrappers.get(id(bound)) or _make_wrapper(name, bound))
 
 
 def _uninstall() -> None:
@@ -291,9 +296,9 @@ class WireCounter:
     """Context manager counting the bytes this rank sends through ``torch.distributed``.
 
     While any counter is open, the functions in :data:`INTERCEPTED` are wrapped in both
-    ``torch.distributed`` and ``torch.distributed.distributed_c10d`` (and, if DeepSpeed's comm
-    backend exists, the two functions it binds at start-up: ``cdb.all_gather_function`` and
-    ``cdb.reduce_scatter_function``); the originals come back when the last counter closes, also
+    ``torch.distributed`` and ``torch.distributed.distributed_c10d``, and those a host bound to
+    its own objects (:func:`register_bound_collectives`; DeepSpeed's comm backend, by
+    ``patches/deepspeed_wire.py``); the originals come back when the last counter closes, also
     on an exception. Code that looks collectives up at call time (``dist.all_reduce(...)``,
     ``deepspeed.comm``) is seen; a function object bound before the counter opened
     (``from torch.distributed import all_reduce`` at import) and collectives issued from C++

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -38,3 +40,21 @@ def test_restored_on_exception_and_after_nesting():
 def test_counters_start_empty():
     wc = WireCounter()
     assert wc.bytes_sent == 0 and not wc.calls and not wc.by_op
+
+
+def test_a_deepspeed_backend_without_its_bound_collectives_is_an_error_not_an_undercount(monkeypatch):
+    import types
+
+    from robust_plugins.errors import HostVersionError
+    from robust_plugins.patches import deepspeed_wire
+
+    monkeypatch.setitem(sys.modules, "deepspeed.comm.comm", types.SimpleNamespace(cdb=None))
+    assert deepspeed_wire.bound_collectives() == []  # no backend built yet: nothing to wrap
+    backend = types.SimpleNamespace(all_gather_function=lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "deepspeed.comm.comm", types.SimpleNamespace(cdb=backend))
+    with pytest.raises(HostVersionError, match="no reduce_scatter_function.*deepspeed >=0.19,<0.20"):
+        deepspeed_wire.bound_collectives()
+    backend.reduce_scatter_function = lambda *a, **k: None
+    assert [(o is backend, a, n) for o, a, n in deepspeed_wire.bound_collectives()] == [
+        (True, "all_gather_function", "all_gather_into_tensor"),
+        (True, "reduce_scatter_function", "reduce_scatter_tensor")]
