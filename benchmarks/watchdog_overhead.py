@@ -116,7 +116,7 @@ def monitor_cost(nproc: int, n: int = 2000, per_poll: int = 3) -> dict[str, floa
     0.2 s), and one ``check`` of ``nproc`` ranks with full detector windows (the agent calls it
     every monitor interval)."""
     from robust_plugins.config import WatchdogConfig
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
     from robust_plugins.watchdog.ring import RingWriter
 
     with tempfile.TemporaryDirectory(prefix="wd-mon-") as tmp:

@@ -28,7 +28,7 @@ def busy(stop) -> None:
 
 def monitor_proc(run_dir: str, ring: bool, rank_pid: int, conn, stop) -> None:
     from robust_plugins.config import WatchdogConfig
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     mon = Monitor(WatchdogConfig(straggler_factor=0), run_dir, host="b")
     env = mon.worker_env([0] if ring else None)

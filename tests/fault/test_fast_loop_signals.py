@@ -14,7 +14,7 @@ from conftest import robust_run
 
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.watchdog import protocol
-from robust_plugins.watchdog.monitor import Monitor
+from robust_plugins.launcher.monitor import Monitor
 
 pytestmark = [pytest.mark.fault]
 

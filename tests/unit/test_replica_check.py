@@ -12,7 +12,7 @@ import torch
 from robust_plugins.checkpoint import memory, replicas
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.errors import CheckpointError
-from robust_plugins.watchdog.monitor import Monitor
+from robust_plugins.launcher.monitor import Monitor
 from robust_plugins.watchdog.param_hash import hash_message
 from robust_plugins.watchdog.snapshot_check import off_reason
 

@@ -17,7 +17,7 @@ import pytest
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.errors import RobustPluginsError
 from robust_plugins.watchdog import client, hold, protocol, ring
-from robust_plugins.watchdog.monitor import Monitor
+from robust_plugins.launcher.monitor import Monitor
 from robust_plugins.watchdog.ring import RingError, RingReader, RingWriter
 
 

@@ -9,11 +9,11 @@ from robust_plugins._logging import get_logger
 from robust_plugins.watchdog.faults import Fault
 
 # The monitor's logger: every line of the node monitor carries one name in monitor.log.
-log = get_logger("robust_plugins.watchdog.monitor")
+log = get_logger("robust_plugins.launcher.monitor")
 
 
 class _MonitorFaultLog:
-    """Part of :class:`~robust_plugins.watchdog.monitor.Monitor`: recording a fault (rollback bounds,
+    """Part of :class:`~robust_plugins.launcher.monitor.Monitor`: recording a fault (rollback bounds,
     re-armed injections), holding a restart's fault until its resume step, the SDC replay's verdict,
     and writing ``faults.jsonl``. The state it uses is set up in ``Monitor.__init__``."""
 

@@ -1,5 +1,5 @@
 """The node monitor's emergency-save coordination: asking the live ranks (NCCL) and a bounded wait for
-their saves after a crash (the rank side is :mod:`.emergency_rank`)."""
+their saves after a crash (the rank side is :mod:`robust_plugins.watchdog.emergency_rank`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 from robust_plugins._logging import get_logger
 from robust_plugins.watchdog.protocol import MSG_EMERGENCY_NOW
 
-log = get_logger("robust_plugins.watchdog.monitor")
+log = get_logger("robust_plugins.launcher.monitor")
 
 
 def _pid_alive(pid: int | None) -> bool:
@@ -31,14 +31,14 @@ EMERGENCY_START_MIN_S = 1.0
 def asks_rank(via: str | None, device_type: str | None) -> bool:
     """Whether the monitor asks a rank that registered a saver with ``via`` to save (pure): always
     for ``monitor``; for ``auto`` when its collectives move device tensors (NCCL: a dead peer
-    raises nothing on the host, :mod:`.emergency_rank`); never for ``exception``."""
+    raises nothing on the host, :mod:`robust_plugins.watchdog.emergency_rank`); never for ``exception``."""
     if via == "monitor":
         return True
     return via == "auto" and device_type not in (None, "cpu")
 
 
 class _MonitorEmergency:
-    """Part of :class:`~robust_plugins.watchdog.monitor.Monitor`: waiting, bounded, for the live ranks'
+    """Part of :class:`~robust_plugins.launcher.monitor.Monitor`: waiting, bounded, for the live ranks'
     emergency saves (``watchdog.on_emergency``) before the agent stops them. The state it uses is set
     up in ``Monitor.__init__``."""
 

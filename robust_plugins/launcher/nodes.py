@@ -56,7 +56,7 @@ log = get_logger(__name__)
 #: Exit status of a ``robust run`` agent whose node is excluded from the job.
 EXIT_EXCLUDED = 3
 
-#: Written into every agent's run directory when a node is excluded (format in FORMAT.md).
+#: Written into every agent's run directory when a node is excluded (format in ``watchdog/FORMAT.md``).
 EXCLUDED_FILE = "excluded_nodes.json"
 
 #: Rendezvous-store keys shared by every agent of the job (not per round).

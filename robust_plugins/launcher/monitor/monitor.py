@@ -2,7 +2,8 @@
 
 It lives in the ``robust run`` launcher process (the elastic agent), which calls
 :meth:`Monitor.check` every monitor interval and :meth:`Monitor.on_crash` when a rank exits
-badly. Steps arrive in one shared-memory ring per rank (:mod:`.ring`), created here before the
+badly. Steps arrive in one shared-memory ring per rank (:mod:`robust_plugins.watchdog.ring`),
+created here before the
 ranks start and read at every poll; rare events arrive as datagrams. A receiver thread reads the
 datagrams as they come and polls the rings at least every ``_RECV_POLL_S``; the agent thread
 drains both before it decides. Only the agent thread starts or stops ranks.
@@ -28,11 +29,11 @@ from robust_plugins.watchdog import protocol as _protocol
 from robust_plugins.watchdog import ring as _ring
 from robust_plugins.watchdog.detect import STEP_WINDOW, RunningMedian
 from robust_plugins.watchdog.faults import Fault, FaultLog
-from robust_plugins.watchdog.monitor_detectors import _MonitorDetectors
-from robust_plugins.watchdog.monitor_emergency import _MonitorEmergency
-from robust_plugins.watchdog.monitor_faultlog import _MonitorFaultLog
-from robust_plugins.watchdog.monitor_ipc import _RECV_POLL_S, _MonitorIPC
-from robust_plugins.watchdog.monitor_state import _RankState
+from robust_plugins.launcher.monitor.detectors import _MonitorDetectors
+from robust_plugins.launcher.monitor.emergency import _MonitorEmergency
+from robust_plugins.launcher.monitor.faultlog import _MonitorFaultLog
+from robust_plugins.launcher.monitor.transport import _RECV_POLL_S, _MonitorIPC
+from robust_plugins.launcher.monitor.state import _RankState
 
 log = get_logger(__name__)
 
@@ -257,6 +258,6 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         fault = self._check(will_restart)
         if fault is not None:
             with self._lock:
-                self._stopping = self.incarnation  # later questions: answered at once (monitor_ipc)
+                self._stopping = self.incarnation  # later questions: answered at once (transport.py)
         self._answer_queries(fault)
         return fault

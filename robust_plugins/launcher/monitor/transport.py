@@ -29,7 +29,7 @@ from robust_plugins.watchdog.protocol import (
 )
 
 # The monitor's logger: every line of the node monitor carries one name in monitor.log.
-log = get_logger("robust_plugins.watchdog.monitor")
+log = get_logger("robust_plugins.launcher.monitor")
 
 
 #: Receiver thread's poll period: the longest the rings go unread while the agent thread is busy
@@ -38,7 +38,7 @@ _RECV_POLL_S = 0.2
 
 
 class _MonitorIPC:
-    """Part of :class:`~robust_plugins.watchdog.monitor.Monitor`: its transport, the step rings and
+    """Part of :class:`~robust_plugins.launcher.monitor.Monitor`: its transport, the step rings and
     the datagram socket, the receiver thread that reads them, the handling of each message, and
     the answers to ``ok_to_save`` questions. The state it uses is set up in ``Monitor.__init__``."""
 
@@ -162,7 +162,7 @@ class _MonitorIPC:
             elif kind == MSG_EMERGENCY:
                 before = st.emergency or {}
                 st.emergency = {k: msg.get(k) for k in ("phase", "s", "ok", "sec", "error")}
-                # Where the monitor asks the rank's listener to save (monitor_emergency), and how
+                # Where the monitor asks the rank's listener to save (emergency.py), and how
                 # it may save: from the registration, kept through the later phases.
                 st.emergency["addr"] = addr if msg.get("phase") == "registered" else before.get("addr")
                 st.emergency["via"] = msg.get("via") or before.get("via")

@@ -9,7 +9,7 @@ import time
 
 from robust_plugins._logging import get_logger
 from robust_plugins.watchdog import flight as _flight
-from robust_plugins.watchdog import stacks as _stacks
+from robust_plugins.launcher.monitor import stacks as _stacks
 from robust_plugins.watchdog.detect import (
     RunningMedian,
     StragglerEpisode,
@@ -24,10 +24,10 @@ from robust_plugins.watchdog.detect import (
     stragglers,
 )
 from robust_plugins.watchdog.faults import Fault
-from robust_plugins.watchdog.monitor_state import _RankState
+from robust_plugins.launcher.monitor.state import _RankState
 
 # The monitor's logger: every line of the node monitor carries one name in monitor.log.
-log = get_logger("robust_plugins.watchdog.monitor")
+log = get_logger("robust_plugins.launcher.monitor")
 
 
 #: and moves slowly; a value up to 1 s old delays a hang's detection by at most that second.
@@ -36,9 +36,10 @@ _LEARN_EVERY_S = 1.0
 
 
 class _MonitorDetectors:
-    """Part of :class:`~robust_plugins.watchdog.monitor.Monitor`: the detectors (NaN/Inf, spike, SDC,
+    """Part of :class:`~robust_plugins.launcher.monitor.Monitor`: the detectors (NaN/Inf, spike, SDC,
     straggler, hang) judged on every check from the agent thread, and what each step record adds
-    to their evidence. The decisions are the pure functions of :mod:`.detect`; the state they use
+    to their evidence. The decisions are the pure functions of
+    :mod:`robust_plugins.watchdog.detect`; the state they use
     is set up in ``Monitor.__init__``."""
 
     def _on_step(self, st: _RankState, rank: int, step: int, loss: float | None,
@@ -322,7 +323,7 @@ class _MonitorDetectors:
                     "stack_dump_s": round(dump_s, 3),
                     # Per rank with a readable stack: inside a collective call or not. Evidence
                     # only where collectives block the host (gloo); on NCCL a waiting rank sits
-                    # in .item() (verdict below, node blame in watchdog/nodes.py).
+                    # in .item() (verdict below, node blame in robust_plugins/launcher/nodes.py).
                     "in_collective": {str(r): in_collective(d.frames) for r, d in stacks.items()
                                       if d.frames},
                     "collectives_block_host": block_host,
@@ -350,7 +351,7 @@ class _MonitorDetectors:
     def rejudge_hang(self, fault: Fault, nodes: list[dict]) -> None:
         """Judge ``fault`` (a hang this monitor recorded) again on every node's flight-recorder views
         (``nodes``: each ``{"node", "ranks", "views"}``, this node's included; see
-        :func:`~robust_plugins.watchdog.nodes.exchange_hang_views`): every group compared over all
+        :func:`~robust_plugins.launcher.nodes.exchange_hang_views`): every group compared over all
         its members, not this node's only. Updates the fault's suspects, reason and verdict."""
         merged: dict = {}
         node_of: dict[int, str] = {}
