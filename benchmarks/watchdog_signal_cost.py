@@ -38,7 +38,7 @@ def monitor_proc(run_dir: str, ring: bool, rank_pid: int, conn, stop) -> None:
         mon.check(True)
         time.sleep(0.1)
     mon.check(True)
-    conn.send({"seen": mon.ranks[0].progress.steps_seen, "missed": mon.ring_missed.get(0, 0)})
+    conn.send({"seen": mon.ranks[0].progress.steps_seen, "missed": mon.transport.ring_missed.get(0, 0)})
     mon.close()
 
 

@@ -323,8 +323,8 @@ def test_monitor_survives_bad_datagrams_detects_nan_and_stands_down_without_its_
         send({"k": "end", "r": 0, "i": 0, "s": 3, "t": 0.0, "l": 2.0})
         assert _wait_for(lambda: mon.ranks[0].progress.last_step == 3)
         assert fault.resumed_at_step is None
-        mon._stop.set()
-        mon._thread.join(timeout=5)
+        mon.transport._stop.set()
+        mon.transport._thread.join(timeout=5)
         with caplog.at_level("WARNING", logger="robust_plugins"):
             assert mon.check(will_restart=True) is None
         assert "signal receiver stopped" in caplog.text
@@ -344,8 +344,8 @@ def test_crash_is_judged_after_the_ranks_last_datagrams_even_if_the_receiver_lag
 
     mon = Monitor(WatchdogConfig(), tmp_path, host="h")
     try:
-        mon._stop.set()
-        mon._thread.join(timeout=5)  # the receiver is "late": it will never run again
+        mon.transport._stop.set()
+        mon.transport._thread.join(timeout=5)  # the receiver is "late": it will never run again
         mon.begin_incarnation({0: 100, 1: 101})
         tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         for r in (0, 1):
@@ -449,7 +449,7 @@ def test_injections_fired_after_a_detected_fault_are_armed_again(tmp_path):
         tx.close()
         fault = mon.check(will_restart=True)
         assert (fault.kind, fault.step) == ("nan", 25)
-        assert mon.pending_injections == [inj[1]]  # the spike at 28 fires again; the NaN does not
+        assert mon.injections.pending == [inj[1]]  # the spike at 28 fires again; the NaN does not
         assert "spike:rank=0,step=28" in mon.worker_env()[protocol.ENV_INJECT]
     finally:
         mon.close()

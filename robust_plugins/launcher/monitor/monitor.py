@@ -1,12 +1,11 @@
-"""The node monitor: receives step signals from local ranks, detects faults, writes ``faults.jsonl``.
+"""The node monitor: one per node, in the agent process of ``robust run``; it judges the node's ranks.
 
-It lives in the ``robust run`` launcher process (the elastic agent), which calls
-:meth:`Monitor.check` every monitor interval and :meth:`Monitor.on_crash` when a rank exits
-badly. Steps arrive in one shared-memory ring per rank (:mod:`robust_plugins.watchdog.ring`),
-created here before the
-ranks start and read at every poll; rare events arrive as datagrams. A receiver thread reads the
-datagrams as they come and polls the rings at least every ``_RECV_POLL_S``; the agent thread
-drains both before it decides. Only the agent thread starts or stops ranks.
+The agent thread calls :meth:`Monitor.worker_env` and :meth:`Monitor.begin_incarnation` around
+each start of the ranks, :meth:`Monitor.check` every monitor interval, :meth:`Monitor.on_crash`
+when a rank exits badly, and :meth:`Monitor.close` at the end. ``check`` returns a fault when the
+ranks must be stopped; the monitor itself never starts or stops a process. What the ranks send
+arrives through a :class:`~.transport.Transport` (its own receiver thread) and is handled here,
+under one lock; the parts are named at the top of the class.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import json
 import os
 import signal
 import socket
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -23,23 +21,46 @@ from typing import Any, Iterable
 
 from robust_plugins._logging import get_logger
 from robust_plugins.config import WatchdogConfig
+from robust_plugins.launcher.monitor.detectors import _MonitorDetectors
+from robust_plugins.launcher.monitor.emergency import EmergencySaves
+from robust_plugins.launcher.monitor.faultlog import FaultBook, Injections
+from robust_plugins.launcher.monitor.state import _RankState
+from robust_plugins.launcher.monitor.transport import Transport
 from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import inject as _inject
 from robust_plugins.watchdog import protocol as _protocol
 from robust_plugins.watchdog import ring as _ring
 from robust_plugins.watchdog.detect import STEP_WINDOW, RunningMedian
-from robust_plugins.watchdog.faults import Fault, FaultLog
-from robust_plugins.launcher.monitor.detectors import _MonitorDetectors
-from robust_plugins.launcher.monitor.emergency import _MonitorEmergency
-from robust_plugins.launcher.monitor.faultlog import _MonitorFaultLog
-from robust_plugins.launcher.monitor.transport import _RECV_POLL_S, _MonitorIPC
-from robust_plugins.launcher.monitor.state import _RankState
+from robust_plugins.watchdog.faults import Fault
+from robust_plugins.watchdog.protocol import (
+    MSG_BAD,
+    MSG_COMM,
+    MSG_EMERGENCY,
+    MSG_END,
+    MSG_EXIT,
+    MSG_HASH,
+    MSG_HELLO,
+    MSG_HISTORY,
+    MSG_INJECT,
+    MSG_QUERY,
+    MSG_VERDICT,
+)
 
 log = get_logger(__name__)
 
-class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergency):
-    """Fault detection for the ranks of one node (transport, detectors, fault log and emergency
-    saves are in the sibling ``monitor_*`` modules)."""
+
+class Monitor(_MonitorDetectors):
+    """Fault detection for the ranks of one node.
+
+    Parts: :attr:`transport` (socket, step rings, receiver thread), :attr:`book` (recorded
+    faults and when each is written), :attr:`injections` (``--inject`` faults still to fire) and
+    :attr:`emergency` (the bounded wait for emergency saves) are objects of their own; the
+    detectors (``detectors.py``) are methods on the per-rank state below."""
+
+    transport: Transport
+    book: FaultBook
+    injections: Injections
+    emergency: EmergencySaves
 
     def __init__(self, cfg: WatchdogConfig, run_dir: str | os.PathLike,
                  injections: list[_inject.Injection] | None = None, host: str | None = None,
@@ -47,13 +68,10 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.faults = FaultLog(self.run_dir / "faults.jsonl")
         self.host = host or socket.gethostname()
-        self.pending_injections = list(injections or [])
+        self.injections = Injections(injections)
         self.incarnation = -1
         self.ranks: dict[int, _RankState] = {}
-        self.all_faults: list[Fault] = []
-        """Faults that stopped the ranks (restart, rollback, or the job's end)."""
         self.reports: list[Fault] = []
         """Faults reported without stopping anything (stragglers)."""
         self._spiked: dict[int, int] = {}
@@ -64,17 +82,6 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         relaunch with the same ``--run-dir`` skips them too."""
         if self.skip_path.exists():
             self.skip_steps = {int(x) for x in json.loads(self.skip_path.read_text())["steps"]}
-        self._pending_resume: Fault | None = None
-        self._sdc_replay: dict[str, Any] | None = None
-        """An SDC rollback whose replay is awaited (``sdc_replay``): ``fault`` (its record, held
-        until the verdict), ``step``, ``ranks`` (the minority), ``incarnation``, ``agreed``."""
-        self._hash_log: dict[tuple[int, int], dict[int, str]] = {}
-        """{(incarnation, step): {rank: hex}} of the latest parameter-hash checks (SDC evidence)."""
-        self._rollback_limit: list[int] | None = None
-        """After a rollback: [newest step the ranks may restore, incarnation of the fault, newest
-        step its ranks reported]; kept until a later incarnation runs past that step."""
-        self._max_step_before_fault: int | None = None
-        self._detected_at: float | None = None
         self._history: list[float] = []
         """Step times of earlier incarnations (the learned hang timeout survives restarts)."""
         self._seeded: set[int] = set()
@@ -90,37 +97,12 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         """(step, reply address) of ``ok_to_save`` questions not answered yet."""
         self._stopping = -1
         """The incarnation whose fault ``check`` returned: its ranks are being stopped."""
-        self.emergency_hold_s: float | None = None
-        """How long torch's stop after the latest crash waited for emergency saves (None: no wait)."""
-        self._fired: list[tuple[int, int, _inject.Injection]] = []
-        """(incarnation, step, injection) of every injected fault the ranks announced."""
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        # In the run directory when the path fits AF_UNIX's 107 bytes (then even a SIGKILLed
-        # launcher leaves nothing outside it), else in a short temporary directory.
-        in_run_dir = str((self.run_dir / "monitor.sock").resolve())
-        self._sock_dir = None if len(in_run_dir) < 100 else tempfile.mkdtemp(prefix="robust-wd-")
-        self.address = in_run_dir if self._sock_dir is None else os.path.join(self._sock_dir, "monitor.sock")
-        if os.path.exists(self.address):
-            os.unlink(self.address)  # left by a launcher that was killed; nobody listens there
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sock.bind(self.address)
-        self._recv_lock = threading.Lock()
-        self.ring_entries = ring_entries
-        self._ring_dir = _ring.ring_dir(self.run_dir)
-        stale = _ring.sweep_stale(self._ring_dir)
-        if stale:
-            log.info("robust watchdog: removed %d step rings left in %s by launchers that are gone",
-                     len(stale), self._ring_dir)
-        self._ring_seq = 0
-        self._rings: dict[int, _ring.RingReader] = {}
-        """This incarnation's step rings by global rank (read under ``_recv_lock``)."""
-        self._pending_rings: dict[int, _ring.RingReader] = {}
-        """Rings created for the next incarnation, attached by ``begin_incarnation``."""
-        self.ring_missed: dict[int, int] = {}
-        """Step records per rank overwritten before the monitor read them, over the job."""
-        self._thread = threading.Thread(target=self._receive, name="robust-watchdog-recv", daemon=True)
-        self._thread.start()
+        """Guards the state above and the book's; taken inside ``transport.lock`` when both are held."""
+        self.book = FaultBook(self.run_dir, self._lock, self.injections)
+        self.emergency = EmergencySaves(cfg.emergency_save_timeout_s, self._savers, self._typical_step_s,
+                                        lambda addr, message: self.transport.send(addr, message))
+        self.transport = Transport(self.run_dir, self._handle, self._on_records, ring_entries)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def worker_env(self, ranks: Iterable[int] | None = None) -> dict[str, str]:
@@ -129,39 +111,28 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         With ``ranks`` (the global ranks about to start on this node) it also creates their step
         rings; without, the ranks send a datagram a step."""
         return {
-            _protocol.ENV_SOCKET: self.address,
-            _protocol.ENV_RING: self._create_rings(ranks) if ranks is not None else "",
+            _protocol.ENV_SOCKET: self.transport.address,
+            _protocol.ENV_RING: self.transport.create_rings(ranks) if ranks is not None else "",
             _protocol.ENV_RUN_DIR: str(self.run_dir),
-            _protocol.ENV_INJECT: _inject.to_env(self.pending_injections),
+            _protocol.ENV_INJECT: self.injections.to_env(),
             _protocol.ENV_INCARNATION: str(self.incarnation + 1),
             _protocol.ENV_SDC_EVERY: str(self.cfg.sdc_every_steps),
             _protocol.ENV_STRAGGLER: "1" if self.cfg.straggler_factor > 0 else "0",
             _protocol.ENV_SKIP: _protocol.format_skip_steps(self.skip_steps),
             _protocol.ENV_EMERGENCY_TIMEOUT: str(self.cfg.emergency_save_timeout_s),
-            _protocol.ENV_ROLLBACK_MAX_STEP: self._rollback_max_step(),
+            _protocol.ENV_ROLLBACK_MAX_STEP: self.book.rollback_max_step(),
             _protocol.ENV_SPIKE: (f"{self.cfg.spike_factor:g},{self.cfg.spike_window},"
                                   f"{self.cfg.spike_warmup_steps}"),
             # The flight recorder records nothing by default; the hang verdict on NCCL needs it.
             **_flight.recorder_env(os.environ),
         }
 
-    def _rollback_max_step(self) -> str:
-        # For in-memory snapshots (robust_plugins.checkpoint.restore.rollback_bound): a snapshot
-        # taken every step holds the bad state of a rollback; the restarted ranks must not restore
-        # anything newer than the last good step. The fault's record is written only later, and
-        # the pending fault is replaced by the next one (a crash of the restarted ranks before
-        # their first step), so the limit is kept on its own until the job ran past the bad steps.
-        with self._lock:
-            limit = self._rollback_limit
-        return "" if limit is None else str(limit[0])
-
     def begin_incarnation(self, pids: dict[int, int]) -> None:
         """New ranks ``{global_rank: pid}`` started; forget the previous incarnation's state."""
         self._end_straggler_episodes("restart")
-        with self._recv_lock:
-            # The previous ranks are stopped by now: whatever they wrote since the last poll
-            # (steps past a fault extend a rollback's bad range) is read under their incarnation.
-            self._drain_locked()
+        # The previous ranks are stopped by now: whatever they wrote since the last poll (steps
+        # past a fault extend a rollback's bad range) is read under their incarnation.
+        with self.transport.held():
             now = time.monotonic()
             with self._lock:
                 for st in self.ranks.values():
@@ -175,10 +146,7 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
                 self.ranks = {r: _RankState(pid=p, registered=self._uses_api) for r, p in pids.items()}
                 for st in self.ranks.values():
                     st.progress.last_progress = now
-            old, self._rings = self._rings, {r: g for r, g in self._pending_rings.items() if r in pids}
-            self._close_rings(old)
-            self._close_rings({r: g for r, g in self._pending_rings.items() if r not in pids})
-            self._pending_rings = {}
+            self.transport.attach_rings(pids)
         with open(self.run_dir / "workers.jsonl", "a") as f:
             f.write(json.dumps({"incarnation": self.incarnation, "host": self.host,
                                 "pids": {str(r): p for r, p in sorted(pids.items())}}) + "\n")
@@ -186,23 +154,11 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
                  {r: p for r, p in sorted(pids.items())})
 
     def close(self) -> None:
-        """Stop the receiver, write a fault still waiting for its resume step, remove the socket
-        and the step rings."""
-        self._stop.set()
-        self._thread.join(timeout=2 * _RECV_POLL_S + 1.0)
-        with self._recv_lock:
-            self._close_rings(self._rings)
-            self._close_rings(self._pending_rings)
-            self._rings, self._pending_rings = {}, {}
-        self._sock.close()
+        """Stop the receiver, remove the socket and the step rings, write a fault still waiting
+        for its resume step."""
+        self.transport.close()
         self._end_straggler_episodes("job end")
-        self._flush_pending()
-        try:
-            os.unlink(self.address)
-            if self._sock_dir is not None:
-                os.rmdir(self._sock_dir)
-        except OSError:
-            pass
+        self.book.flush(self.incarnation)
 
     def on_crash(self, failures: dict[int, Any], will_restart: bool,
                  seen: tuple[float, float] | None = None) -> Fault:
@@ -211,7 +167,7 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         ``seen``: (wall, monotonic) time when the agent's poll that found the exit began. torch
         stops the other ranks inside that poll, before it returns, so detection is timed to its
         start and the stop counts in the restart (``detail.stop_s``: how long the stop took)."""
-        self._drain()
+        self.transport.drain()
         now_wall = time.time() if seen is None else seen[0]
         with self._lock:
             states = {r: self.ranks.get(r, _RankState()) for r in failures}
@@ -222,7 +178,7 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
             klass = 0 if st.injected else 2 if code == -int(signal.SIGTERM) else 1
             return klass, getattr(failures[r], "timestamp", 0) or 0
 
-        emergency = self._await_emergency_saves()
+        emergency = self.emergency.await_saves()
         ranks = sorted(failures, key=cause_order)
         first = ranks[0]
         st, failure = states[first], failures[first]
@@ -248,8 +204,9 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         )
         if seen is not None:
             fault.detail["stop_s"] = round(time.monotonic() - seen[1], 3)
-        if self.emergency_hold_s is not None:  # part of stop_s: the stop waited for the saves
-            fault.detail["emergency_hold_s"], self.emergency_hold_s = self.emergency_hold_s, None
+        held = self.emergency.take_hold_s()
+        if held is not None:  # part of stop_s: the stop waited for the saves
+            fault.detail["emergency_hold_s"] = held
         return self._record(fault, detected_at=None if seen is None else seen[1])
 
     def check(self, will_restart: bool) -> Fault | None:
@@ -258,6 +215,175 @@ class Monitor(_MonitorIPC, _MonitorDetectors, _MonitorFaultLog, _MonitorEmergenc
         fault = self._check(will_restart)
         if fault is not None:
             with self._lock:
-                self._stopping = self.incarnation  # later questions: answered at once (transport.py)
+                self._stopping = self.incarnation  # later questions: answered at once (_handle)
         self._answer_queries(fault)
         return fault
+
+    @property
+    def all_faults(self) -> list[Fault]:
+        """Faults that stopped the ranks (restart, rollback, or the job's end)."""
+        return self.book.all
+
+    def note_restart(self, standby_ranks: list[int], ranks: int) -> None:
+        """The agent started the ranks after the pending fault: :meth:`FaultBook.note_restart`."""
+        self.book.note_restart(standby_ranks, ranks)
+
+    def flush_faults(self) -> None:
+        """Write the faults still held for their resume step or an SDC verdict, and the straggler
+        episodes still open (the job ends)."""
+        self._end_straggler_episodes("job end")
+        self.book.flush(self.incarnation)
+
+    def fault_state(self) -> tuple[int, set[int]]:
+        """(the current incarnation, incarnations with a recorded fault not yet in ``faults.jsonl``),
+        read together: an incarnation below the first and not in the second has all its faults in
+        the file (the job-wide view then closes its round, ``jobfaults_sync``)."""
+        with self._lock:
+            return self.incarnation, self.book.held()
+
+    def _max_step(self) -> int | None:
+        steps = [st.progress.last_step for st in self.ranks.values() if st.progress.last_step is not None]
+        return max(steps) if steps else None
+
+    def _record(self, fault: Fault, detected_at: float | None = None) -> Fault:
+        """Record ``fault`` in the book, detected at ``detected_at`` (monotonic; now if None)."""
+        self.book.flush(self.incarnation)
+        with self._lock:
+            self.book.record(fault, self.incarnation, self._max_step(), detected_at)
+        log.warning("robust watchdog: %s fault at step %s, suspect ranks %s (%s); action: %s",
+                    fault.kind, fault.step, fault.suspect_ranks, fault.detail.get("reason", ""),
+                    fault.action)
+        return fault
+
+    @property
+    def address(self) -> str:
+        """The socket the ranks send to (``ROBUST_WATCHDOG_SOCKET`` in :meth:`worker_env`)."""
+        return self.transport.address
+
+    def hold_for_emergency_saves(self) -> None:
+        """Before torch's agent stops the ranks after a crash: :meth:`EmergencySaves.hold`."""
+        self.emergency.hold()
+
+    def _savers(self) -> dict[int, tuple[dict[str, Any], int | None, str | None]]:
+        """What the ranks with an emergency saver said (:data:`.emergency.Savers`), drained first."""
+        self.transport.drain()
+        with self._lock:
+            return {r: (st.emergency, st.pid, st.device_type) for r, st in self.ranks.items() if st.emergency}
+
+    def _typical_step_s(self) -> float:
+        """The median step time of the job so far, earlier incarnations too (0 when unknown)."""
+        with self._lock:
+            times = sorted([*self._history, *(t for st in self.ranks.values() for t in st.progress.step_times)])
+        return times[len(times) // 2] if times else 0.0
+
+    # -- what the ranks send (called by the transport, under its lock) ---------------------------
+    def _on_records(self, rank: int, records: list, wall_offset: float) -> None:
+        """Step records of ``rank`` from its ring."""
+        with self._lock:
+            st = self.ranks.get(rank)
+            if st is None:
+                return
+            for rec in records:
+                try:
+                    self._on_step(st, rank, rec.step, rec.loss, rec.grad_norm, rec.wall_s,
+                                  rec.comm_s, rec.t_mono + wall_offset, rec.t_mono)
+                except Exception as exc:  # one bad record must not end the receiver
+                    log.warning("robust watchdog: dropped a step record of rank %d: %r", rank, exc)
+
+    def _handle(self, msg: dict[str, Any], now: float, addr: Any = None) -> None:
+        with self._lock:
+            if msg.get("i") != self.incarnation:
+                return  # a dying rank of an earlier incarnation
+            st = self.ranks.get(msg.get("r"))
+            if st is None:
+                return
+            st.last_msg_wall = msg.get("t")
+            kind = msg.get("k")
+            if kind == MSG_HELLO:
+                st.registered = self._uses_api = True
+                st.pid = msg.get("pid", st.pid)
+                st.fh_path = msg.get("fh")
+                if msg.get("ring"):
+                    self.transport.unlink_ring(msg.get("r"))
+            elif kind == MSG_BAD:
+                # A NaN/Inf step, also in the ring: flagged at once, and never lost to a lapped ring.
+                st.registered = self._uses_api = True
+                self._note_bad_number(st, int(msg["s"]), msg.get("l"), msg.get("g"), msg["t"])
+            elif kind == MSG_INJECT:
+                st.injected = msg
+                self.injections.fired(msg.get("spec"), int(msg["s"]), self.incarnation)
+            elif kind == MSG_EMERGENCY:
+                before = st.emergency or {}
+                st.emergency = {k: msg.get(k) for k in ("phase", "s", "ok", "sec", "error")}
+                # Where the monitor asks the rank's listener to save (emergency.py), and how
+                # it may save: from the registration, kept through the later phases.
+                st.emergency["addr"] = addr if msg.get("phase") == "registered" else before.get("addr")
+                st.emergency["via"] = msg.get("via") or before.get("via")
+            elif kind == MSG_EXIT:
+                st.finished = True
+            elif kind == MSG_COMM:
+                st.device_type = msg.get("dev")
+            elif kind == MSG_HISTORY:
+                # Step times a rank loaded from its checkpoint: only a launcher that has learned
+                # nothing yet uses them (its own measurements are newer), once per rank.
+                rank = msg["r"]
+                if self.incarnation == 0 and rank not in self._seeded and not any(
+                        s.progress.step_times for s in self.ranks.values()):
+                    self._seeded.add(rank)
+                    self._history.extend(float(t) for t in msg.get("times", [])[-STEP_WINDOW:])
+                    self._learned = None
+                    log.info("robust watchdog: rank %s restored %d step times from its checkpoint "
+                             "(learned hang timeout without a new warm-up)", rank,
+                             len(msg.get("times", [])))
+            elif kind == MSG_QUERY:
+                if addr and self._stopping == self.incarnation:
+                    # The fault was found (its check has returned): the ranks are being stopped,
+                    # and a rank that asks now (a NaN's rank, hold.py) must not wait for a check
+                    # that will not come before the stop.
+                    self._send_verdict(int(msg["s"]), addr, False)
+                elif addr:
+                    self._queries.append((int(msg["s"]), addr))
+            elif kind == MSG_HASH:
+                key = (self.incarnation, int(msg["s"]))
+                seen = self.book.hash_log.setdefault(key, {})
+                for r, h in (msg.get("all") or {}).items():
+                    seen.setdefault(int(r), str(h))  # a peer's copy; its own report replaces it
+                seen[int(msg["r"])] = str(msg.get("h"))
+                for old in sorted(self.book.hash_log)[:-16]:
+                    del self.book.hash_log[old]
+                rp = self.book.sdc_replay
+                if (rp is not None and self.incarnation > rp["incarnation"] and int(msg["s"]) == rp["step"]
+                        and not msg.get("why")):
+                    # The replayed check agrees (every rank judges the same all-gathered hashes):
+                    # the corruption did not come back, a transient fault. The verdict is written
+                    # once every rank's hash is in (evidence), or when the job ends.
+                    rp["agreed"] = True
+                    if len(self.book.hash_log[key]) >= len(self.ranks):
+                        self.book.replay_verdict("transient", [], self.incarnation)
+                elif msg.get("why") and st.sdc is None:
+                    every = msg.get("every")
+                    st.sdc = (int(msg["s"]), [int(r) for r in msg["bad"]], str(msg["why"]), msg["t"],
+                              int(every) if isinstance(every, int) and every > 0 else None)
+            elif kind == MSG_END:
+                # A step as a datagram: from a rank without a ring.
+                self._on_step(st, msg["r"], int(msg["s"]), msg.get("l"), msg.get("g"), msg.get("w"),
+                              msg.get("c"), msg["t"], now)
+
+    def _answer_queries(self, fault: Fault | None) -> None:
+        # "May I save step s?" Yes once every watched rank has reported step s and nothing
+        # tripped (SDC, NaN, spike reports for s are in by then); no once a fault was found.
+        with self._lock:
+            if not self._queries:
+                return
+            watched = [st for st in self.ranks.values() if st.registered and not st.finished]
+            reached = min((st.progress.last_step or 0 for st in watched), default=0)
+            ready = [(s, a) for s, a in self._queries if fault is not None or s <= reached]
+            self._queries = [(s, a) for s, a in self._queries if (s, a) not in ready]
+        for step, addr in ready:
+            self._send_verdict(step, addr, fault is None)
+
+    def _send_verdict(self, step: int, addr: Any, ok: bool) -> None:
+        try:
+            self.transport.send(addr, {"k": MSG_VERDICT, "s": step, "ok": ok}, block=False)
+        except OSError as exc:  # the rank is gone or its buffer is full: it will time out
+            log.warning("robust watchdog: could not answer a save question of step %d: %r", step, exc)

@@ -1,51 +1,83 @@
-"""The node monitor's transport: step rings and datagrams from the ranks, read by a receiver thread."""
+"""The node monitor's end of the wire: the datagram socket, one step ring per rank, a receiver thread.
+
+A :class:`Transport` knows the wire and nothing of faults. It promises that every datagram and
+every ring record reaches its owner's handlers once, in arrival order, under :attr:`lock` (one
+lock for receiving and handling, so a reader holding it knows nothing is half-way: read but not
+yet handled), whether the receiver thread or a caller of :meth:`drain` read it. A malformed
+datagram or a record whose handler raises is logged and dropped; it never ends the receiver.
+The wire itself (names, record layout) is ``robust_plugins.watchdog.protocol`` and ``.ring``.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import select
 import socket
+import tempfile
+import threading
 import time
-from typing import Any, Iterable
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
 
 from robust_plugins._logging import get_logger
-from robust_plugins.watchdog import inject as _inject
 from robust_plugins.watchdog import ring as _ring
-from robust_plugins.watchdog.detect import STEP_WINDOW
-from robust_plugins.watchdog.faults import Fault
-from robust_plugins.watchdog.protocol import (
-    MSG_BAD,
-    MSG_COMM,
-    MSG_EMERGENCY,
-    MSG_END,
-    MSG_EXIT,
-    MSG_HASH,
-    MSG_HELLO,
-    MSG_HISTORY,
-    MSG_INJECT,
-    MSG_QUERY,
-    MSG_VERDICT,
-    ring_path,
-)
+from robust_plugins.watchdog.protocol import ring_path
 
-# The monitor's logger: every line of the node monitor carries one name in monitor.log.
-log = get_logger("robust_plugins.launcher.monitor")
-
+log = get_logger(__name__)
 
 #: Receiver thread's poll period: the longest the rings go unread while the agent thread is busy
 #: (e.g. collecting stacks), and the bound on how long close() waits for the thread.
 _RECV_POLL_S = 0.2
 
+#: ``on_datagram(message, monotonic time, sender address)``.
+OnDatagram = Callable[[dict[str, Any], float, Any], None]
+#: ``on_records(global rank, records, wall-clock offset to add to a record's monotonic time)``.
+OnRecords = Callable[[int, list[_ring.StepRecord], float], None]
 
-class _MonitorIPC:
-    """Part of :class:`~robust_plugins.launcher.monitor.Monitor`: its transport, the step rings and
-    the datagram socket, the receiver thread that reads them, the handling of each message, and
-    the answers to ``ok_to_save`` questions. The state it uses is set up in ``Monitor.__init__``."""
 
-    def _create_rings(self, ranks: Iterable[int]) -> str:
+class Transport:
+    """The socket the ranks send to (:attr:`address`), the step rings they write, and the thread
+    that reads both into ``on_datagram`` / ``on_records``."""
+
+    def __init__(self, run_dir: Path, on_datagram: OnDatagram, on_records: OnRecords,
+                 ring_entries: int = _ring.DEFAULT_ENTRIES) -> None:
+        self._on_datagram = on_datagram
+        self._on_records = on_records
+        self.lock = threading.Lock()
+        """Held while a datagram or record is read and handled (see the module's contract)."""
+        self.ring_entries = ring_entries
+        self.ring_missed: dict[int, int] = {}
+        """Step records per rank overwritten before the monitor read them, over the job."""
+        # In the run directory when the path fits AF_UNIX's 107 bytes (then even a SIGKILLed
+        # launcher leaves nothing outside it), else in a short temporary directory.
+        in_run_dir = str((run_dir / "monitor.sock").resolve())
+        self._sock_dir = None if len(in_run_dir) < 100 else tempfile.mkdtemp(prefix="robust-wd-")
+        self.address = in_run_dir if self._sock_dir is None else os.path.join(self._sock_dir, "monitor.sock")
+        if os.path.exists(self.address):
+            os.unlink(self.address)  # left by a launcher that was killed; nobody listens there
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(self.address)
+        self._ring_dir = _ring.ring_dir(run_dir)
+        stale = _ring.sweep_stale(self._ring_dir)
+        if stale:
+            log.info("robust watchdog: removed %d step rings left in %s by launchers that are gone",
+                     len(stale), self._ring_dir)
+        self._ring_seq = 0
+        self._rings: dict[int, _ring.RingReader] = {}
+        """This incarnation's step rings by global rank (read under :attr:`lock`)."""
+        self._pending_rings: dict[int, _ring.RingReader] = {}
+        """Rings created for the next incarnation, attached by :meth:`attach_rings`."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._receive, name="robust-watchdog-recv", daemon=True)
+        self._thread.start()
+
+    # -- rings -----------------------------------------------------------------------------------
+    def create_rings(self, ranks: Iterable[int]) -> str:
         """Create the next incarnation's rings (replacing rings made for a start that did not
         happen); returns their path prefix, or "" (said in a warning) when they cannot be made."""
-        with self._recv_lock:
+        with self.lock:
             self._close_rings(self._pending_rings)
             self._pending_rings = {}
             self._ring_seq += 1
@@ -62,10 +94,53 @@ class _MonitorIPC:
                 return ""
         return prefix
 
+    def attach_rings(self, ranks: Iterable[int]) -> None:
+        """The new incarnation's ``ranks`` started: read their pending rings from now on, and close
+        the previous incarnation's rings and those made for ranks that did not start. Under
+        :attr:`lock` (see :meth:`held`)."""
+        ranks = set(ranks)
+        old, self._rings = self._rings, {r: g for r, g in self._pending_rings.items() if r in ranks}
+        self._close_rings(old)
+        self._close_rings({r: g for r, g in self._pending_rings.items() if r not in ranks})
+        self._pending_rings = {}
+
+    def unlink_ring(self, rank: int) -> None:
+        """Remove ``rank``'s ring from the file system (both sides have it mapped), so nothing is
+        left in /dev/shm whatever happens to either process later."""
+        ring = self._rings.get(rank)
+        if ring is not None:
+            ring.unlink()
+
+    def heartbeat(self, now: float) -> None:
+        """Tell every rank that detection is live (the ranks warn when this goes stale)."""
+        with self.lock:
+            for ring in self._rings.values():
+                ring.heartbeat(now)
+
     @staticmethod
     def _close_rings(rings: dict[int, _ring.RingReader]) -> None:
         for ring in rings.values():
             ring.close()
+
+    # -- receiving -------------------------------------------------------------------------------
+    def alive(self) -> bool:
+        """Whether the receiver thread still runs (it ends only at :meth:`close`)."""
+        return self._thread.is_alive()
+
+    def drain(self) -> None:
+        """Hand over every datagram already queued and every record in the rings, now: a rank's
+        last words (an injected fault's announcement, its last steps) are known before its exit
+        is judged, however late the receiver thread got scheduled."""
+        with self.lock:
+            self._drain_locked()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Drain, then keep :attr:`lock` for the block: nothing arrives while the caller changes
+        what the handlers see (a new incarnation)."""
+        with self.lock:
+            self._drain_locked()
+            yield
 
     def _receive(self) -> None:
         while not self._stop.is_set():
@@ -75,16 +150,7 @@ class _MonitorIPC:
                 return  # socket closed
             # On a datagram, or every _RECV_POLL_S: the rings are read even while the agent
             # thread is busy, so they cannot be lapped unless a rank outruns this poll.
-            self._drain()
-
-    def _drain(self) -> None:
-        """Handle every datagram already queued and every step record in the rings. Receiving
-        and handling happen under one lock, so when the agent thread calls this, nothing is
-        half-way (read but not yet handled): a rank's last words (an injected fault's
-        announcement, its last steps) are known before its exit is judged, however late the
-        receiver thread got scheduled."""
-        with self._recv_lock:
-            self._drain_locked()
+            self.drain()
 
     def _drain_locked(self) -> None:
         while True:
@@ -95,14 +161,13 @@ class _MonitorIPC:
             except OSError:
                 break
             try:
-                self._handle(json.loads(data), time.monotonic(), addr)
+                self._on_datagram(json.loads(data), time.monotonic(), addr)
             except Exception as exc:  # one bad datagram must not end the receiver
                 log.warning("robust watchdog: dropped a malformed signal (%d bytes): %r",
                             len(data), exc)
         self._poll_rings()
 
     def _poll_rings(self) -> None:
-        """Handle the step records written since the last poll (under ``_recv_lock``)."""
         if not self._rings:
             return
         # A record carries the rank's monotonic step-end time; its wall time is derived here.
@@ -116,121 +181,27 @@ class _MonitorIPC:
                             "their loss, gradient norm and step time are not judged. NaN/Inf steps "
                             "also arrive as datagrams and are never lost this way.", rank, missed,
                             ring.capacity, self.ring_missed[rank])
-            if not records:
-                continue
-            with self._lock:
-                st = self.ranks.get(rank)
-                if st is None:
-                    continue
-                for rec in records:
-                    try:
-                        self._on_step(st, rank, rec.step, rec.loss, rec.grad_norm, rec.wall_s,
-                                      rec.comm_s, rec.t_mono + wall_offset, rec.t_mono)
-                    except Exception as exc:  # one bad record must not end the receiver
-                        log.warning("robust watchdog: dropped a step record of rank %d: %r", rank, exc)
+            if records:
+                self._on_records(rank, records, wall_offset)
 
-    def _handle(self, msg: dict[str, Any], now: float, addr: Any = None) -> None:
-        with self._lock:
-            if msg.get("i") != self.incarnation:
-                return  # a dying rank of an earlier incarnation
-            st = self.ranks.get(msg.get("r"))
-            if st is None:
-                return
-            st.last_msg_wall = msg.get("t")
-            kind = msg.get("k")
-            if kind == MSG_HELLO:
-                st.registered = self._uses_api = True
-                st.pid = msg.get("pid", st.pid)
-                st.fh_path = msg.get("fh")
-                ring = self._rings.get(msg.get("r"))
-                if msg.get("ring") and ring is not None:
-                    # Both sides have it mapped: the name can go now, so nothing is left in
-                    # /dev/shm whatever happens to either process later.
-                    ring.unlink()
-            elif kind == MSG_BAD:
-                # A NaN/Inf step, also in the ring: flagged at once, and never lost to a lapped ring.
-                st.registered = self._uses_api = True
-                self._note_bad_number(st, int(msg["s"]), msg.get("l"), msg.get("g"), msg["t"])
-            elif kind == MSG_INJECT:
-                st.injected = msg
-                spec = msg.get("spec")
-                fired = [i for i in self.pending_injections if i.spec() == spec]
-                if not any(i.kind in _inject.RECURRING_KINDS for i in fired):
-                    # A bad batch stays armed: every replay of its step fires it again.
-                    self.pending_injections = [i for i in self.pending_injections if i.spec() != spec]
-                    self._fired += [(self.incarnation, int(msg["s"]), i) for i in fired]
-            elif kind == MSG_EMERGENCY:
-                before = st.emergency or {}
-                st.emergency = {k: msg.get(k) for k in ("phase", "s", "ok", "sec", "error")}
-                # Where the monitor asks the rank's listener to save (emergency.py), and how
-                # it may save: from the registration, kept through the later phases.
-                st.emergency["addr"] = addr if msg.get("phase") == "registered" else before.get("addr")
-                st.emergency["via"] = msg.get("via") or before.get("via")
-            elif kind == MSG_EXIT:
-                st.finished = True
-            elif kind == MSG_COMM:
-                st.device_type = msg.get("dev")
-            elif kind == MSG_HISTORY:
-                # Step times a rank loaded from its checkpoint: only a launcher that has learned
-                # nothing yet uses them (its own measurements are newer), once per rank.
-                rank = msg["r"]
-                if self.incarnation == 0 and rank not in self._seeded and not any(
-                        s.progress.step_times for s in self.ranks.values()):
-                    self._seeded.add(rank)
-                    self._history.extend(float(t) for t in msg.get("times", [])[-STEP_WINDOW:])
-                    self._learned = None
-                    log.info("robust watchdog: rank %s restored %d step times from its checkpoint "
-                             "(learned hang timeout without a new warm-up)", rank,
-                             len(msg.get("times", [])))
-            elif kind == MSG_QUERY:
-                if addr and self._stopping == self.incarnation:
-                    # The fault was found (its check has returned): the ranks are being stopped,
-                    # and a rank that asks now (a NaN's rank, hold.py) must not wait for a check
-                    # that will not come before the stop.
-                    self._send_verdict(int(msg["s"]), addr, False)
-                elif addr:
-                    self._queries.append((int(msg["s"]), addr))
-            elif kind == MSG_HASH:
-                key = (self.incarnation, int(msg["s"]))
-                seen = self._hash_log.setdefault(key, {})
-                for r, h in (msg.get("all") or {}).items():
-                    seen.setdefault(int(r), str(h))  # a peer's copy; its own report replaces it
-                seen[int(msg["r"])] = str(msg.get("h"))
-                for old in sorted(self._hash_log)[:-16]:
-                    del self._hash_log[old]
-                rp = self._sdc_replay
-                if (rp is not None and self.incarnation > rp["incarnation"] and int(msg["s"]) == rp["step"]
-                        and not msg.get("why")):
-                    # The replayed check agrees (every rank judges the same all-gathered hashes):
-                    # the corruption did not come back, a transient fault. The verdict is written
-                    # once every rank's hash is in (evidence), or when the job ends.
-                    rp["agreed"] = True
-                    if len(self._hash_log[key]) >= len(self.ranks):
-                        self._replay_verdict("transient", [])
-                elif msg.get("why") and st.sdc is None:
-                    every = msg.get("every")
-                    st.sdc = (int(msg["s"]), [int(r) for r in msg["bad"]], str(msg["why"]), msg["t"],
-                              int(every) if isinstance(every, int) and every > 0 else None)
-            elif kind == MSG_END:
-                # A step as a datagram: from a rank without a ring.
-                self._on_step(st, msg["r"], int(msg["s"]), msg.get("l"), msg.get("g"), msg.get("w"),
-                              msg.get("c"), msg["t"], now)
+    # -- sending and closing -----------------------------------------------------------------------
+    def send(self, addr: Any, message: dict[str, Any], block: bool = True) -> None:
+        """One datagram to a rank's listener; raises OSError when the rank is gone (or, with
+        ``block=False``, when its buffer is full)."""
+        self._sock.sendto(json.dumps(message).encode(), 0 if block else socket.MSG_DONTWAIT, addr)
 
-    def _answer_queries(self, fault: Fault | None) -> None:
-        # "May I save step s?" Yes once every watched rank has reported step s and nothing
-        # tripped (SDC, NaN, spike reports for s are in by then); no once a fault was found.
-        with self._lock:
-            if not self._queries:
-                return
-            watched = [st for st in self.ranks.values() if st.registered and not st.finished]
-            reached = min((st.progress.last_step or 0 for st in watched), default=0)
-            ready = [(s, a) for s, a in self._queries if fault is not None or s <= reached]
-            self._queries = [(s, a) for s, a in self._queries if (s, a) not in ready]
-        for step, addr in ready:
-            self._send_verdict(step, addr, fault is None)
-
-    def _send_verdict(self, step: int, addr: Any, ok: bool) -> None:
+    def close(self) -> None:
+        """Stop the receiver, remove the socket and the step rings."""
+        self._stop.set()
+        self._thread.join(timeout=2 * _RECV_POLL_S + 1.0)
+        with self.lock:
+            self._close_rings(self._rings)
+            self._close_rings(self._pending_rings)
+            self._rings, self._pending_rings = {}, {}
+        self._sock.close()
         try:
-            self._sock.sendto(json.dumps({"k": MSG_VERDICT, "s": step, "ok": ok}).encode(), socket.MSG_DONTWAIT, addr)
-        except OSError as exc:  # the rank is gone or its buffer is full: it will time out
-            log.warning("robust watchdog: could not answer a save question of step %d: %r", step, exc)
+            os.unlink(self.address)
+            if self._sock_dir is not None:
+                os.rmdir(self._sock_dir)
+        except OSError:
+            pass
