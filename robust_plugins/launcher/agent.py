@@ -13,7 +13,7 @@ port, announced to the other nodes through the rendezvous store under a per-inca
 points ``MASTER_ADDR``/``MASTER_PORT`` at it, so no incarnation can read another's keys.
 
 Warm restarts (on unless ``--no-standby``): the agent keeps one standby interpreter per local
-rank (:mod:`robust_plugins.launcher.standby.pool`), started once the ranks train; on a restart it kills
+rank (:mod:`.standby.pool`), started once the ranks train; on a restart it kills
 the old ranks at once (SIGKILL: their state is in shared-memory snapshots and atomically written
 checkpoints, so a grace period buys nothing) and hands each rank to a standby instead of starting
 a fresh ``python``. Every restart's ``detail.restart_s`` and ``detail.standby`` go to faults.jsonl.

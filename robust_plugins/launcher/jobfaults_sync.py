@@ -1,5 +1,6 @@
 """The job-wide fault view's transport: every agent sends its node's fault records to the job's
-rendezvous store and mirrors every node's into its own ``job_faults.jsonl`` (merged by :mod:`.jobfaults`).
+rendezvous store and mirrors every node's into its own ``job_faults.jsonl`` (merged by
+:mod:`.jobfaults`).
 
 Why the store: the same reason as the blame counts (:mod:`.nodes`): the c10d rendezvous store is
 the one place every agent of the job reaches without a shared filesystem, its ``add`` is atomic,

@@ -197,7 +197,8 @@ class _MonitorDetectors:
     def _check_stragglers(self, now_wall: float) -> None:
         """Follow stragglers (ranks whose compute time stays above their peers'), never restarting
         for one: an episode starts when the detector names the rank (said in the log) and is
-        written to ``faults.jsonl`` once, when it ends (:class:`~.detect.StragglerEpisode`)."""
+        written to ``faults.jsonl`` once, when it ends
+        (:class:`~robust_plugins.watchdog.detect.StragglerEpisode`)."""
         window, factor = self.cfg.straggler_window, self.cfg.straggler_factor
         ended = []
         with self._lock:

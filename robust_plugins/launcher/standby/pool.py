@@ -1,9 +1,9 @@
 """Warm standby workers for ``robust run``: interpreters that already imported the job's
 libraries, handed a rank on a restart instead of starting a fresh ``python``.
 
-A cold restart pays about 2.5 s of CPU per rank for ``import torch, deepspeed, robust_plugins``
-on these machines (minutes with CUDA and thousands of hosts): a standby has paid it already,
-while the previous incarnation trained. The pool lives in the node's agent:
+A cold restart pays ``import torch, deepspeed, robust_plugins`` again on every rank (seconds of
+CPU each, more with CUDA): a standby has paid it already, while the previous incarnation
+trained. The pool lives in the node's agent:
 
 - **what a standby imports** (:func:`preimports`): torch and the plugin always; then every module
   the script names in an ``import`` statement whose top-level package is a library in

@@ -44,7 +44,7 @@ agent in ``sitecustomize``, a library's watchdog thread), an OpenMP parallel reg
 a CUDA call at import (``torch.cuda.init()``, a tensor on a GPU, the runtime's device count with
 ``PYTORCH_NVML_BASED_CUDA_CHECK=0``). The zygote then says ``unsafe`` and exits; the agent logs a
 warning with the reason, records ``zygote_unsafe`` in ``standbys.jsonl`` and spawns one standby
-interpreter per rank instead (each importing by itself), as before the zygote existed.
+interpreter per rank instead (each importing by itself).
 
 Each child: ``setsid`` (its own session, as a spawned standby has, so the agent can signal its
 process group), then ``PR_SET_PDEATHSIG`` towards the zygote, whose own points at the agent's
