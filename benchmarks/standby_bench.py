@@ -30,7 +30,7 @@ from pathlib import Path
 
 from robust_plugins.launch import launch_env
 from robust_plugins.patches import torch_elastic
-from robust_plugins.watchdog import standby
+from robust_plugins.launcher.standby import pool as standby
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = str(HERE / "ds_fault_train.py")

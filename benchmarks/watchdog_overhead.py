@@ -116,7 +116,7 @@ def monitor_cost(nproc: int, n: int = 2000, per_poll: int = 3) -> dict[str, floa
     0.2 s), and one ``check`` of ``nproc`` ranks with full detector windows (the agent calls it
     every monitor interval)."""
     from robust_plugins.config import WatchdogConfig
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
     from robust_plugins.watchdog.ring import RingWriter
 
     with tempfile.TemporaryDirectory(prefix="wd-mon-") as tmp:
@@ -125,24 +125,24 @@ def monitor_cost(nproc: int, n: int = 2000, per_poll: int = 3) -> dict[str, floa
             prefix = mon.worker_env(range(nproc))["ROBUST_WATCHDOG_RING"]
             mon.begin_incarnation({r: 0 for r in range(nproc)})
             writers = [RingWriter(f"{prefix}{r}") for r in range(nproc)]
-            mon._stop.set()
-            mon._thread.join(timeout=5)  # the polls below are the only ones
+            mon.transport._stop.set()
+            mon.transport._thread.join(timeout=5)  # the polls below are the only ones
             # An idle stand-in for the receiver thread: check() stands down without a live one.
             idle = threading.Event()
-            mon._thread = threading.Thread(target=idle.wait, daemon=True)
-            mon._thread.start()
+            mon.transport._thread = threading.Thread(target=idle.wait, daemon=True)
+            mon.transport._thread.start()
             spent = 0.0
             for step in range(1, n + 1):
                 for w in writers:
                     w.write(step, 2.0, 1.0, 0.045, 0.02, time.monotonic())
                 if step % per_poll == 0:
                     c0 = time.process_time()
-                    mon._drain()
+                    mon.transport.drain()
                     spent += time.process_time() - c0
             per_record = spent / (n // per_poll * per_poll * nproc)
             c0 = time.process_time()
             for _ in range(n):
-                mon._drain()
+                mon.transport.drain()
             per_empty_poll = (time.process_time() - c0) / n
             c0 = time.process_time()
             for _ in range(n // 4):

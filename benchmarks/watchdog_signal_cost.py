@@ -28,7 +28,7 @@ def busy(stop) -> None:
 
 def monitor_proc(run_dir: str, ring: bool, rank_pid: int, conn, stop) -> None:
     from robust_plugins.config import WatchdogConfig
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     mon = Monitor(WatchdogConfig(straggler_factor=0), run_dir, host="b")
     env = mon.worker_env([0] if ring else None)
@@ -38,7 +38,7 @@ def monitor_proc(run_dir: str, ring: bool, rank_pid: int, conn, stop) -> None:
         mon.check(True)
         time.sleep(0.1)
     mon.check(True)
-    conn.send({"seen": mon.ranks[0].progress.steps_seen, "missed": mon.ring_missed.get(0, 0)})
+    conn.send({"seen": mon.ranks[0].progress.steps_seen, "missed": mon.transport.ring_missed.get(0, 0)})
     mon.close()
 
 

@@ -1,6 +1,6 @@
 """Guard for the private torch.distributed.elastic members that ``robust run``'s agent overrides.
 
-``robust_plugins/watchdog/agent.py`` subclasses torchrun's ``LocalElasticAgent`` and overrides
+``robust_plugins/launcher/agent.py`` subclasses torchrun's ``LocalElasticAgent`` and overrides
 three private methods (``_rendezvous``, ``_start_workers``, ``_monitor_workers``), reads the
 private counter ``_remaining_restarts`` and the ``WorkerGroup`` fields the rendezvous fills
 (``store``, ``group_rank``, ``master_addr``, ``master_port``), for warm standbys swaps the
@@ -14,7 +14,7 @@ changed and the supported versions before any rank is started.
 
 Why it lives in ``patches/``: it encodes knowledge of torch internals, and ``patches/`` is where a
 reader looks for every place robust_plugins depends on a host's internals. The subclass itself
-stays beside the monitor it drives (``watchdog/agent.py``) and calls :func:`check` first.
+stays beside the monitor it drives (``robust_plugins/launcher/agent.py``) and calls :func:`check` first.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from typing import Any
 from robust_plugins.cli._runs import RECIPE_MODULE, format_table, human_bytes, recipe_config, timestamped_dir
 from robust_plugins.config import load_json
 from robust_plugins.errors import RobustPluginsError
-from robust_plugins.watchdog.jobfaults import fault_view_path
+from robust_plugins.watchdog.faults import fault_view_path
 from robust_plugins.workloads import PRESETS
 
 #: Telemetry window of the demo: the progress bar moves every this many steps.
@@ -114,7 +114,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 class Progress:
     """One progress line per job, drawn from ``<run-dir>/telemetry/metrics.jsonl`` and the job's
-    faults (``jobfaults.fault_view_path``; on a terminal the line is redrawn; otherwise a line per
+    faults (``watchdog.faults.fault_view_path``; on a terminal the line is redrawn; otherwise a line per
     change)."""
 
     WIDTH = 30

@@ -158,9 +158,9 @@ def run(args: argparse.Namespace) -> int:
 
     from robust_plugins.checkpoint.memory import ENV_JOB, job_files, job_key, remove_job
     from robust_plugins.watchdog import inject as _inject
-    from robust_plugins.watchdog.agent import check_spare, launch
-    from robust_plugins.watchdog.monitor import Monitor
-    from robust_plugins.watchdog.nodes import EXIT_EXCLUDED, NodeExcluded
+    from robust_plugins.launcher.agent import check_spare, launch
+    from robust_plugins.launcher.monitor import Monitor
+    from robust_plugins.launcher.nodes import EXIT_EXCLUDED, NodeExcluded
 
     injections = _inject.parse(args.inject)
     cfg = watchdog_config(args.watchdog_config, args.watchdog)

@@ -101,7 +101,7 @@ class WatchdogConfig(Section):
     """Multi-node jobs (``--nnodes MIN:MAX`` > 1, c10d rendezvous): a node blamed for this many
     faults (a crash by a signal or an injected one, an SDC minority on its ranks, or a hang whose
     flight recorder shows its rank stuck outside every collective; see
-    ``watchdog/nodes.py``) is excluded: written to ``excluded_nodes.json`` and refused at the next
+    ``launcher/nodes.py``) is excluded: written to ``excluded_nodes.json`` and refused at the next
     rendezvous (its agent exits 3); the others continue within ``MIN:MAX``. 0 turns exclusion off."""
 
     emergency_save_timeout_s: Annotated[_Wait, Hint(why="(0: no emergency saves)")] = 30.0

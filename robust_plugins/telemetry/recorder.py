@@ -264,8 +264,7 @@ class Telemetry:
         run_dir = os.environ.get(ENV_RUN_DIR)
         if not run_dir:
             return []
-        from robust_plugins.watchdog.faults import read_faults
-        from robust_plugins.watchdog.jobfaults import fault_view_path
+        from robust_plugins.watchdog.faults import fault_view_path, read_faults
 
         # A multi-node job's view of every node's faults, each once (job_faults.jsonl); a single
         # node's own faults.jsonl otherwise.

@@ -1,4 +1,4 @@
-"""Fault watchdog: step signals from ranks, the node monitor and detectors behind ``robust run``.
+"""Fault watchdog, the rank side: step signals and questions a training loop sends ``robust run``.
 
 The one call a training loop makes (a no-op outside ``robust run``)::
 
@@ -11,11 +11,16 @@ The one call a training loop makes (a no-op outside ``robust run``)::
         if step % save_every == 0 and ok and watchdog.ok_to_save(step):
             save_checkpoint(step)
 
-Layout: :mod:`.client` (rank side; emergency saves in :mod:`.emergency_rank`, injected faults in
-:mod:`.inject_rank`), :mod:`.protocol` (the variables the launcher sets for the ranks),
-:mod:`.inject` (``--inject`` specs), :mod:`.detect` (pure detection logic), :mod:`.stacks`
-(py-spy / faulthandler), :mod:`.monitor` (node monitor), :mod:`.faults` (``faults.jsonl``),
-:mod:`.agent` (the elastic agent). ``FORMAT.md`` documents ``faults.jsonl`` and the resume contract.
+What a rank imports. The launcher side (agent, node monitor, standbys) is
+``robust_plugins.launcher``, which this package never imports; the two meet in the wire names
+of :mod:`.protocol`, the step rings of :mod:`.ring` and the ``faults.jsonl`` format of
+:mod:`.faults` (``FORMAT.md``).
+
+Rank side: :mod:`.client` (step signals, questions), :mod:`.hold`, :mod:`.param_hash` and
+:mod:`.snapshot_check` (SDC checks), :mod:`.emergency_rank` (emergency saves), :mod:`.inject_rank`
+(injected faults), :mod:`.flight` (the flight recorder's dumps). Shared with the launcher:
+:mod:`.protocol`, :mod:`.ring`, :mod:`.faults`, :mod:`.inject` (``--inject`` specs),
+:mod:`.detect` (pure detection logic), :mod:`.completion` (a finished rank's mark).
 """
 
 from __future__ import annotations

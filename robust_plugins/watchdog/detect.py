@@ -491,7 +491,7 @@ def hang_verdict(where: Localization | None, block_host: bool | None, why: str |
 
     ``by``: ``flight_recorder``, ``stacks`` or ``none``; ``stuck``: ranks the evidence shows stuck
     outside every collective; ``blame``: whether the evidence may count against a node
-    (:func:`~robust_plugins.watchdog.nodes.blame_reason` then checks which node's ranks):
+    (:func:`~robust_plugins.launcher.nodes.blame_reason` then checks which node's ranks):
 
     - flight recorder: when it names stuck ranks (a cycle of waiting ranks names none);
     - stacks: only where collectives block the host (gloo), so that "inside a collective call"

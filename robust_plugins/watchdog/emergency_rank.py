@@ -11,7 +11,7 @@ Two ways in, one save (:func:`on_emergency` registers both; whichever comes firs
   ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``: the process is torn down from C++) or the process group
   times out; and work queued on the training stream waits behind that kernel. So the node monitor
   asks instead, as soon as it sees the death
-  (:meth:`~robust_plugins.watchdog.monitor_emergency._MonitorEmergency.hold_for_emergency_saves`),
+  (:meth:`~robust_plugins.launcher.monitor.emergency.EmergencySaves.hold`),
   and a listener thread of this rank runs the save on a stream of its own, which nothing hung
   orders it behind, while the training thread stays blocked (so nothing changes the state
   meanwhile; no process group is aborted). It saves only state that is provably the last

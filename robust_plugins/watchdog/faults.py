@@ -14,6 +14,18 @@ from typing import Any
 KINDS = ("crash", "hang", "nan", "spike", "straggler", "sdc")
 ACTIONS = ("restart", "rollback", "evict", "report")
 
+#: The job-wide view, written into every node's run directory of a multi-node job by the agents
+#: (``robust_plugins.launcher.jobfaults``); ranks and the CLI read it through :func:`fault_view_path`.
+JOB_FAULTS = "job_faults.jsonl"
+
+
+def fault_view_path(run_dir: str | os.PathLike) -> Path:
+    """Where a reader of a run directory finds the job's faults: ``job_faults.jsonl`` when the
+    agent keeps a job-wide view (a multi-node job with the c10d rendezvous; the agent creates the
+    file at launch), else the node's ``faults.jsonl`` (a single-node job: the node is the job)."""
+    job = Path(run_dir) / JOB_FAULTS
+    return job if job.exists() else Path(run_dir) / "faults.jsonl"
+
 
 @dataclass
 class Fault:

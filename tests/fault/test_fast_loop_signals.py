@@ -14,7 +14,7 @@ from conftest import robust_run
 
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.watchdog import protocol
-from robust_plugins.watchdog.monitor import Monitor
+from robust_plugins.launcher.monitor import Monitor
 
 pytestmark = [pytest.mark.fault]
 
@@ -67,9 +67,9 @@ def test_a_nan_in_a_fast_loop_is_found_at_its_step_and_every_step_is_accounted_f
         # In order, none twice, none invented (a torn record read as a step would break this),
         # and every step not read is one the monitor counted as overwritten.
         assert seen == sorted(set(seen)) and set(seen) <= set(range(1, steps + 1)) and seen[-1] == steps
-        assert len(seen) + mon.ring_missed.get(r, 0) == steps, (r, len(seen), mon.ring_missed)
+        assert len(seen) + mon.transport.ring_missed.get(r, 0) == steps, (r, len(seen), mon.transport.ring_missed)
     if entries == 64:
-        assert sum(mon.ring_missed.values()) > 0  # lapped: the NaN came through its datagram
+        assert sum(mon.transport.ring_missed.values()) > 0  # lapped: the NaN came through its datagram
 
 
 def test_robust_run_gives_ranks_rings_and_finds_a_nan_in_a_fast_loop(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import robust_run
 
-from robust_plugins.watchdog.monitor import _RECV_POLL_S
+from robust_plugins.launcher.monitor.transport import _RECV_POLL_S
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(240)]
 

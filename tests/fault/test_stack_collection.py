@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from robust_plugins.watchdog import protocol, stacks
+from robust_plugins.launcher.monitor import stacks
+from robust_plugins.watchdog import protocol
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(60)]
 

@@ -24,7 +24,7 @@ from _netns import need_netns  # noqa: E402
 from _wandb_offline import read_run  # noqa: E402
 
 from robust_plugins.sim.netns import list_namespaces, netns_unavailable_reason  # noqa: E402
-from robust_plugins.watchdog.jobfaults import fault_view_path  # noqa: E402
+from robust_plugins.watchdog.faults import fault_view_path  # noqa: E402
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.integration, pytest.mark.fault, pytest.mark.timeout(330)]

@@ -12,9 +12,10 @@ import time
 import pytest
 import torch.distributed as dist
 
-from robust_plugins.watchdog.jobfaults import JOB_FAULTS, ViewBook, fault_view_path, merge_round
-from robust_plugins.watchdog.jobfaults_sync import JobFaultView
-from robust_plugins.watchdog.nodes import exiting_ranks
+from robust_plugins.launcher.jobfaults import ViewBook, merge_round
+from robust_plugins.watchdog.faults import JOB_FAULTS, fault_view_path
+from robust_plugins.launcher.jobfaults_sync import JobFaultView
+from robust_plugins.launcher.nodes import exiting_ranks
 
 A, B = "10.0.0.1", "10.0.0.2"
 
@@ -55,7 +56,7 @@ Thread 11 (idle): "MainThread"
     <module> (train.py:116)
 """
 # A rank whose peer on another node died while its stack was read: an exception hook, then atexit.
-_EXITING = """Process 12: /venv/bin/python -u -m robust_plugins.watchdog.standby_worker
+_EXITING = """Process 12: /venv/bin/python -u -m robust_plugins.launcher.standby.worker
 Python v3.11.7 (/usr/bin/python3.11)
 
 Thread 12 (active+gil): "MainThread"

@@ -12,7 +12,7 @@ import torch
 from robust_plugins.checkpoint import memory, replicas
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.errors import CheckpointError
-from robust_plugins.watchdog.monitor import Monitor
+from robust_plugins.launcher.monitor import Monitor
 from robust_plugins.watchdog.param_hash import hash_message
 from robust_plugins.watchdog.snapshot_check import off_reason
 
@@ -114,6 +114,6 @@ def test_the_monitor_rolls_a_snapshot_mismatch_back_to_the_snapshot_before(tmp_p
         assert (fault.kind, fault.step, fault.suspect_ranks, fault.action) == ("sdc", 7, [2], "rollback")
         # Back one snapshot (6), not sdc_every_steps (100): the snapshot of step 6 agreed.
         assert fault.detail["check_every"] == 1 and fault.detail["checked_by"] == "snapshot"
-        assert mon._rollback_max_step() == "6"
+        assert mon.book.rollback_max_step() == "6"
     finally:
         mon.close()

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from robust_plugins.checkpoint import store
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.watchdog import protocol
-from robust_plugins.watchdog.monitor import Monitor
+from robust_plugins.launcher.monitor import Monitor
 
 from test_checkpoint import EXPECT, make_ckpt
 

@@ -12,7 +12,7 @@ from robust_plugins.config import WatchdogConfig
 from robust_plugins.errors import ConfigError
 from robust_plugins.watchdog import inject
 from robust_plugins.watchdog.faults import read_faults
-from robust_plugins.watchdog.monitor import Monitor
+from robust_plugins.launcher.monitor import Monitor
 
 GOOD, BAD = "00000000000000aa", "00000000000000bb"
 

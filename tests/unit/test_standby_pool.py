@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from robust_plugins.patches import torch_elastic
-from robust_plugins.watchdog import standby, standby_fork, standby_zygote
+from robust_plugins.launcher.standby import fork as standby_fork
+from robust_plugins.launcher.standby import pool as standby
+from robust_plugins.launcher.standby import zygote as standby_zygote
 
 
 
@@ -146,7 +148,7 @@ def test_a_standby_that_imported_cuda_refuses_and_switches_the_pool_off(tmp_path
 
 def _hazards(code: str, **env: str) -> dict:
     # A fresh interpreter: what fork_hazards says about it after ``code`` ran.
-    out = subprocess.run([sys.executable, "-c", code + "\nimport json\nfrom robust_plugins.watchdog import standby_zygote as z\n"
+    out = subprocess.run([sys.executable, "-c", code + "\nimport json\nfrom robust_plugins.launcher.standby import zygote as z\n"
                           "n = len(z.os_threads())\nprint(json.dumps({'before': n, 'why': z.fork_hazards(probe=True),"
                           " 'after': len(z.os_threads())}))"],
                          capture_output=True, text=True, timeout=120, check=True, env={**os.environ, **env})

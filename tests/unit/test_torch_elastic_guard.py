@@ -56,7 +56,7 @@ def test_worker_group_field_gone_refused(monkeypatch):
 
 
 def test_agent_is_not_built_on_a_mismatching_torch(monkeypatch):
-    from robust_plugins.watchdog import agent
+    from robust_plugins.launcher import agent
 
     monkeypatch.setattr(torch_elastic, "SUPPORTED_BELOW", (2, 0, 0))
     monkeypatch.setattr(torch_elastic, "SUPPORTED_MIN", (1, 0, 0))

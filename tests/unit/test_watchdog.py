@@ -298,7 +298,7 @@ def test_restart_delay_doubles_up_to_the_ceiling_and_is_validated():
 
 
 def test_monitor_survives_bad_datagrams_detects_nan_and_stands_down_without_its_receiver(tmp_path, caplog):
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     mon = Monitor(WatchdogConfig(), tmp_path, host="h")
     try:
@@ -323,8 +323,8 @@ def test_monitor_survives_bad_datagrams_detects_nan_and_stands_down_without_its_
         send({"k": "end", "r": 0, "i": 0, "s": 3, "t": 0.0, "l": 2.0})
         assert _wait_for(lambda: mon.ranks[0].progress.last_step == 3)
         assert fault.resumed_at_step is None
-        mon._stop.set()
-        mon._thread.join(timeout=5)
+        mon.transport._stop.set()
+        mon.transport._thread.join(timeout=5)
         with caplog.at_level("WARNING", logger="robust_plugins"):
             assert mon.check(will_restart=True) is None
         assert "signal receiver stopped" in caplog.text
@@ -340,12 +340,12 @@ def test_crash_is_judged_after_the_ranks_last_datagrams_even_if_the_receiver_lag
     injected fault's announcement still decides the suspect and the step."""
     from types import SimpleNamespace
 
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     mon = Monitor(WatchdogConfig(), tmp_path, host="h")
     try:
-        mon._stop.set()
-        mon._thread.join(timeout=5)  # the receiver is "late": it will never run again
+        mon.transport._stop.set()
+        mon.transport._thread.join(timeout=5)  # the receiver is "late": it will never run again
         mon.begin_incarnation({0: 100, 1: 101})
         tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         for r in (0, 1):
@@ -370,7 +370,7 @@ def test_a_crash_is_timed_to_the_poll_that_found_it_and_the_slow_stop_counts_in_
     import time
     from types import SimpleNamespace
 
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     mon = Monitor(WatchdogConfig(), tmp_path, host="h")
     try:
@@ -434,7 +434,7 @@ def test_bitflip_changes_the_parameter_hash_and_one_bit_only():
 def test_injections_fired_after_a_detected_fault_are_armed_again(tmp_path):
     """Ranks run on for a few steps before they are stopped; a fault they inject in that time is
     replayed by the restarted job, so it must fire there again."""
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     inj = inject.parse("nan:rank=1,step=25;spike:rank=0,step=28")
     mon = Monitor(WatchdogConfig(), tmp_path, injections=inj, host="h")
@@ -449,7 +449,7 @@ def test_injections_fired_after_a_detected_fault_are_armed_again(tmp_path):
         tx.close()
         fault = mon.check(will_restart=True)
         assert (fault.kind, fault.step) == ("nan", 25)
-        assert mon.pending_injections == [inj[1]]  # the spike at 28 fires again; the NaN does not
+        assert mon.injections.pending == [inj[1]]  # the spike at 28 fires again; the NaN does not
         assert "spike:rank=0,step=28" in mon.worker_env()[protocol.ENV_INJECT]
     finally:
         mon.close()
@@ -461,7 +461,7 @@ def test_ok_to_save_waits_for_every_rank_and_says_no_after_a_fault(tmp_path, mon
 
     ASK_S = 10.0  # noqa: N806 - ok_to_save's bound; the timing checks derive from it
 
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     monkeypatch.setattr(client, "_die_with_parent", lambda: None)
     monkeypatch.delenv(protocol.ENV_RUN_DIR, raising=False)

@@ -80,7 +80,7 @@ def test_restarts_are_on_by_default_and_the_help_says_so(monkeypatch, capsys):
 def test_spare_refuses_a_job_it_could_not_serve(argv, says):
     from torch.distributed.run import config_from_args
 
-    from robust_plugins.watchdog.agent import check_spare
+    from robust_plugins.launcher.agent import check_spare
 
     args = _parse(["--spare", *argv, "t.py"])
     run_cmd._resolve_rendezvous(args)
@@ -92,7 +92,7 @@ def test_spare_refuses_a_job_it_could_not_serve(argv, says):
 def test_spare_accepts_a_c10d_multi_node_job():
     from torch.distributed.run import config_from_args
 
-    from robust_plugins.watchdog.agent import check_spare
+    from robust_plugins.launcher.agent import check_spare
 
     args = _parse(["--spare", "--nnodes", "2:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:29400", "t.py"])
     assert args.spare

@@ -14,7 +14,7 @@ import pytest
 
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.watchdog.emergency_rank import _is_collective_failure
-from robust_plugins.watchdog.monitor import Monitor
+from robust_plugins.launcher.monitor import Monitor
 
 
 # The monitor's bound on the wait. Timing bounds below derive from it: a wait that ran lasts at
@@ -150,7 +150,7 @@ def test_the_stop_waits_for_a_save_that_starts_within_the_grace(monitor):
 def test_a_rank_that_never_starts_holds_the_stop_only_for_the_grace(tmp_path):
     # Rank 0 is alive and registered but never fails a collective (NCCL blocks until its own
     # timeout): the stop waits EMERGENCY_START_MIN_S, not the 10 s emergency_save_timeout_s.
-    from robust_plugins.watchdog.monitor_emergency import EMERGENCY_START_MIN_S
+    from robust_plugins.launcher.monitor.emergency import EMERGENCY_START_MIN_S
 
     mon = Monitor(WatchdogConfig(emergency_save_timeout_s=10.0), tmp_path / "run")
     try:
@@ -191,7 +191,7 @@ def test_only_torchs_stop_after_a_failure_is_held():
 
 @pytest.mark.timeout(60)
 def test_which_ranks_the_monitor_asks_to_save():
-    from robust_plugins.watchdog.monitor_emergency import asks_rank
+    from robust_plugins.launcher.monitor.emergency import asks_rank
 
     assert asks_rank("auto", "cuda") and asks_rank("monitor", "cpu") and asks_rank("monitor", None)
     assert not asks_rank("auto", "cpu") and not asks_rank("auto", None)  # gloo raises: its hook saves

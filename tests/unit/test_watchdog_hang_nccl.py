@@ -20,8 +20,8 @@ import torch.distributed as dist
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.watchdog import detect, flight
 from robust_plugins.watchdog.faults import Fault
-from robust_plugins.watchdog.monitor import Monitor
-from robust_plugins.watchdog.nodes import exchange_hang_views, node_blame
+from robust_plugins.launcher.monitor import Monitor
+from robust_plugins.launcher.nodes import exchange_hang_views, node_blame
 
 pytestmark = pytest.mark.timeout(60)
 

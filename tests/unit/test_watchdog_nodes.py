@@ -12,7 +12,7 @@ from robust_plugins.config import PluginConfig
 from robust_plugins.errors import ConfigError
 from robust_plugins.watchdog import grad_accumulation
 from robust_plugins.watchdog.faults import Fault
-from robust_plugins.watchdog.nodes import EXCLUDED_FILE, NodeExcluded, NodeRegistry, node_blame
+from robust_plugins.launcher.nodes import EXCLUDED_FILE, NodeExcluded, NodeRegistry, node_blame
 
 
 def _crash(ranks, signal=None, onset="last signal", kind="crash"):

@@ -17,7 +17,7 @@ import pytest
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.errors import RobustPluginsError
 from robust_plugins.watchdog import client, hold, protocol, ring
-from robust_plugins.watchdog.monitor import Monitor
+from robust_plugins.launcher.monitor import Monitor
 from robust_plugins.watchdog.ring import RingError, RingReader, RingWriter
 
 
@@ -160,7 +160,7 @@ def test_steps_travel_through_the_ring_with_the_ranks_own_times_and_files_are_re
     try:
         prefix, clients = ring_env(mon, [0, 1])
         assert all(c.ring is not None for c in clients.values())
-        mon._drain()  # the hellos: both ranks mapped their rings, so the names are removed
+        mon.transport.drain()  # the hellos: both ranks mapped their rings, so the names are removed
         assert not any(os.path.exists(f"{prefix}{r}") for r in (0, 1))
         t_steps = []
         for step in range(1, 6):
@@ -190,12 +190,12 @@ def test_a_lapped_ring_is_counted_and_logged_and_the_nan_still_arrives(tmp_path,
     mon = Monitor(WatchdogConfig(), tmp_path, host="h", ring_entries=4)
     try:
         _, clients = ring_env(mon, [0])
-        with mon._recv_lock:  # a monitor that does not poll while the rank runs ahead
+        with mon.transport.lock:  # a monitor that does not poll while the rank runs ahead
             for step in range(1, 11):
                 clients[0].step_end(step, math.inf if step == 3 else 2.0, None)
         with caplog.at_level("WARNING", logger="robust_plugins"):
             fault = mon._check(will_restart=True)
-        assert mon.ring_missed == {0: 6} and mon.ranks[0].progress.steps_seen == 4
+        assert mon.transport.ring_missed == {0: 6} and mon.ranks[0].progress.steps_seen == 4
         assert "rank 0 wrote 6 step records that were overwritten" in caplog.text
         # Step 3's record was overwritten; its datagram was not.
         assert (fault.kind, fault.step, fault.detail["what"]) == ("nan", 3, "loss")
@@ -284,7 +284,7 @@ def test_a_rank_warns_once_when_the_monitor_stops_reading(tmp_path, ring_env, mo
         with caplog.at_level("WARNING", logger="robust_plugins"):
             c.step_end(1, 2.0, None)  # heartbeat from the ring's creation: fresh
             assert "has not read" not in caplog.text
-            mon._rings[0].heartbeat(time.monotonic() - client.MONITOR_STALE_S - 5)
+            mon.transport._rings[0].heartbeat(time.monotonic() - client.MONITOR_STALE_S - 5)
             c._next_beat_check = 0.0
             c.step_end(2, 2.0, None)
         assert "the node monitor has not read rank 0's step ring for 6" in caplog.text

@@ -26,7 +26,7 @@ def _spike_run(mon, tx, incarnation: int, spike_step: int, upto: int) -> None:
 
 
 def test_a_step_that_spikes_in_two_incarnations_is_recorded_and_handed_to_the_next_ranks(tmp_path):
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     cfg = WatchdogConfig(spike_warmup_steps=3)
     mon = Monitor(cfg, tmp_path, host="h")
@@ -54,7 +54,7 @@ def test_a_step_that_spikes_in_two_incarnations_is_recorded_and_handed_to_the_ne
 
 
 def test_spike_skip_batch_off_never_skips(tmp_path):
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     mon = Monitor(WatchdogConfig(spike_warmup_steps=3, spike_skip_batch=False), tmp_path, host="h")
     tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

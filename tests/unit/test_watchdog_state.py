@@ -23,7 +23,7 @@ def test_state_is_empty_outside_robust_run(monkeypatch):
 
 
 def test_saved_step_times_seed_a_fresh_monitor_and_survive_weights_only_loads(tmp_path, monkeypatch):
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     cfg = WatchdogConfig(hang_warmup_steps=5, hang_factor=10, hang_min_timeout_s=2,
                          hang_initial_timeout_s=100, hang_max_timeout_s=200)
@@ -57,7 +57,7 @@ def test_saved_step_times_seed_a_fresh_monitor_and_survive_weights_only_loads(tm
 
 
 def test_a_monitor_that_measured_steps_itself_ignores_saved_times(tmp_path):
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     mon = Monitor(WatchdogConfig(), tmp_path, host="h")
     tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

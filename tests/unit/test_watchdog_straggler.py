@@ -145,7 +145,7 @@ def test_client_counts_time_inside_collectives(tmp_path, monkeypatch):
 
 
 def test_monitor_reports_a_straggler_once_without_stopping_the_ranks(tmp_path):
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     cfg = WatchdogConfig(straggler_factor=2.0, straggler_window=5)
     mon = Monitor(cfg, tmp_path, host="node7")
@@ -198,7 +198,7 @@ def test_an_episode_ends_only_after_a_window_of_fast_steps_and_sums_up_its_slow_
 def test_monitor_reports_a_flapping_straggler_once_per_episode_when_it_ends(tmp_path):
     # The load moves: rank 1 is slow for 12 steps, fast for 2, slow for 6, then fast for 12 (the
     # episode ends), then slow again to the job's end (a second episode). Two rows, not one a move.
-    from robust_plugins.watchdog.monitor import Monitor
+    from robust_plugins.launcher.monitor import Monitor
 
     mon = Monitor(WatchdogConfig(straggler_factor=2.0, straggler_window=5), tmp_path, host="n")
     tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

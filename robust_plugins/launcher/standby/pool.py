@@ -1,16 +1,16 @@
 """Warm standby workers for ``robust run``: interpreters that already imported the job's
 libraries, handed a rank on a restart instead of starting a fresh ``python``.
 
-A cold restart pays about 2.5 s of CPU per rank for ``import torch, deepspeed, robust_plugins``
-on these machines (minutes with CUDA and thousands of hosts): a standby has paid it already,
-while the previous incarnation trained. The pool lives in the node's agent:
+A cold restart pays ``import torch, deepspeed, robust_plugins`` again on every rank (seconds of
+CPU each, more with CUDA): a standby has paid it already, while the previous incarnation
+trained. The pool lives in the node's agent:
 
 - **what a standby imports** (:func:`preimports`): torch and the plugin always; then every module
   the script names in an ``import`` statement whose top-level package is a library in
   :data:`PREIMPORT_ROOTS` (DeepSpeed, megatron-core, transformers, ...), read from the script's
   source without running it. Never the script itself nor any other module of the user's: their
   module-level code must run once per incarnation, at the hand-off, with the rank known.
-- **where from** (:mod:`.standby_zygote`): one fork server per node imports them once and forks
+- **where from** (:mod:`.zygote`): one fork server per node imports them once and forks
   a standby per local rank on request (copy-on-write: one import's CPU and mostly one import's
   memory for the node). It forks only after checking that nothing makes a fork unsafe (other
   threads, CUDA); otherwise it says why, the pool logs a warning, records ``zygote_unsafe`` and
@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from robust_plugins._logging import get_logger
-from robust_plugins.watchdog import standby_worker as _worker
-from robust_plugins.watchdog.standby_fork import ForkedProc, Zygote
+from robust_plugins.launcher.standby import worker as _worker
+from robust_plugins.launcher.standby.fork import ForkedProc, Zygote
 
 log = get_logger(__name__)
 
@@ -350,7 +350,7 @@ class StandbyPool:
                     log.warning("robust run: forking standbys is unsafe here: %s. Standbys are spawned "
                                 "instead, one interpreter and one import per rank (more CPU and memory "
                                 "a node; restarts stay warm). To fork them, let nothing imported start a "
-                                "thread or call CUDA (robust_plugins/watchdog/standby_zygote.py says "
+                                "thread or call CUDA (robust_plugins/launcher/standby/zygote.py says "
                                 "why).", msg["why"])
                     asked = sum(sb.zygote is z for sb in self.standbys)
                     self._drop_zygote(z, "zygote_unsafe", why=msg["why"])

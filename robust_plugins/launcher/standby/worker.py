@@ -1,9 +1,9 @@
 """A warm standby rank of ``robust run``: a process that imported the job's libraries and becomes
 a rank when the agent hands it one.
 
-A standby is either forked from the node's fork server (:mod:`.standby_zygote`, the default: one
+A standby is either forked from the node's fork server (:mod:`.zygote`, the default: one
 import per node) or, where that server found forking unsafe, spawned by the agent
-(:mod:`.standby`) as ``python -u -m robust_plugins.watchdog.standby_worker``, which imports by
+(:mod:`.pool`) as ``python -u -m robust_plugins.launcher.standby.worker``, which imports by
 itself (:func:`main`). Either way :func:`become_rank` runs in it, with two pipes: it writes one
 JSON line per event to the agent (``ready``, ``pong``, ``go``, ``refused``) and reads JSON lines
 from it (``ping`` while it waits, then the hand-off: argv, environment, working directory, output
@@ -16,7 +16,7 @@ imports only libraries (never the user's script or its own modules), and before 
 ``ready`` it checks ``torch.cuda.is_initialized()`` is False; otherwise it refuses and exits, and
 the agent starts that rank cold. A spawned standby is a fresh interpreter (``subprocess``), never
 a fork of the agent: nothing of the agent's threads, sockets or CUDA state is inherited; where a
-forked one is safe and why: :mod:`.standby_zygote`.
+forked one is safe and why: :mod:`.zygote`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The agent's side of the standby fork server (:mod:`.standby_zygote`): start it, ask it to fork,
+"""The agent's side of the standby fork server (:mod:`.zygote`): start it, ask it to fork,
 and follow the children it forks, which are the agent's grandchildren.
 
 The agent cannot ``waitpid`` a grandchild, so each forked standby is a :class:`ForkedProc`, a
@@ -22,8 +22,8 @@ import sys
 import time
 
 from robust_plugins._logging import get_logger
-from robust_plugins.watchdog import standby_worker as _worker
-from robust_plugins.watchdog import standby_zygote as _zygote
+from robust_plugins.launcher.standby import worker as _worker
+from robust_plugins.launcher.standby import zygote as _zygote
 
 log = get_logger(__name__)
 
@@ -124,7 +124,7 @@ class ForkedProc:
 
 
 class Zygote:
-    """One fork server process, spawned from the agent's main thread (see :mod:`.standby_zygote`)."""
+    """One fork server process, spawned from the agent's main thread (see :mod:`.zygote`)."""
 
     def __init__(self, env: dict[str, str], cwd: str, modules: list[str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

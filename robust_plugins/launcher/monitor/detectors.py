@@ -9,7 +9,7 @@ import time
 
 from robust_plugins._logging import get_logger
 from robust_plugins.watchdog import flight as _flight
-from robust_plugins.watchdog import stacks as _stacks
+from robust_plugins.launcher.monitor import stacks as _stacks
 from robust_plugins.watchdog.detect import (
     RunningMedian,
     StragglerEpisode,
@@ -24,22 +24,22 @@ from robust_plugins.watchdog.detect import (
     stragglers,
 )
 from robust_plugins.watchdog.faults import Fault
-from robust_plugins.watchdog.monitor_state import _RankState
+from robust_plugins.launcher.monitor.state import _RankState
 
-# The monitor's logger: every line of the node monitor carries one name in monitor.log.
-log = get_logger("robust_plugins.watchdog.monitor")
+log = get_logger(__name__)
 
-
-#: and moves slowly; a value up to 1 s old delays a hang's detection by at most that second.
+#: How often the learned hang timeout is recomputed. It is a p99 over up to 512 steps a rank (a
+#: sort of ~2,000 numbers, most of a check's cost when done every 0.1 s) and moves slowly; a
+#: value up to 1 s old delays a hang's detection by at most that second.
 _LEARN_EVERY_S = 1.0
 
 
-
 class _MonitorDetectors:
-    """Part of :class:`~robust_plugins.watchdog.monitor.Monitor`: the detectors (NaN/Inf, spike, SDC,
-    straggler, hang) judged on every check from the agent thread, and what each step record adds
-    to their evidence. The decisions are the pure functions of :mod:`.detect`; the state they use
-    is set up in ``Monitor.__init__``."""
+    """The judging half of :class:`~robust_plugins.launcher.monitor.Monitor`: what each step record
+    adds to the evidence (:meth:`_on_step`, under the monitor's lock) and the detectors (NaN/Inf,
+    spike, SDC, straggler, hang) that :meth:`_check` runs from the agent thread. The decisions are
+    the pure functions of :mod:`robust_plugins.watchdog.detect`; the per-rank state they read is
+    the monitor's (``ranks``, ``_history``), and every fault goes to its ``book``."""
 
     def _on_step(self, st: _RankState, rank: int, step: int, loss: float | None,
                  grad_norm: float | None, wall_s: float | None, comm_s: float | None,
@@ -47,15 +47,7 @@ class _MonitorDetectors:
         """A rank finished ``step`` at monotonic time ``now`` (wall time ``t_wall``); under ``_lock``."""
         st.registered = self._uses_api = True  # also if its hello came too early
         st.last_msg_wall = t_wall
-        self._note_resume(step, now)
-        limit = self._rollback_limit
-        if limit is not None and self.incarnation > limit[1]:
-            # The ranks that were stopped may have snapshotted one step past the last
-            # they reported. Beyond that, every snapshot the bad steps left was replaced.
-            if step > limit[2] + 1:
-                self._rollback_limit = None
-        elif limit is not None:
-            limit[2] = max(limit[2], step)  # the faulty ranks run on until they are stopped
+        self.book.on_step(step, now, self.incarnation)
         st.progress.on_step(step, now)
         if wall_s is not None and comm_s is not None:
             st.compute.append((step, max(0.0, float(wall_s) - float(comm_s)), t_wall))
@@ -77,17 +69,15 @@ class _MonitorDetectors:
                 return
 
     def _check(self, will_restart: bool) -> Fault | None:
-        if not self._thread.is_alive():
+        if not self.transport.alive():
             if not self._warned_receiver:
                 self._warned_receiver = True
                 log.warning("robust watchdog: the signal receiver stopped; hang, NaN, spike and "
                             "SDC detection are off for the rest of the job (crashes are still detected).")
             return None
-        self._drain()
+        self.transport.drain()
         now, now_wall = time.monotonic(), time.time()
-        with self._recv_lock:
-            for ring in self._rings.values():
-                ring.heartbeat(now)  # detection is live: the ranks warn when this goes stale
+        self.transport.heartbeat(now)
         with self._lock:
             bad = {r: st.bad_number for r, st in self.ranks.items() if st.bad_number}
             progress = {r: st.progress for r, st in self.ranks.items() if st.registered}
@@ -122,20 +112,21 @@ class _MonitorDetectors:
             if every:
                 checked["checked_by"] = "snapshot"
             with self._lock:
-                rp = self._sdc_replay
+                rp = self.book.sdc_replay
                 replay = rp is not None and self.incarnation > rp["incarnation"] and step == rp["step"]
             if replay:
                 # Every rank sends its hash right after the same all-gather: wait (bounded) for
                 # all of them, so the evidence holds every replica's.
                 deadline = time.monotonic() + 1.0
-                while (len(self._hash_log.get((self.incarnation, step), {})) < len(self.ranks)
+                while (len(self.book.hash_log.get((self.incarnation, step), {})) < len(self.ranks)
                        and time.monotonic() < deadline):
                     time.sleep(0.02)
-                    self._drain()
+                    self.transport.drain()
             with self._lock:
                 persistent = replay and minority == rp["ranks"]
                 if replay:
-                    first = self._replay_verdict("persistent" if persistent else "different", minority)
+                    first = self.book.replay_verdict("persistent" if persistent else "different", minority,
+                                                     self.incarnation)
             if persistent:
                 # The same ranks corrupted the same step twice, from a verified checkpoint: their
                 # hardware, not a cosmic ray. Restarting on it would loop; the job stops (a
@@ -161,7 +152,7 @@ class _MonitorDetectors:
                 with self._lock:
                     # The rollback replays the steps up to `step` on every rank (a data-parallel
                     # step needs its peers' gradients); the replayed check there is the verdict.
-                    self._sdc_replay = {"fault": fault, "step": step, "ranks": minority,
+                    self.book.sdc_replay = {"fault": fault, "step": step, "ranks": minority,
                                         "incarnation": self.incarnation, "agreed": False}
             return fault
         with self._lock:
@@ -206,7 +197,8 @@ class _MonitorDetectors:
     def _check_stragglers(self, now_wall: float) -> None:
         """Follow stragglers (ranks whose compute time stays above their peers'), never restarting
         for one: an episode starts when the detector names the rank (said in the log) and is
-        written to ``faults.jsonl`` once, when it ends (:class:`~.detect.StragglerEpisode`)."""
+        written to ``faults.jsonl`` once, when it ends
+        (:class:`~robust_plugins.watchdog.detect.StragglerEpisode`)."""
         window, factor = self.cfg.straggler_window, self.cfg.straggler_factor
         ended = []
         with self._lock:
@@ -269,7 +261,7 @@ class _MonitorDetectors:
         )
         with self._lock:
             self.reports.append(fault)
-        self.faults.write(fault)
+        self.book.file.write(fault)
         log.warning("robust watchdog: straggler episode of rank %d on %s ended (%s): %s", ep.rank, self.host,
                     why, fault.detail["reason"])
 
@@ -322,7 +314,7 @@ class _MonitorDetectors:
                     "stack_dump_s": round(dump_s, 3),
                     # Per rank with a readable stack: inside a collective call or not. Evidence
                     # only where collectives block the host (gloo); on NCCL a waiting rank sits
-                    # in .item() (verdict below, node blame in watchdog/nodes.py).
+                    # in .item() (verdict below, node blame in robust_plugins/launcher/nodes.py).
                     "in_collective": {str(r): in_collective(d.frames) for r, d in stacks.items()
                                       if d.frames},
                     "collectives_block_host": block_host,
@@ -350,7 +342,7 @@ class _MonitorDetectors:
     def rejudge_hang(self, fault: Fault, nodes: list[dict]) -> None:
         """Judge ``fault`` (a hang this monitor recorded) again on every node's flight-recorder views
         (``nodes``: each ``{"node", "ranks", "views"}``, this node's included; see
-        :func:`~robust_plugins.watchdog.nodes.exchange_hang_views`): every group compared over all
+        :func:`~robust_plugins.launcher.nodes.exchange_hang_views`): every group compared over all
         its members, not this node's only. Updates the fault's suspects, reason and verdict."""
         merged: dict = {}
         node_of: dict[int, str] = {}

@@ -1,18 +1,27 @@
-"""The node monitor's emergency-save coordination: asking the live ranks (NCCL) and a bounded wait for
-their saves after a crash (the rank side is :mod:`.emergency_rank`)."""
+"""Emergency saves after a crash, as the node monitor sees them: ask the live ranks that cannot
+notice the dead peer themselves, and wait, bounded, for every registered saver before the agent
+stops the ranks. The rank side is :mod:`robust_plugins.watchdog.emergency_rank`.
+
+:class:`EmergencySaves` promises that the wait never exceeds ``emergency_save_timeout_s`` (0: no
+wait at all) and that a rank with no save under way is waited for only while it may still start
+one. It decides nothing about the fault; it reports what each saver said.
+"""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from robust_plugins._logging import get_logger
 from robust_plugins.watchdog.protocol import MSG_EMERGENCY_NOW
 
-log = get_logger("robust_plugins.watchdog.monitor")
+log = get_logger(__name__)
 
+#: ``{global rank: (its emergency record, pid, device type)}`` of the ranks that registered a
+#: saver, read after draining what the ranks sent (the record: ``phase`` registered|start|done,
+#: ``s``, ``ok``, ``sec``, ``error``, ``addr``, ``via``).
+Savers = Callable[[], dict[int, tuple[dict[str, Any], "int | None", "str | None"]]]
 
 def _pid_alive(pid: int | None) -> bool:
     if not pid:
@@ -31,72 +40,81 @@ EMERGENCY_START_MIN_S = 1.0
 def asks_rank(via: str | None, device_type: str | None) -> bool:
     """Whether the monitor asks a rank that registered a saver with ``via`` to save (pure): always
     for ``monitor``; for ``auto`` when its collectives move device tensors (NCCL: a dead peer
-    raises nothing on the host, :mod:`.emergency_rank`); never for ``exception``."""
+    raises nothing on the host, :mod:`robust_plugins.watchdog.emergency_rank`); never for
+    ``exception``."""
     if via == "monitor":
         return True
     return via == "auto" and device_type not in (None, "cpu")
 
 
-class _MonitorEmergency:
-    """Part of :class:`~robust_plugins.watchdog.monitor.Monitor`: waiting, bounded, for the live ranks'
-    emergency saves (``watchdog.on_emergency``) before the agent stops them. The state it uses is set
-    up in ``Monitor.__init__``."""
+class EmergencySaves:
+    """The monitor's part in the live ranks' emergency saves (``watchdog.on_emergency``).
 
-    def hold_for_emergency_saves(self) -> None:
+    ``savers``: what the ranks said (:data:`Savers`); ``typical_step_s``: a median step time of
+    the job so far (0 when unknown); ``send(addr, message)``: one datagram to a rank's listener."""
+
+    def __init__(self, timeout_s: float, savers: Savers, typical_step_s: Callable[[], float],
+                 send: Callable[[Any, dict[str, Any]], None]) -> None:
+        self.timeout_s = timeout_s
+        self._savers = savers
+        self._typical_step_s = typical_step_s
+        self._send = send
+        self.hold_s: float | None = None
+        """How long the stop after the latest crash waited in :meth:`hold` (None: no wait); the
+        crash's fault takes it (:meth:`take_hold_s`)."""
+
+    def hold(self) -> None:
         """Before torch's agent stops the ranks after a crash (``patches.torch_elastic.
         before_failure_stop``): wait, bounded, while a live rank's emergency save runs or may
         still start: a survivor that has not reached its failing collective yet would otherwise
         be stopped before its save could begin."""
         t0 = time.monotonic()
-        asked = self._ask_for_saves()
-        grace = self._emergency_start_grace_s()
-        if self._await_emergency_saves(start_grace_s=grace, asked=asked) is not None:
-            self.emergency_hold_s = round(time.monotonic() - t0, 3)
+        asked = self._ask()
+        if self.await_saves(start_grace_s=self._start_grace_s(), asked=asked) is not None:
+            self.hold_s = round(time.monotonic() - t0, 3)
 
-    def _ask_for_saves(self) -> set[int]:
+    def take_hold_s(self) -> float | None:
+        """The latest :meth:`hold`'s wait, once (None: no wait since the last call)."""
+        held, self.hold_s = self.hold_s, None
+        return held
+
+    def _ask(self) -> set[int]:
         """Ask every live rank whose save would not start by itself (:func:`asks_rank`) to save:
         one datagram to its listener. Returns the ranks asked."""
-        self._drain()
-        with self._lock:
-            asked = [(r, st.emergency["addr"]) for r, st in self.ranks.items()
-                     if st.emergency and st.emergency.get("phase") == "registered" and st.emergency.get("addr")
-                     and asks_rank(st.emergency.get("via"), st.device_type) and _pid_alive(st.pid)]
+        asked = [(r, e["addr"]) for r, (e, pid, device) in self._savers().items()
+                 if e.get("phase") == "registered" and e.get("addr")
+                 and asks_rank(e.get("via"), device) and _pid_alive(pid)]
         sent = set()
         for rank, addr in asked:
             try:
-                self._sock.sendto(json.dumps({"k": MSG_EMERGENCY_NOW}).encode(), addr)
+                self._send(addr, {"k": MSG_EMERGENCY_NOW})
                 sent.add(rank)
             except OSError as exc:  # the rank is gone: its save is "not started"
                 log.warning("robust watchdog: could not ask rank %d for its emergency save: %r", rank, exc)
         return sent
 
-    def _emergency_start_grace_s(self) -> float:
+    def _start_grace_s(self) -> float:
         # A live rank meets a collective at least once a step (the gradient reduction), so it
         # sees the dead peer within about a step; two median steps for the noise, at least
         # EMERGENCY_START_MIN_S. A rank that has not started by then is not waiting on a failed
         # collective (NCCL, say, blocks until its own timeout): the agent stops it.
-        with self._lock:
-            times = sorted([*self._history, *(t for st in self.ranks.values() for t in st.progress.step_times)])
-        typical = times[len(times) // 2] if times else 0.0
-        return min(self.cfg.emergency_save_timeout_s, max(EMERGENCY_START_MIN_S, 2 * typical))
+        return min(self.timeout_s, max(EMERGENCY_START_MIN_S, 2 * self._typical_step_s()))
 
-    def _await_emergency_saves(self, start_grace_s: float | None = None,
-                               asked: set[int] = frozenset()) -> dict[str, Any] | None:
+    def await_saves(self, start_grace_s: float | None = None,
+                    asked: set[int] = frozenset()) -> dict[str, Any] | None:
         """Give the live ranks that registered an emergency saver a bounded chance to finish it
         (they start when their collective fails, a moment after the peer died); return what each
         reported, or None when no rank registered one. ``start_grace_s``: how long a live rank
         that has not started is waited for (default: the whole ``emergency_save_timeout_s``);
         a rank in ``asked`` starts when its listener reads the ask, so it is waited for up to
         the whole timeout (a loaded host may take seconds to schedule that thread)."""
-        timeout = self.cfg.emergency_save_timeout_s
+        timeout = self.timeout_s
         if timeout <= 0:
             return None
         t0 = time.monotonic()
         deadline = t0 + timeout
         while True:
-            self._drain()
-            with self._lock:
-                savers = {r: (st.emergency, st.pid) for r, st in self.ranks.items() if st.emergency}
+            savers = {r: (e, pid) for r, (e, pid, _) in self._savers().items()}
             if not savers:
                 return None
             # Waiting for: a save under way, or a live rank that may still hit the failed collective.
@@ -104,7 +122,7 @@ class _MonitorEmergency:
             pending = [r for r, (e, pid) in savers.items()
                        if e["phase"] == "start"
                        or (e["phase"] == "registered" and (may_start or r in asked) and _pid_alive(pid))]
-            if not pending or timeout <= 0 or time.monotonic() >= deadline:
+            if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
         out: dict[str, Any] = {}

@@ -13,7 +13,7 @@ port, announced to the other nodes through the rendezvous store under a per-inca
 points ``MASTER_ADDR``/``MASTER_PORT`` at it, so no incarnation can read another's keys.
 
 Warm restarts (on unless ``--no-standby``): the agent keeps one standby interpreter per local
-rank (:mod:`robust_plugins.watchdog.standby`), started once the ranks train; on a restart it kills
+rank (:mod:`.standby.pool`), started once the ranks train; on a restart it kills
 the old ranks at once (SIGKILL: their state is in shared-memory snapshots and atomically written
 checkpoints, so a grace period buys nothing) and hands each rank to a standby instead of starting
 a fresh ``python``. Every restart's ``detail.restart_s`` and ``detail.standby`` go to faults.jsonl.
@@ -36,12 +36,12 @@ from typing import Any
 from robust_plugins._logging import get_logger
 from robust_plugins.watchdog import completion
 from robust_plugins.watchdog.detect import restart_delay
-from robust_plugins.watchdog.jobfaults_sync import STORE_TIMEOUT_S, JobFaultView
-from robust_plugins.watchdog.monitor import Monitor
-from robust_plugins.watchdog.nodes import (NodeExcluded, NodeRegistry, exchange_hang_views, exiting_ranks,
+from robust_plugins.launcher.jobfaults_sync import STORE_TIMEOUT_S, JobFaultView
+from robust_plugins.launcher.monitor import Monitor
+from robust_plugins.launcher.nodes import (NodeExcluded, NodeRegistry, exchange_hang_views, exiting_ranks,
                                            node_blame)
 from robust_plugins.watchdog.protocol import ENV_LAUNCH_WORLD
-from robust_plugins.watchdog.standby import StandbyPool, target_of
+from robust_plugins.launcher.standby.pool import StandbyPool, target_of
 
 log = get_logger(__name__)
 
@@ -570,7 +570,7 @@ def _node_registry(config, node: str, monitor: Monitor):
     cfg = monitor.cfg
     if cfg.exclude_after_blames == 0 or config.max_nodes <= 1:
         return None
-    from robust_plugins.watchdog.nodes import NodeRegistry
+    from robust_plugins.launcher.nodes import NodeRegistry
 
     if config.rdzv_backend != "c10d":
         log.warning("robust run: node exclusion needs --rdzv-backend c10d (its store holds the blame "

@@ -21,9 +21,10 @@ peer"), and their agents each see a crash. Only evidence that points at the loca
   the same verdict from the all-gathered hashes);
 - a hang whose suspects on this node the flight recorder shows stuck outside every collective:
   every peer of theirs issued the collective (or posted the send/recv) they never did, and they
-  wait in no work of their own (``detail.verdict``, :func:`~.detect.hang_verdict`). The agents of
-  a multi-node job exchange their ranks' flight-recorder views through the store first
-  (:func:`exchange_hang_views`), so a group is judged over all its members, not one node's. On
+  wait in no work of their own (``detail.verdict``,
+  :func:`~robust_plugins.watchdog.detect.hang_verdict`). The agents of a multi-node job exchange
+  their ranks' flight-recorder views through the store first (:func:`exchange_hang_views`), so a
+  group is judged over all its members, not one node's. On
   NCCL a rank waiting for a peer sits in ``.item()`` or a ``synchronize``, outside any collective
   call, so stacks are no evidence there; where collectives block the host (gloo) they are: a
   suspect stuck outside any collective while its peers wait inside one. A suspect whose stack
@@ -34,8 +35,9 @@ peer"), and their agents each see a crash. Only evidence that points at the loca
 
 A plain non-zero exit code, a hang whose evidence names no stuck rank (``verdict.blame`` false:
 every rank entered every collective, waiting ranks in a cycle, NCCL without a readable flight
-recorder), NaN and spikes (data, not hardware) blame no node. So a real Python exception on a faulty node is not counted:
-an honest gap, preferred to evicting healthy nodes whose ranks merely lost a peer.
+recorder), NaN and spikes (data, not hardware) blame no node. So a real Python exception on a
+faulty node is not counted: an honest gap, preferred to evicting healthy nodes whose ranks
+merely lost a peer.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ log = get_logger(__name__)
 #: Exit status of a ``robust run`` agent whose node is excluded from the job.
 EXIT_EXCLUDED = 3
 
-#: Written into every agent's run directory when a node is excluded (format in FORMAT.md).
+#: Written into every agent's run directory when a node is excluded (format in ``watchdog/FORMAT.md``).
 EXCLUDED_FILE = "excluded_nodes.json"
 
 #: Rendezvous-store keys shared by every agent of the job (not per round).

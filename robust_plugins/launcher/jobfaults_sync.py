@@ -1,5 +1,6 @@
 """The job-wide fault view's transport: every agent sends its node's fault records to the job's
-rendezvous store and mirrors every node's into its own ``job_faults.jsonl`` (merged by :mod:`.jobfaults`).
+rendezvous store and mirrors every node's into its own ``job_faults.jsonl`` (merged by
+:mod:`.jobfaults`).
 
 Why the store: the same reason as the blame counts (:mod:`.nodes`): the c10d rendezvous store is
 the one place every agent of the job reaches without a shared filesystem, its ``add`` is atomic,
@@ -39,7 +40,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from robust_plugins._logging import get_logger
-from robust_plugins.watchdog.jobfaults import JOB_FAULTS, ViewBook
+from robust_plugins.launcher.jobfaults import ViewBook
+from robust_plugins.watchdog.faults import JOB_FAULTS
 
 log = get_logger(__name__)
 
@@ -64,7 +66,7 @@ class JobFaultView:
     Args:
         connect: returns a client of the job's rendezvous store, bounded by ``STORE_TIMEOUT_S``.
         node: this node's name (as in blames and ``suspect_hosts``).
-        monitor: the node's :class:`~robust_plugins.watchdog.monitor.Monitor` (its run directory,
+        monitor: the node's :class:`~robust_plugins.launcher.monitor.Monitor` (its run directory,
             ``faults.jsonl`` and :meth:`fault_state`).
         settle_s: how long a round waits for a node that does not close it (lost) after another
             node did, before it is written without that node's records.
@@ -79,7 +81,7 @@ class JobFaultView:
         self.poll_s = poll_s
         run_dir = Path(monitor.run_dir)
         self.path = run_dir / JOB_FAULTS
-        self.path.touch()  # readers choose the job view from the start (jobfaults.fault_view_path)
+        self.path.touch()  # readers choose the job view from the start (watchdog.faults.fault_view_path)
         self._faults = run_dir / "faults.jsonl"
         # Lines already there are an earlier launch's with this --run-dir: not this job's rounds.
         self._offset = self._faults.stat().st_size if self._faults.exists() else 0

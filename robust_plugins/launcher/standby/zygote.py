@@ -1,8 +1,8 @@
 """The node's standby fork server ("zygote"): imports the job's libraries once, checks that forking
-is safe, then forks one warm standby (:func:`.standby_worker.become_rank`) per request.
+is safe, then forks one warm standby (:func:`.worker.become_rank`) per request.
 
-Started by the agent (:class:`.standby_fork.Zygote`) as ``python -u -m
-robust_plugins.watchdog.standby_zygote`` with one ``SOCK_SEQPACKET`` socket; one JSON object a
+Started by the agent (:class:`.fork.Zygote`) as ``python -u -m
+robust_plugins.launcher.standby.zygote`` with one ``SOCK_SEQPACKET`` socket; one JSON object a
 message. The agent sends ``fork`` (with the new standby's two pipe ends as ``SCM_RIGHTS``) and
 ``ping``; the zygote answers ``ready``, ``refused`` or ``unsafe`` once, then ``forked`` (with a
 pidfd of the child), ``pong``, and ``exit`` (pid, exit code) for every child it reaps: the agent
@@ -36,7 +36,7 @@ user's code) and calls no device. Before it says ``ready`` it checks (:func:`for
   hand-off, no longer has it: its CUDA calls behave as in a fresh process.
 
 and again before every fork (threads and CUDA, without a probe). Not checkable, and not done by
-the libraries in :data:`.standby.PREIMPORT_ROOTS` at import: a file offset or socket a library
+the libraries in :data:`.pool.PREIMPORT_ROOTS` at import: a file offset or socket a library
 expects to own alone (the children inherit the zygote's descriptors).
 
 What would make it unsafe, and then happens instead: a thread started at import (a telemetry
@@ -44,12 +44,12 @@ agent in ``sitecustomize``, a library's watchdog thread), an OpenMP parallel reg
 a CUDA call at import (``torch.cuda.init()``, a tensor on a GPU, the runtime's device count with
 ``PYTORCH_NVML_BASED_CUDA_CHECK=0``). The zygote then says ``unsafe`` and exits; the agent logs a
 warning with the reason, records ``zygote_unsafe`` in ``standbys.jsonl`` and spawns one standby
-interpreter per rank instead (each importing by itself), as before the zygote existed.
+interpreter per rank instead (each importing by itself).
 
 Each child: ``setsid`` (its own session, as a spawned standby has, so the agent can signal its
 process group), then ``PR_SET_PDEATHSIG`` towards the zygote, whose own points at the agent's
 main thread: a SIGKILLed agent takes the zygote, which takes every child. Hence the agent never
-kills a zygote while ranks it forked still run (:mod:`.standby`). What a forked rank sees that a
+kills a zygote while ranks it forked still run (:mod:`.pool`). What a forked rank sees that a
 fresh process would not: its parent is the zygote (``os.getppid()``); every child of one zygote
 has the zygote's ``str`` hash seed; the imported objects sit in the gc's permanent generation
 (``gc.freeze()``, so the children's collections do not copy the shared pages). Python's ``random``
@@ -72,7 +72,7 @@ import threading
 import time
 import warnings
 
-from robust_plugins.watchdog import standby_worker as _worker
+from robust_plugins.launcher.standby import worker as _worker
 
 #: The fd of the zygote's end of its socket to the agent.
 ENV_SOCKET_FD = "ROBUST_STANDBY_ZYGOTE_FD"

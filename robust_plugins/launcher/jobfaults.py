@@ -22,34 +22,21 @@ are complete (:class:`ViewBook`). The rule for "caused it" is the node-blame rul
   first fault (``echoes``), or, when no node has evidence, the first one detected stands for the
   fault (``source: "first"``) and the rest are its echoes.
 
-The transport (the rendezvous store) is :mod:`.jobfaults_sync`; the file format is in FORMAT.md.
+The transport (the rendezvous store) is :mod:`.jobfaults_sync`; the file format is in ``watchdog/FORMAT.md``.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from robust_plugins.watchdog.nodes import blame_reason
-
-#: The job-wide view, written into every node's run directory of a multi-node job.
-JOB_FAULTS = "job_faults.jsonl"
+from robust_plugins.launcher.nodes import blame_reason
 
 #: Kinds whose suspects reported the bad number themselves (their own loss, norm, step time).
 _REPORTED = ("nan", "spike", "straggler")
 
-#: Keys a job record adds to a ``faults.jsonl`` line (FORMAT.md).
+#: Keys a job record adds to a ``faults.jsonl`` line (``watchdog/FORMAT.md``).
 VIEW_KEYS = ("node", "round", "source", "echoes", "silent_nodes")
-
-
-def fault_view_path(run_dir: str | os.PathLike) -> Path:
-    """Where a reader of a run directory finds the job's faults: ``job_faults.jsonl`` when the
-    agent keeps a job-wide view (a multi-node job with the c10d rendezvous; the agent creates the
-    file at launch), else the node's ``faults.jsonl`` (a single-node job: the node is the job)."""
-    job = Path(run_dir) / JOB_FAULTS
-    return job if job.exists() else Path(run_dir) / "faults.jsonl"
 
 
 def _evidence(rec: dict[str, Any]) -> str | None:

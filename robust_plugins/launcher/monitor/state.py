@@ -36,6 +36,3 @@ class _RankState:
     """What its default group's collectives move (``cpu``: gloo, ``cuda``: NCCL), said at its first step."""
     emergency: dict[str, Any] | None = None
     """Its emergency saver (``watchdog.on_emergency``): ``{"phase": registered|start|done, ...}``."""
-
-
-#: How often the learned hang timeout is recomputed. It is a p99 over up to 512 steps a rank (a
