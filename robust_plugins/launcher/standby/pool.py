@@ -54,6 +54,7 @@ from typing import Any, Callable, Iterable
 from robust_plugins._logging import get_logger
 from robust_plugins.launcher.standby import worker as _worker
 from robust_plugins.launcher.standby.fork import ForkedProc, Zygote
+from robust_plugins.patches import host_preimports
 
 log = get_logger(__name__)
 
@@ -65,14 +66,11 @@ PREIMPORT_ROOTS = ("torch", "deepspeed", "megatron", "robust_plugins", "numpy", 
 #: Always imported: the interpreter's dominant cost (~2 s here) and the plugin the job runs under.
 ALWAYS = ("torch", "robust_plugins", "robust_plugins.watchdog")
 
-#: What a host imports lazily inside its own setup, imported after the host itself. DeepSpeed
-#: 0.19's ``deepspeed.initialize`` imports its Muon optimizer module (``torch.compile`` at module
-#: level), which with torch.optim's lazy ``torch._dynamo`` pulls in dynamo and inductor: 94 % of
-#: a rank's ``initialize`` on CPU ranks (BENCHMARKS.md). Only
+#: What a package imports lazily inside its own setup, imported after the package itself: the
+#: hosts' lists (``patches/host_preimports.py``, which may name host internals), and the plugin's
+#: (the engine patch imports the codecs and triton_ops' custom ops when it attaches). Only
 #: imports: nothing is compiled, and the CUDA check before ``ready`` still guards the device.
-HOST_LAZY = {"deepspeed": ("torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"),
-             # the engine patch imports the codecs (and triton_ops' custom ops) when it attaches
-             "robust_plugins": ("robust_plugins.comm",)}
+HOST_LAZY = {**host_preimports.LAZY, "robust_plugins": ("robust_plugins.comm",)}
 
 #: Seconds a standby may take to import before it counts as hung (four importing on two
 #: loaded cores took up to ~20 s here).
