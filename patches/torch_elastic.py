@@ -40,6 +40,8 @@ OVERRIDDEN = {
     "_rendezvous": ["self", "worker_group"],
     "_start_workers": ["self", "worker_group"],
     "_monitor_workers": ["self", "worker_group"],
+    "_stop_workers": ["self", "worker_group"],
+    "_shutdown": ["self", "death_sig", "timeout"],
 }
 
 #: Fields of ``WorkerGroup`` the agent reads or rewrites after the rendezvous.

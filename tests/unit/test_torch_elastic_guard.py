@@ -122,3 +122,27 @@ def test_the_state_cache_of_a_c10d_rendezvous_is_shortened_and_a_static_one_has_
 
     with pytest.raises(HostVersionError, match="state holder has no _cache_duration"):
         torch_elastic.shorten_state_cache(Handler(), 0.1)
+
+
+def test_the_guard_lists_every_private_member_the_agent_uses():
+    """Every ``self._name`` the agent's class reads, calls or overrides that it does not set itself
+    is checked by the guard: a new use of a torch private fails here until the guard covers it."""
+    import ast
+    import inspect
+
+    from robust_plugins.launcher import agent
+
+    source = inspect.getsource(agent)
+    used, own = set(), set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                and node.attr.startswith("_") and not node.attr.startswith("__"):
+            (own if isinstance(node.ctx, ast.Store) else used).add(node.attr)
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    ours = {n for n in vars(agent._agent_class()) if not n.startswith("__") and n != "_abc_impl"}
+    own |= ours
+    overridden = {n for n in ours if hasattr(LocalElasticAgent, n)}
+    guarded = set(torch_elastic.OVERRIDDEN) | set(torch_elastic.AGENT_FIELDS) | {torch_elastic.PCONTEXT_FIELD}
+    assert overridden <= guarded, sorted(overridden - guarded)
+    assert (used - own) <= guarded, sorted((used - own) - guarded)
