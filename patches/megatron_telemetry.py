@@ -13,7 +13,8 @@ forward. Gradient bytes and time: a hook on each chunk's output opens one
 ``finish_grad_sync`` closes it (megatron's ``finalize_model_grads`` finishes the chunks in
 order, so every chunk's bucket syncs, on the sync thread too, fall inside); collectives on
 megatron's model-parallel groups (TP reductions, pipeline p2p, the tied-embedding all-reduce)
-are not counted. Loss and grad norm come from :meth:`MegatronPlugin.step_end`; FLOPs per token
+are not counted, nor, with a pipeline of 2, those on the default group (megatron's unbatched p2p
+sends one direction there). Loss and grad norm come from :meth:`MegatronPlugin.step_end`; FLOPs per token
 from the whole model (every stage, virtual stage and TP shard); each rank's step time is in the
 record (``step_s`` by rank: per pipeline stage with the layout).
 """
@@ -76,6 +77,11 @@ def _build(chunks: list, plugins: list) -> None:
                                       ps.get_model_parallel_group(), ps.get_embedding_group(check_initialized=False),
                                       ps.get_position_embedding_group(check_initialized=False))
                       if g is not None}
+    if dist.get_world_size(ps.get_pipeline_model_parallel_group()) == 2:
+        # megatron's unbatched p2p (_p2p_ops, batch_p2p_comm = False, as interleaved runs) sends one
+        # direction on the default group when the pipeline group has 2 ranks; no gradient
+        # reduction uses the default group (megatron's data-parallel groups are their own).
+        model_parallel.add(id(dist.group.WORLD))
     trainable = sum(p.numel() for d in chunks for p in d.module.parameters() if p.requires_grad)
     whole = torch.tensor([float(trainable)], device=collective_device(ps.get_model_parallel_group()))
     if dist.get_world_size(ps.get_model_parallel_group()) > 1:  # every stage and TP shard: the whole model
