@@ -51,7 +51,11 @@ def attach(ddp, plugin) -> None:
     recorder once this rank's last chunk is registered (see the module docstring)."""
     from megatron.core import parallel_state as ps
 
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size() or 1
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is None:  # one chunk a rank
+        _pending.clear()
+        _build([ddp], [plugin])
+        return
     stage = _vp_stage(ddp)
     if any(s == stage for s, _, _ in _pending):
         _pending.clear()  # a new model's chunks: the earlier, incomplete set was abandoned
