@@ -204,32 +204,6 @@ def _chunk_plugins(chunks: list, plugin: Any) -> list:
     return plugins
 
 
-def _disk_refusal(chunks: list, optimizer) -> str | None:
-    """Why disk checkpoints cannot serve this loop (None: they can).
-
-    Virtual pipeline stages with megatron's DistributedOptimizer and tied embeddings: in
-    megatron-core 0.16 the ``fully_reshardable`` optimizer state of the shared embedding does not
-    come back (the loaded main parameter and moments are not the saved rank's), so a resumed run
-    would silently diverge. Snapshots (``memory_every``) do not go through that code and restore
-    bitwise."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    from robust_plugins.patches import megatron_optim
-
-    if len(chunks) < 2 or optimizer is None or not megatron_optim.is_megatron_optimizer(optimizer):
-        return None
-    if not any(isinstance(p, DistributedOptimizer) for p in megatron_optim.parts(optimizer)):
-        return None
-    if not any(_ties_embeddings(c) for c in chunks):
-        return None
-    return (f"MegatronCheckpointer: disk checkpoints with virtual_pipeline_model_parallel_size = {len(chunks)}, "
-            f"megatron's DistributedOptimizer and share_embeddings_and_output_weights = True are refused: "
-            f"megatron-core 0.16's distributed-optimizer checkpoint does not restore the tied embedding's "
-            f"optimizer state there, and the resumed run would diverge. Allowed: in-memory snapshots "
-            f"(checkpoint.memory_every, restored by load()), or untie the embeddings, or use "
-            f"use_distributed_optimizer = False, or no virtual pipeline stages.")
-
-
 class MegatronCheckpointer:
     """Verified, atomic ``dist_checkpointing`` saves and newest-valid resume for a megatron-core loop.
 
@@ -292,7 +266,8 @@ class MegatronCheckpointer:
 
         self.chunks = _chunks(ddp, ps.get_virtual_pipeline_model_parallel_world_size())
         """The model chunks saved (one DDP each; several with virtual pipeline stages)."""
-        self._disk_refusal = _disk_refusal(self.chunks, optimizer)
+        self._disk_refusal = (megatron_optim.interleaved_disk_refusal(optimizer, len(self.chunks))
+                              if any(_ties_embeddings(c) for c in self.chunks) else None)
         self.plugins = _chunk_plugins(self.chunks, plugin)
         """Each chunk's plugin (None where a chunk has none), in chunk order."""
         self._megatron_optimizer = optimizer is not None and megatron_optim.is_megatron_optimizer(optimizer)
