@@ -229,6 +229,7 @@ def checkpointer_replay(sc: dict, root: str, steps: int = 3) -> dict:
             scalers.append(_scalers(parts["optimizer"]))
         ckpt.memory.store.flush()
         return {"losses": losses, "scalers": scalers, "digest": param_digest(parts["model"]),
+                "compressed": [p.sync.stats.compressed_elements for p in parts["plugins"] or []],
                 "chunks": len(parts["model"]), "inner": [type(o).__name__ for o in
                                                          parts["optimizer"].chained_optimizers]}
 
