@@ -59,18 +59,15 @@ saved by :class:`robust_plugins.megatron.MegatronCheckpointer` beside the model.
 from __future__ import annotations
 
 import os
-from functools import partial
 from typing import Any, Mapping
 
 import torch
 
-from robust_plugins._logging import announce, current_rank, get_logger
+from robust_plugins._logging import announce, get_logger
 from robust_plugins.comm.overlap import Completed, SyncThread, clone_groups
-from robust_plugins.comm.state import residuals_sq_norm
 from robust_plugins.config import PluginConfig
-from robust_plugins.device import collective_device
 from robust_plugins.errors import CheckpointError, ConfigError, RobustPluginsError, UnsupportedError
-from robust_plugins.patches import _guard
+from robust_plugins.patches import _guard, megatron_telemetry
 
 log = get_logger(__name__)
 
@@ -161,6 +158,10 @@ class MegatronPlugin:
         from robust_plugins import watchdog
 
         watchdog.step_end(step, loss=loss, grad_norm=grad_norm)
+        if self.telemetry is None and self.config.telemetry is not None:
+            raise ConfigError("robust_plugins.megatron: the telemetry sub-block records once every model chunk of "
+                              "this rank is enabled (virtual pipeline stages: call enable on each chunk, with the "
+                              "same block); some chunks were not.")
         if self.telemetry is not None:
             if isinstance(loss, (int, float, torch.Tensor)):
                 with self.telemetry.grad_window(torch.as_tensor(loss, dtype=torch.float32)):
@@ -364,84 +365,9 @@ def _refuse(ddp) -> None:
 
 
 def _attach_telemetry(ddp, plugin: MegatronPlugin) -> None:
-    """Feed a telemetry recorder from megatron's DDP (public ``torch.nn.Module`` hooks only).
-
-    Tokens: a forward hook on ``ddp.module`` counts the first integer tensor argument (token
-    ids; a boolean attention mask is not one) of each training forward, on the first pipeline
-    stage's tensor-parallel rank 0 (TP peers see the same tokens; later stages get hidden states). Gradient bytes and time: a hook on the model output opens
-    :meth:`Telemetry.grad_window` when backward reaches it, and ``finish_grad_sync`` closes it;
-    every collective issued in between (bucket syncs during backward, on the sync thread too, and
-    the final waits) is counted, except those on megatron's model-parallel groups (TP, PP and
-    embedding groups: TP reductions, pipeline p2p of activations, and the tied-embedding gradient
-    all-reduce megatron runs itself). Loss and grad norm come from
-    :meth:`MegatronPlugin.step_end`; FLOPs per token from the whole model (every stage and TP
-    shard). Virtual pipeline stages (one plugin per chunk) are refused.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from robust_plugins.telemetry.recorder import Telemetry
-
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    if vpp is not None:
-        raise UnsupportedError(
-            f"robust_plugins.megatron: the telemetry sub-block counts one model chunk's gradient sync; with "
-            f"virtual pipeline stages (virtual_pipeline_model_parallel_size = {vpp}) each rank has several. "
-            f"Allowed: None; remove the telemetry sub-block for interleaved schedules.")
-    model_parallel = {id(g) for g in (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
-                                      ps.get_model_parallel_group(), ps.get_embedding_group(check_initialized=False),
-                                      ps.get_position_embedding_group(check_initialized=False))
-                      if g is not None}
-    trainable = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
-    whole = torch.tensor([float(trainable)], device=collective_device(ps.get_model_parallel_group()))
-    if dist.get_world_size(ps.get_model_parallel_group()) > 1:  # every stage and TP shard: the whole model
-        dist.all_reduce(whole, group=ps.get_model_parallel_group())
-    # Token ids enter the first stage only; its TP peers see the same ones.
-    count_tokens = ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_first_stage()
-    c = ddp.ddp_config
-    grad_dtype = torch.float32 if c.grad_reduce_in_fp32 else next(ddp.module.parameters()).dtype
-    dp = ps.get_data_parallel_world_size()
-    stats = plugin.sync.stats if plugin.sync is not None else None
-    residual_sq_fn = (partial(residuals_sq_norm, tuple(plugin.sync.states.values()))
-                      if plugin.sync is not None else None)
-
-    def sync_info() -> dict[str, Any]:
-        total = sum(stats.by_codec.values())
-        return {"codec_share": {k: v / total for k, v in stats.by_codec.items()} if total else {},
-                "auto_decisions": [d.to_dict() if hasattr(d, "to_dict") else d for d in stats.auto_decisions]}
-
-    run_config = {"robust_plugins": dict(plugin.config.raw),
-                  "host": {"megatron-core": megatron_version(), "torch": torch.__version__,
-                           "use_distributed_optimizer": c.use_distributed_optimizer,
-                           "overlap_grad_reduce": c.overlap_grad_reduce, "dp_world_size": dp,
-                           "grad_dtype": str(grad_dtype), "trainable_params": trainable}}
-    device = next(ddp.module.parameters()).device
-    tel = Telemetry(plugin.config.telemetry, run_config=run_config, n_grad_elements=trainable,
-                    grad_element_size=torch.finfo(grad_dtype).bits // 8, dp_world_size=dp,
-                    device=device, flops_per_token=6.0 * float(whole),
-                    wire_filter=lambda group: id(group) not in model_parallel,
-                    residual_sq_fn=residual_sq_fn,
-                    grad_norm_fn=lambda: plugin._grad_norm, info_fn=sync_info if stats is not None else None)
-    plugin.telemetry = tel
-
-    def open_window(grad):
-        if plugin._window is None:
-            plugin._window = tel.grad_window(None)
-            plugin._window.__enter__()
-        return grad
-
-    def on_forward(module, args, kwargs, output):
-        if module.training and torch.is_grad_enabled():
-            ids = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)
-                        and not v.is_floating_point() and not v.is_complex() and v.dtype != torch.bool), None)
-            if ids is not None and count_tokens:
-                tel.count_tokens(ids.numel())
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(open_window)
-
-    tel.hook_handles.append(ddp.module.register_forward_hook(on_forward, with_kwargs=True))
-    if current_rank() == 0:
-        log.info("robust_plugins telemetry: %s -> %s", plugin.config.telemetry.describe(), tel.dir)
+    """Feed the telemetry recorder from this chunk (:mod:`robust_plugins.patches.megatron_telemetry`:
+    one recorder per rank over every model chunk, virtual pipeline stages included)."""
+    megatron_telemetry.attach(ddp, plugin)
 
 
 def _ddp_finish_grad_sync(ddp, plugin: MegatronPlugin):

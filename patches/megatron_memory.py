@@ -9,12 +9,13 @@ newest verified ``dist_checkpointing`` checkpoint -> older ones, as the DeepSpee
 What one snapshot holds, so that a restored loop continues bitwise as if never stopped (same
 world size and parallel layout):
 
-* the step, ``ddp.module.state_dict()`` (this rank's shards of parameters and buffers),
+* the step, every model chunk's ``module.state_dict()`` (this rank's shards of parameters and
+  buffers; several chunks with virtual pipeline stages),
 * the optimizer: megatron-core's own (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``,
   ``DistributedOptimizer``, chained; :mod:`robust_plugins.patches.megatron_optim`: this rank's
   shard of the optimizer state, its fp32 main parameters and the grad scaler, no gather) or a
   ``torch.optim`` optimizer's ``state_dict()``; others are refused,
-* the plugin's error-feedback residuals,
+* each chunk's plugin state (error-feedback residuals, sync count),
 * RNG states: torch CPU (and CUDA where initialized), numpy, Python, and megatron's
   tensor-parallel tracker (``get_cuda_rng_tracker().get_states()``, the model-parallel streams),
 * whatever the script registers with :meth:`MegatronMemory.register` (a data position).
@@ -64,10 +65,35 @@ def _allowed() -> dict[str, type]:
     return {}
 
 
-class MegatronMemory(SnapshotBinding):
-    """Snapshots of one megatron-core training loop (``MegatronCheckpointer.memory``)."""
+def plugin_states(plugins: list) -> Any:
+    """The chunks' plugin states as a checkpoint stores them: one chunk's state (or None), a list
+    of them with several chunks (virtual pipeline stages)."""
+    states = [None if p is None else p.state_dict() for p in plugins]
+    return states[0] if len(states) == 1 else states
 
-    def __init__(self, ddp, optimizer, plugin, config) -> None:
+
+def load_plugin_states(plugins: list, saved: Any, where: str) -> None:
+    """Restore :func:`plugin_states`' output into ``plugins`` (same chunks, same plugin configs);
+    CheckpointError naming ``where`` when the saved states do not fit."""
+    saved = saved if isinstance(saved, list) else [saved]
+    if len(saved) != len(plugins):
+        raise CheckpointError(f"{where} holds robust_plugins state of {len(saved)} model chunk(s), this job has "
+                              f"{len(plugins)}; load it with the virtual pipeline size it was saved with.")
+    for i, (plugin, state) in enumerate(zip(plugins, saved)):
+        if plugin is None:
+            continue
+        if state is None:
+            raise CheckpointError(f"{where} holds no robust_plugins state for model chunk {i}, but this job has "
+                                  f"the plugin enabled there; load it with the plugin config it was saved with.")
+        plugin.load_state_dict(state)
+
+
+class MegatronMemory(SnapshotBinding):
+    """Snapshots of one megatron-core training loop (``MegatronCheckpointer.memory``): ``chunks``
+    (the model's DDP chunks, one without virtual pipeline stages), the optimizer over all of them,
+    ``plugins`` (one or None per chunk) and the ``checkpoint`` block."""
+
+    def __init__(self, chunks: list, optimizer, plugins: list, config) -> None:
         import torch.distributed as dist
 
         self.megatron_optimizer = optimizer is not None and megatron_optim.is_megatron_optimizer(optimizer)
@@ -78,7 +104,8 @@ class MegatronMemory(SnapshotBinding):
                 f"checkpoint.memory_every with megatron-core supports megatron's optimizers "
                 f"({megatron_optim.SERVED}) and torch.optim optimizers; this loop has {type(optimizer).__name__}, "
                 f"whose state is never captured here. Remove memory_every (disk checkpoints work) or use one of those.")
-        self.ddp, self.optimizer, self.plugin = ddp, optimizer, plugin
+        self.chunks, self.optimizer, self.plugins = list(chunks), optimizer, list(plugins)
+        self._modules = torch.nn.ModuleList([c.module for c in self.chunks])
         self.every, self.timeout_s = config.memory_every, config.timeout_s
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.job = memory.job_key()
@@ -132,9 +159,9 @@ class MegatronMemory(SnapshotBinding):
         rng["tracker"] = get_cuda_rng_tracker().get_states()
         return {
             "step": int(step),
-            "module": self.ddp.module.state_dict(),
+            "modules": [c.module.state_dict() for c in self.chunks],
             "optimizer": self._optimizer_state(),
-            "plugin": self.plugin.state_dict() if self.plugin is not None else None,
+            "plugins": [None if p is None else p.state_dict() for p in self.plugins],
             "rng": rng,
             "user": {name: get() for name, (get, _) in self._user.items()},
         }
@@ -142,16 +169,16 @@ class MegatronMemory(SnapshotBinding):
     def apply(self, state: dict) -> int:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        self.ddp.module.load_state_dict(state["module"], strict=True)
+        if len(state["modules"]) != len(self.chunks):
+            raise CheckpointError(f"restore: the snapshot holds {len(state['modules'])} model chunk(s), this job "
+                                  f"{len(self.chunks)}; restart with the virtual pipeline size it was taken with.")
+        for chunk, saved in zip(self.chunks, state["modules"]):
+            chunk.module.load_state_dict(saved, strict=True)
         if self.megatron_optimizer:
             megatron_optim.apply(self.optimizer, state["optimizer"])
         elif self.optimizer is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        if self.plugin is not None:
-            if state["plugin"] is None:
-                raise CheckpointError("The in-memory snapshot holds no robust_plugins state, but this job has the "
-                                      "plugin enabled; restart with the plugin config it was taken with.")
-            self.plugin.load_state_dict(state["plugin"])
+        load_plugin_states(self.plugins, state["plugins"], "The in-memory snapshot")
         rng = dict(state["rng"])
         get_cuda_rng_tracker().set_states(rng.pop("tracker"))
         _set_rng_state(rng)
@@ -168,12 +195,12 @@ class MegatronMemory(SnapshotBinding):
         return megatron_optim.capture(self.optimizer) if self.megatron_optimizer else self.optimizer.state_dict()
 
     def _module(self):
-        return self.ddp.module
+        return self._modules
 
     def _replica_params(self) -> list:
         # Expert parameters (megatron marks them allreduce=False) are replicated over the expert
         # data-parallel group, not the data-parallel one: they are not compared.
-        return [p for p in self.ddp.module.parameters() if getattr(p, "allreduce", True)]
+        return [p for p in self._modules.parameters() if getattr(p, "allreduce", True)]
 
     # ---------------------------------------------------------------------------------- hooks
     def _after_commit(self, _index: int, slot) -> None:

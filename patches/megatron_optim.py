@@ -20,6 +20,7 @@ per-parameter ``step`` tensor that megatron's distributed-optimizer checkpoint c
 expect; :func:`install` fixes what that breaks on ``DistributedOptimizer``. :func:`prepare_load`
 creates the empty torch-Adam state a fresh process lacks before
 ``sharded_state_dict(is_loading=True)`` (megatron's ``state_dict()`` reads every ``step``).
+:func:`interleaved_disk_refusal` names the one layout whose disk checkpoint is refused.
 """
 
 from __future__ import annotations
@@ -78,6 +79,28 @@ def check(opt, what: str) -> None:
         if instances != 1:
             raise UnsupportedError(f"{what}: num_distributed_optimizer_instances = {instances} is not supported "
                                    f"(allowed: 1).")
+
+
+def interleaved_disk_refusal(opt, chunks: int) -> str | None:
+    """Why disk checkpoints cannot serve an interleaved loop with tied embeddings and ``opt``
+    (None: they can).
+
+    With virtual pipeline stages (``chunks`` > 1), megatron's ``DistributedOptimizer`` and tied
+    embeddings, megatron-core 0.16's ``fully_reshardable`` state of the shared embedding comes back
+    wrong (the loaded main parameter and moments are not the saved rank's), so a resumed run would
+    silently diverge. Snapshots (:func:`capture` / :func:`apply`) do not go through that code."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if chunks < 2 or opt is None or not is_megatron_optimizer(opt):
+        return None
+    if not any(isinstance(p, DistributedOptimizer) for p in parts(opt)):
+        return None
+    return (f"MegatronCheckpointer: disk checkpoints with virtual_pipeline_model_parallel_size = {chunks}, "
+            f"megatron's DistributedOptimizer and share_embeddings_and_output_weights = True are refused: "
+            f"megatron-core 0.16's distributed-optimizer checkpoint does not restore the tied embedding's "
+            f"optimizer state there, and the resumed run would diverge. Allowed: in-memory snapshots "
+            f"(checkpoint.memory_every, restored by load()), or untie the embeddings, or use "
+            f"use_distributed_optimizer = False, or no virtual pipeline stages.")
 
 
 def inner_optimizers(opt) -> list[torch.optim.Optimizer]:

@@ -170,6 +170,40 @@ def _layout() -> dict[str, int]:
             "dp": ps.get_data_parallel_world_size()}
 
 
+def _chunks(ddp: Any, vpp: int | None) -> list:
+    """The model chunks as a list, checked against megatron's virtual pipeline size."""
+    chunks = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
+    if len(chunks) != (vpp or 1):
+        raise ConfigError(
+            f"MegatronCheckpointer: got {len(chunks)} model chunk(s), but this job has "
+            f"virtual_pipeline_model_parallel_size = {vpp}; pass {vpp or 1}: every chunk of this rank "
+            f"(Megatron-LM's model list, in virtual-stage order), each a megatron DistributedDataParallel.")
+    return chunks
+
+
+def _ties_embeddings(chunk) -> bool:
+    """Whether a model chunk (DDP, ``Float16Module``, ``GPTModel``) shares its input embedding
+    and output layer weights."""
+    module = chunk
+    while module is not None:
+        if getattr(module, "share_embeddings_and_output_weights", False):
+            return True
+        module = getattr(module, "module", None)
+    return False
+
+
+def _chunk_plugins(chunks: list, plugin: Any) -> list:
+    """One plugin (or None) per chunk: ``plugin`` as given, else each chunk's ``robust_plugins``."""
+    if plugin is None:
+        return [c.__dict__.get("robust_plugins") for c in chunks]
+    plugins = list(plugin) if isinstance(plugin, (list, tuple)) else [plugin]
+    if len(plugins) != len(chunks):
+        raise ConfigError(f"MegatronCheckpointer: got {len(plugins)} plugin(s) for {len(chunks)} model chunks; "
+                          f"pass one per chunk (the list rpm.enable returned for each), or none to use "
+                          f"each chunk's own.")
+    return plugins
+
+
 class MegatronCheckpointer:
     """Verified, atomic ``dist_checkpointing`` saves and newest-valid resume for a megatron-core loop.
 
@@ -182,14 +216,15 @@ class MegatronCheckpointer:
 
     Args:
         ddp: the megatron-core ``DistributedDataParallel`` model (its ``module`` provides
-            ``sharded_state_dict``).
+            ``sharded_state_dict``), or the list of them with virtual pipeline stages (Megatron-LM's
+            ``model``: one chunk per virtual stage of this rank, in order; every chunk is saved).
         optimizer: megatron-core's own (``get_megatron_optimizer``: FP32Optimizer,
             Float16OptimizerWithFloat16Params, DistributedOptimizer, chained; others refused,
             :mod:`robust_plugins.patches.megatron_optim`), a ``torch.optim`` optimizer over
             ``ddp.parameters()``, or anything with ``sharded_state_dict``; None saves the model only.
         config: the ``checkpoint`` sub-block (dict / CheckpointConfig) or a PluginConfig holding one.
-        plugin: the :class:`~robust_plugins.patches.megatron.MegatronPlugin` from :func:`enable`,
-            whose residuals are saved (default: ``ddp.robust_plugins`` if present).
+        plugin: the :class:`~robust_plugins.patches.megatron.MegatronPlugin` from :func:`enable`
+            whose residuals are saved, or one per chunk (default: each chunk's ``robust_plugins``).
         emergency_save: install a SIGTERM handler; :meth:`step_end` then saves and exits when
             any rank was asked to stop. Under ``robust run`` also register with
             :func:`robust_plugins.watchdog.on_emergency`: when a peer rank dies no save is possible
@@ -204,8 +239,17 @@ class MegatronCheckpointer:
     sizes) is loaded by ``dist_checkpointing``, which reshards model and optimizer state (the
     optimizer must be checkpointed in model space: ``torch.optim`` optimizers, the recipe's
     ``ShardedAdamW``; megatron's ``DistributedOptimizer`` is asked for its ``fully_reshardable``
-    format). Virtual pipeline stages (several model chunks a rank) are refused. Compression residuals restart from zero (logged); RNG states and ``extra`` come from
+    format). Compression residuals restart from zero (logged); RNG states and ``extra`` come from
     the saved rank at data-parallel rank 0 with this rank's tensor/pipeline position.
+
+    Virtual pipeline stages: every chunk's parameters, the optimizer over all of them (megatron's
+    optimizers take the chunk list) and each chunk's residuals are saved, on disk under
+    Megatron-LM's keys ``model0``, ``model1``... and in snapshots as a list; the manifest records
+    ``vpp``, and a checkpoint loads only into the same virtual size (megatron's sharded keys
+    number layers globally, but the chunk keys differ). Refused: disk checkpoints of such a loop
+    with megatron's ``DistributedOptimizer`` and tied embeddings (``save`` and a disk ``load``
+    raise UnsupportedError; megatron-core 0.16 does not restore the tied embedding's optimizer
+    state there); its snapshots are served.
     """
 
     def __init__(self, ddp, optimizer=None, config: Any = None, plugin=None, emergency_save: bool = True,
@@ -220,23 +264,28 @@ class MegatronCheckpointer:
 
         from robust_plugins.patches import megatron_optim
 
-        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-        if vpp is not None:
-            raise UnsupportedError(
-                f"MegatronCheckpointer saves one model chunk; this job has virtual pipeline stages "
-                f"(virtual_pipeline_model_parallel_size = {vpp}, one chunk each). Allowed: None (plain 1F1B).")
+        self.chunks = _chunks(ddp, ps.get_virtual_pipeline_model_parallel_world_size())
+        """The model chunks saved (one DDP each; several with virtual pipeline stages)."""
+        self._disk_refusal = (megatron_optim.interleaved_disk_refusal(optimizer, len(self.chunks))
+                              if any(_ties_embeddings(c) for c in self.chunks) else None)
+        self.plugins = _chunk_plugins(self.chunks, plugin)
+        """Each chunk's plugin (None where a chunk has none), in chunk order."""
         self._megatron_optimizer = optimizer is not None and megatron_optim.is_megatron_optimizer(optimizer)
         if self._megatron_optimizer:
             megatron_optim.check(optimizer, "MegatronCheckpointer")
             megatron_optim.install()
-        self.ddp = ddp
+        self.ddp = self.chunks[0]
+        """The first chunk (the only one without virtual pipeline stages)."""
         self.optimizer = optimizer
         self.config = _checkpoint_config(config)
-        self.plugin = plugin if plugin is not None else ddp.__dict__.get("robust_plugins")
+        self.plugin = self.plugins[0]
+        """The first chunk's plugin: the step signal and telemetry go through it."""
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
         layout = _layout()
+        if len(self.chunks) > 1:  # older manifests have no vpp: a 1F1B checkpoint loads as before
+            layout["vpp"] = len(self.chunks)
         self.gradient_accumulation_steps: int | None = _accumulation(global_batch, micro_batch, layout["dp"])
         """Micro-batches per rank and optimizer step that make ``global_batch`` (None without it).
         :meth:`load` changes it when it reshards a checkpoint of another data-parallel size."""
@@ -272,7 +321,7 @@ class MegatronCheckpointer:
         if self.config.memory_every is not None:
             from robust_plugins.patches.megatron_memory import MegatronMemory
 
-            self.memory = MegatronMemory(ddp, optimizer, self.plugin, self.config)
+            self.memory = MegatronMemory(self.chunks, optimizer, self.plugins, self.config)
 
     # ----------------------------------------------------------------------------- state
     def _optimizer_sharded(self, model_sd: dict, is_loading: bool) -> Any:
@@ -310,11 +359,18 @@ class MegatronCheckpointer:
         state["param_steps"] = steps
         return state
 
+    def _model_keys(self) -> list[str]:
+        """Megatron-LM's keys: ``model`` for one chunk, ``model0``, ``model1``... for several."""
+        return ["model"] if len(self.chunks) == 1 else [f"model{i}" for i in range(len(self.chunks))]
+
+    def _model_sharded(self) -> dict:
+        return {key: c.module.sharded_state_dict(prefix="") for key, c in zip(self._model_keys(), self.chunks)}
+
     def sharded_state_dict(self, is_loading: bool = False) -> dict:
-        """megatron-core sharded state dict of the model (and optimizer) this checkpointer saves."""
-        model_sd = self.ddp.module.sharded_state_dict(prefix="")
-        out = {"model": model_sd}
-        opt = self._optimizer_sharded(self.ddp.module.sharded_state_dict(prefix=""), is_loading)
+        """megatron-core sharded state dict of the model chunks (and optimizer) this checkpointer saves."""
+        out = self._model_sharded()
+        # The optimizer maps its parameters through a second, untouched copy of the model's.
+        opt = self._optimizer_sharded(self._model_sharded(), is_loading)
         if opt is not None:
             out["optimizer"] = opt
         return out
@@ -322,8 +378,9 @@ class MegatronCheckpointer:
     def _rank_state(self, step: int, extra: Any) -> dict:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        return {"format": 1, "step": int(step), "extra": extra,
-                "plugin": None if self.plugin is None else self.plugin.state_dict(),
+        from robust_plugins.patches.megatron_memory import plugin_states
+
+        return {"format": 1, "step": int(step), "extra": extra, "plugin": plugin_states(self.plugins),
                 "cpu_rng": torch.get_rng_state(), "tracker_rng": get_cuda_rng_tracker().get_states(),
                 **({"cuda_rng": rng} if (rng := device_rng_state()) is not None else {})}
 
@@ -346,6 +403,8 @@ class MegatronCheckpointer:
         """
         from megatron.core import dist_checkpointing
 
+        if self._disk_refusal is not None:
+            raise UnsupportedError(self._disk_refusal)
         root = self._root(root)
         tag = f"iter_{int(step):07d}" if tag is None else str(tag)
         staging = self.disk.begin(root, tag)
@@ -379,6 +438,7 @@ class MegatronCheckpointer:
         from megatron.core import dist_checkpointing
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+        from robust_plugins.checkpoint import scan
         from robust_plugins.checkpoint.restore import rollback_bound
         from robust_plugins.checkpoint.safe_pickle import check_dist_checkpoint
 
@@ -388,13 +448,15 @@ class MegatronCheckpointer:
         bound = rollback_bound() if tag is None else None
         if self.memory is not None and tag is None:
             # Restore order: own memory snapshot -> a peer's copy -> newest verified disk -> older.
-            from robust_plugins.checkpoint import scan
-
             steps = [e.manifest.step for e in scan(root)
                      if e.manifest is not None and (bound is None or e.manifest.step <= bound)]
             step = self.memory.restore(disk_step=max(steps, default=None))
             if step is not None:
                 return step
+        if self._disk_refusal is not None:
+            if tag is not None or scan(root):
+                raise UnsupportedError(self._disk_refusal)
+            return None
         tag = self.disk.select(root, tag, max_step=bound)
         if tag is None:
             return None
@@ -402,7 +464,8 @@ class MegatronCheckpointer:
         check_dist_checkpoint(directory)  # torch unpickles .metadata with plain pickle.load
         plan = self._plan_reshard(directory)
         loaded = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), directory)
-        self.ddp.module.load_state_dict(loaded["model"])
+        for key, chunk in zip(self._model_keys(), self.chunks):
+            chunk.module.load_state_dict(loaded[key])
         if self.optimizer is not None:
             osd = loaded["optimizer"]
             if not hasattr(self.optimizer, "sharded_state_dict"):
@@ -415,15 +478,14 @@ class MegatronCheckpointer:
                                   f"{self.disk.world_size} ranks' layout but not for rank {self.rank}.")
         state = torch.load(path, map_location="cpu", weights_only=True)
         if plan is not None:
-            if self.plugin is not None and state["plugin"] is not None and self.rank == 0:
+            if any(p is not None for p in self.plugins) and state["plugin"] is not None and self.rank == 0:
                 # Residuals are each rank's error of its share of the old layout: no rank owns them now.
                 log.warning("robust_plugins: compression residuals start from zero after resharding "
                             "(they belong to the old data-parallel layout)")
-        elif self.plugin is not None:
-            if state["plugin"] is None:
-                raise CheckpointError(f"Checkpoint {directory} holds no robust_plugins state, but this job has "
-                                      f"the plugin enabled; load it with the same plugin config it was saved with.")
-            self.plugin.load_state_dict(state["plugin"])
+        else:
+            from robust_plugins.patches.megatron_memory import load_plugin_states
+
+            load_plugin_states(self.plugins, state["plugin"], f"Checkpoint {directory}")
         torch.set_rng_state(state["cpu_rng"])
         get_cuda_rng_tracker().set_states(state["tracker_rng"])
         set_device_rng_state(state.get("cuda_rng"))
@@ -477,7 +539,7 @@ class MegatronCheckpointer:
         layout = _layout()
         why = emergency.plan(zero_stage=1 if hasattr(self.optimizer, "sharded_state_dict") else 0,
                              model_parallel=layout["tp"] * layout["pp"], host="megatron-core",
-                             has_residuals=self.plugin is not None)
+                             has_residuals=any(p is not None for p in self.plugins))
         reason = why or ("megatron-core's dist_checkpointing.save is collective over every rank; with "
                          "a dead peer no rank can write it alone")
 

@@ -95,6 +95,7 @@ class Layout:
     bf16: bool
     distopt: bool
     optimizer: str
+    fp16: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (the result JSON)."""
@@ -119,21 +120,23 @@ def _model_chunks(preset: Preset, config, vpp: int | None) -> list[torch.nn.Modu
                          vp_stage=stage)
         if preset.device == "cuda":
             model.cuda(torch.cuda.current_device())
-        if config.bf16:
+        if config.bf16 or config.fp16:
             model = Float16Module(config, model)
         chunks.append(model)
     return chunks
 
 
-def _optimizer(kind: str, preset: Preset, config, chunks: list, distopt: bool, bf16: bool):
+def _optimizer(kind: str, preset: Preset, config, chunks: list, distopt: bool, bf16: bool, fp16: bool,
+               overrides: dict | None):
     from megatron.core import parallel_state as ps
 
     if kind == "megatron":
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         return get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=preset.lr, weight_decay=0.0, bf16=bf16,
-                            use_distributed_optimizer=distopt, clip_grad=preset.clip_grad), chunks)
+            OptimizerConfig(optimizer="adam", lr=preset.lr, weight_decay=0.0, bf16=bf16, fp16=fp16,
+                            use_distributed_optimizer=distopt, clip_grad=preset.clip_grad, **(overrides or {})),
+            chunks)
     if len(chunks) > 1:
         raise ConfigError(f"--optimizer {kind} steps one model chunk; --vpp needs --optimizer megatron.")
     if kind == "sharded-adamw":
@@ -143,7 +146,7 @@ def _optimizer(kind: str, preset: Preset, config, chunks: list, distopt: bool, b
     return torch.optim.AdamW(chunks[0].parameters(), lr=preset.lr, weight_decay=0.0)
 
 
-def _check_layout(preset: Preset, tp: int, pp: int, vpp: int | None, bf16: bool, optimizer: str) -> None:
+def _check_layout(preset: Preset, tp: int, pp: int, vpp: int | None, bf16: bool, fp16: bool, optimizer: str) -> None:
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"--optimizer {optimizer!r}: allowed {', '.join(OPTIMIZERS)}.")
     world = dist.get_world_size()
@@ -152,9 +155,11 @@ def _check_layout(preset: Preset, tp: int, pp: int, vpp: int | None, bf16: bool,
     if vpp is not None and (pp < 2 or vpp < 2 or preset.num_layers % (pp * vpp)):
         raise ConfigError(f"--vpp {vpp}: needs pp >= 2, vpp >= 2 and num_layers ({preset.num_layers}) divisible "
                           f"by pp x vpp ({pp} x {vpp}).")
-    if bf16 and optimizer != "megatron":
-        raise ConfigError(f"--bf16 keeps fp32 main parameters in megatron's optimizer; --optimizer {optimizer} "
-                          f"would step the bf16 parameters themselves. Use --optimizer megatron.")
+    if bf16 and fp16:
+        raise ConfigError("bf16 and fp16 exclude each other; choose one.")
+    if (bf16 or fp16) and optimizer != "megatron":
+        raise ConfigError(f"--bf16 / fp16 keep fp32 main parameters in megatron's optimizer; --optimizer {optimizer} "
+                          f"would step the 16-bit parameters themselves. Use --optimizer megatron.")
 
 
 def _check_optimizer(optimizer: str, distopt: bool) -> None:
@@ -167,14 +172,14 @@ def _check_optimizer(optimizer: str, distopt: bool) -> None:
                           "or sharded-adamw with it.")
 
 
-def _transformer_config(preset: Preset, tp: int, pp: int, vpp: int | None, bf16: bool):
+def _transformer_config(preset: Preset, tp: int, pp: int, vpp: int | None, bf16: bool, fp16: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     return TransformerConfig(
         num_layers=preset.num_layers, hidden_size=preset.hidden_size,
         num_attention_heads=preset.num_attention_heads, use_cpu_initialization=preset.device == "cpu",
-        hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=bf16, fp16=fp16, params_dtype=dtype, pipeline_dtype=dtype,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         # Megatron-LM's choice with virtual stages (--overlap-p2p-communication, on by default):
@@ -186,13 +191,17 @@ def _transformer_config(preset: Preset, tp: int, pp: int, vpp: int | None, bf16:
 
 def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: bool, distopt: bool | None,
           bucket_size: int | None = None, block: dict | None = None, pp: int | None = None,
-          vpp: int | None = None, bf16: bool | None = None, optimizer: str = "megatron") -> dict[str, Any]:
+          vpp: int | None = None, bf16: bool | None = None, optimizer: str = "megatron", fp16: bool = False,
+          grad_reduce_in_fp32: bool = True, optimizer_config: dict | None = None) -> dict[str, Any]:
     """Initialize megatron's parallel state and build model chunks, DDP, optimizer and plugin.
 
     Expects an initialized default process group. ``pp``, ``vpp`` and ``bf16`` default to the
     preset's; ``distopt`` None means megatron's distributed optimizer exactly when the
     data-parallel size is above 1 (as Megatron-LM users run it). ``optimizer`` is one of
-    :data:`OPTIMIZERS`. Returns a dict with ``model`` (the DDP chunks), ``ddp`` (the first chunk),
+    :data:`OPTIMIZERS`. ``fp16`` builds fp16 parameters with megatron's dynamic loss scaler
+    (``optimizer_config`` overrides ``OptimizerConfig`` fields, e.g. ``initial_loss_scale``);
+    ``grad_reduce_in_fp32=False`` keeps 16-bit gradient buffers (Megatron-LM's default without
+    ``--accumulate-allreduce-grads-in-fp32``). Returns a dict with ``model`` (the DDP chunks), ``ddp`` (the first chunk),
     ``optimizer``, ``plugins`` (one per chunk; None without a block), ``plugin`` (the first),
     ``config`` and ``layout`` (:class:`Layout`).
     """
@@ -210,7 +219,7 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     pp = preset.pp if pp is None else pp
     vpp = preset.vpp if vpp is None else vpp
     bf16 = preset.bf16 if bf16 is None else bf16
-    _check_layout(preset, tp, pp, vpp, bf16, optimizer)
+    _check_layout(preset, tp, pp, vpp, bf16, fp16, optimizer)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -221,11 +230,11 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     _check_optimizer(optimizer, distopt)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    config = _transformer_config(preset, tp, pp, vpp, bf16)
+    config = _transformer_config(preset, tp, pp, vpp, bf16, fp16)
     chunks = _model_chunks(preset, config, vpp)
     size = bucket_size if bucket_size is not None else preset.bucket_size
     ddp_config = DistributedDataParallelConfig(
-        overlap_grad_reduce=overlap, use_distributed_optimizer=distopt, grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap, use_distributed_optimizer=distopt, grad_reduce_in_fp32=grad_reduce_in_fp32,
         **({"bucket_size": size} if size is not None else {}),
     )
     model = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
@@ -233,7 +242,7 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     if block is None and codec is not None:
         block = {"compression": {"codec": codec}}
     plugins = [rpm.enable(m, block) for m in model] if block is not None else None
-    opt = _optimizer(optimizer, preset, config, model, distopt, bf16)
+    opt = _optimizer(optimizer, preset, config, model, distopt, bf16, fp16, optimizer_config)
     # What Megatron-LM's training loop sets on the config before its first step.
     config.finalize_model_grads_func = finalize_model_grads
     if optimizer == "megatron":
@@ -241,6 +250,7 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     if overlap:
         config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     layout = Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, dp_rank=ps.get_data_parallel_rank(),
-                    pp_rank=ps.get_pipeline_model_parallel_rank(), bf16=bf16, distopt=distopt, optimizer=optimizer)
+                    pp_rank=ps.get_pipeline_model_parallel_rank(), bf16=bf16, distopt=distopt, optimizer=optimizer,
+                    fp16=fp16)
     return {"model": model, "ddp": model[0], "optimizer": opt, "plugins": plugins,
             "plugin": plugins[0] if plugins else None, "config": config, "layout": layout}

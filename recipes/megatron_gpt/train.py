@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         block = {"dir": args.ckpt_dir, "keep": 3}
         if args.memory_every is not None:
             block.update(memory_every=args.memory_every, peer_backup=args.peer_backup)
-        ckpt = rpm.MegatronCheckpointer(parts["ddp"], parts["optimizer"], block, plugin=parts["plugin"],
+        ckpt = rpm.MegatronCheckpointer(parts["model"], parts["optimizer"], block, plugin=parts["plugins"],
                                         global_batch=args.global_batch,
                                         micro_batch=preset.micro_batch if args.global_batch else None)
         start = ckpt.load() or 0

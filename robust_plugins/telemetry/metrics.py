@@ -93,6 +93,7 @@ def aggregate(matrix: Sequence[Sequence[float]], *, window_s: float, flops_per_t
         "grad_norm": _finite_or_none(col["grad_norm"][0]),
         "step_time_s": sum(per_rank_step_s) / world,
         "step_time_max_s": max(col["step_s_max"]),
+        "step_time_s_by_rank": per_rank_step_s,  # with pipeline parallelism: per stage
         "slowest_rank": max(range(world), key=lambda r: per_rank_step_s[r]),
         "tokens_per_s": tokens_per_s,
         "mfu": mfu,
