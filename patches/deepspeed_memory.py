@@ -41,26 +41,22 @@ wait too before they overwrite the state. ``in_step`` copies everything inside t
 
 from __future__ import annotations
 
-import atexit
 import copy
 import json
 import os
-import random
-import sys
 import time
-import weakref
 from typing import Any, Callable
 
 import torch
 
 from robust_plugins._logging import get_logger
-from robust_plugins.checkpoint import flat, memory, replicas
+from robust_plugins.checkpoint import flat, memory
+from robust_plugins.checkpoint.binding import SnapshotBinding, finish_live, rng_state, set_rng_state
 from robust_plugins.checkpoint.disk import DiskCheckpointer
 from robust_plugins.checkpoint.peer import PeerBackup, plan_peers
 from robust_plugins.checkpoint.persist import FORMAT as PERSIST_FORMAT
 from robust_plugins.checkpoint.persist import SnapshotPersister, load_snapshot_checkpoint
 from robust_plugins.checkpoint.restore import restore_from_memory, rollback_bound
-from robust_plugins.device import device_rng_state, set_device_rng_state
 from robust_plugins.errors import CheckpointError, UnsupportedError
 from robust_plugins.patches import deepspeed_zero3 as _zero3
 from robust_plugins.watchdog import ok_to_save, snapshot_check
@@ -69,19 +65,6 @@ log = get_logger(__name__)
 
 #: Name of the per-run log of restores (one JSON line a rank and restore) in ``ROBUST_RUN_DIR``.
 RESTORE_LOG = "restores.jsonl"
-
-_CRASHED = False
-
-
-def _note_crash(previous):
-    def hook(exc_type, exc, tb):
-        # An unhandled exception (a peer died, a collective failed) is not a normal end: the
-        # snapshots must survive it for the restart.
-        global _CRASHED
-        _CRASHED = True
-        previous(exc_type, exc, tb)
-    return hook
-
 
 def _allowed() -> dict[str, type]:
     import importlib
@@ -121,37 +104,12 @@ def check_engine(engine) -> None:
         )
 
 
-def _rng_state() -> dict:
-    import numpy as np
-
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    cuda = device_rng_state()  # this rank's device only: a restart may see another device count
-    if cuda is not None:
-        state["cuda"] = cuda
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    import numpy as np
-
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    set_device_rng_state(state.get("cuda"))
-
-
-#: The snapshot bindings of this process, finished before ``destroy_process_group`` (weak).
-_LIVE: "weakref.WeakSet[SnapshotBinding]" = weakref.WeakSet()
-
-
 def _finish_before_destroy() -> None:
     """Wrap ``torch.distributed.destroy_process_group`` (once): every live binding first finishes
-    its background work. A script's last step is often a persist step, whose background save
-    agrees over a process group; a script that destroyed the group right after that step lost
-    the save (its ranks logged ``KeyError: 'manifest'`` and "Connection closed by peer", and the
-    newest checkpoint on disk was the one before). DeepSpeed's ``deepspeed.comm`` calls through
-    ``torch.distributed``, so its destroy is covered too."""
+    its background work (:func:`robust_plugins.checkpoint.binding.finish_live`). A script's last
+    step is often a persist step, whose background save agrees over a process group; a script
+    that destroyed the group right after that step would lose the save. DeepSpeed's
+    ``deepspeed.comm`` calls through ``torch.distributed``, so its destroy is covered too."""
     import torch.distributed as tdist
     from torch.distributed import distributed_c10d as c10d
 
@@ -162,114 +120,12 @@ def _finish_before_destroy() -> None:
     original = c10d.destroy_process_group
 
     def destroy_process_group(*args, **kwargs):
-        for binding in list(_LIVE):
-            binding.finish_pending()
+        finish_live()
         return original(*args, **kwargs)
 
     wrapped = _guard.wrap(original, destroy_process_group)
     tdist.destroy_process_group = wrapped
     c10d.destroy_process_group = wrapped
-
-
-class SnapshotBinding:
-    """What the DeepSpeed and megatron-core snapshot bindings share: registered user state and
-    the end of the job, and the wait of the next optimizer step for a background copy. A subclass
-    sets ``store``, ``peers``, ``timeout_s``, ``_user``, ``background``, ``wait_s``, ``blocking_s``
-    and ``_unsettled``, and defines :meth:`_module`."""
-
-    def register(self, name: str, get: Callable[[], Any], set_: Callable[[Any], None]) -> None:
-        """Snapshot ``get()`` (tensors / plain data) under ``name``; restore by calling ``set_(value)``."""
-        if not isinstance(name, str) or not name:
-            raise CheckpointError(f"register(name={name!r}): the name must be a non-empty string.")
-        self._user[name] = (get, set_)
-        pending = getattr(self, "pending_user", None)
-        if pending and name in pending:
-            # Restored inside deepspeed.initialize, before the script could register it.
-            set_(pending.pop(name))
-
-    def _track(self) -> None:
-        """Close at interpreter exit; finish background work before the process group goes."""
-        _LIVE.add(self)
-        _finish_before_destroy()
-        atexit.register(self._at_exit)
-
-    def finish_pending(self) -> None:
-        """Wait (bounded) until every handed-off snapshot is committed, sent and persisted."""
-        try:
-            self.store.flush(timeout_s=min(self.timeout_s, 60.0))
-        except CheckpointError as exc:
-            log.error("robust_plugins: %s", exc)
-
-    def close(self, remove: bool) -> None:
-        """Finish pending hand-offs; with ``remove`` delete this rank's shared-memory files."""
-        self.finish_pending()
-        self.store.close(remove=remove)
-        if getattr(self, "sdc", None) is not None:
-            self.sdc.close()
-        if self.peers is not None:
-            self.peers.close(remove=remove)
-
-    def _module(self):
-        """The model whose parameters a snapshot holds (set by each binding)."""
-        raise NotImplementedError
-
-    def _replica_params(self) -> list:
-        """The parameters every data-parallel replica holds alike (the replica check hashes them)."""
-        return list(self._module().parameters())
-
-    def _replicated(self) -> set | None:
-        """Keys of those parameters for ``SnapshotStore.save`` (None without the replica check).
-        Cached: parameters are not re-allocated while training (a stale key fails loudly in
-        ``replicas.replica_ranges``), and listing them every step would be blocking time."""
-        if getattr(self, "sdc", None) is None:
-            return None
-        if getattr(self, "_replica_keys", None) is None:
-            self._replica_keys = replicas.replicated_keys(self._replica_params())
-        return self._replica_keys
-
-    def _before_snapshot(self, step: int) -> None:
-        # The previous snapshot's replica verdict (a mismatch holds), then an armed bit flip.
-        if getattr(self, "sdc", None) is not None:
-            self.sdc.before_snapshot(step, self._replica_params)
-
-    def stable_tensors(self, state: dict) -> set[int] | None:
-        """``data_ptr()`` of the captured tensors only the optimizer step changes (parameters and
-        the optimizer's state), copied on the snapshot thread; None with ``memory_copy: in_step``.
-        Buffers, residuals, RNG and registered state can change in forward/backward: copied now."""
-        if not self.background:
-            return None
-        ptrs = {p.data_ptr() for p in self._module().parameters() if p.numel()}
-        _collect_ptrs(state["optimizer"], ptrs)
-        _collect_ptrs(state.get("partitions"), ptrs)  # ZeRO-3's parameter partitions
-        return ptrs
-
-    def settle(self) -> float:
-        """Wait until the newest snapshot is committed (before anything changes what it copies)."""
-        return self.store.settle(self.timeout_s)
-
-    def _settle_in_step(self, *_hook_args) -> None:
-        # Only the first step after a background snapshot has something to wait for (an in_step
-        # snapshot's tensors are all copied already); that wait is the snapshot's blocking too.
-        if not self._unsettled:
-            return
-        self._unsettled = False
-        t0 = time.perf_counter()
-        self.store.settle(self.timeout_s)
-        if getattr(self, "sdc", None) is not None:
-            # The replicas' verdict on that snapshot, before this step changes anything: after a
-            # mismatch the rank holds here, so the step before the bad one stays its newest
-            # completed step (one step trained twice) and its snapshot stays in memory.
-            self.sdc.before_step()
-        waited = time.perf_counter() - t0
-        self.wait_s.append(waited)
-        if self.blocking_s:
-            self.blocking_s[-1] += waited
-
-    def _at_exit(self) -> None:
-        # Under `robust run` the launcher removes the job's files once the whole job completed: a
-        # rank that exits normally while a peer died must not take the restart's source with it.
-        # Outside it, a normal end of the script ends the job; an unhandled exception does not.
-        self.close(remove=not _CRASHED and not os.environ.get("ROBUST_RUN_DIR"))
 
 
 class MemorySnapshots(SnapshotBinding):
@@ -359,8 +215,8 @@ class MemorySnapshots(SnapshotBinding):
         """``{"step", "state"}``: the last ``save_checkpoint`` call's client_state (a copy), carried
         by every snapshot from then on; set back by a restore."""
         self._persisted_step: int | None = None
-        sys.excepthook = _note_crash(sys.excepthook)
         self._track()
+        _finish_before_destroy()
 
     # ------------------------------------------------------------------------------- capture
     def capture(self) -> dict:
@@ -372,7 +228,7 @@ class MemorySnapshots(SnapshotBinding):
             **(_zero3.capture(e) if self.zero3 else
                {"module": e.module.state_dict(), "optimizer": e.optimizer.state_dict()}),
             "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
-            "rng": _rng_state(),
+            "rng": rng_state(),
             "compression": self.plugin.state_dict() if self.plugin.has_state else None,
             "user": {name: get() for name, (get, _) in self._user.items()},
             "client_state": self.client_state,
@@ -416,7 +272,7 @@ class MemorySnapshots(SnapshotBinding):
             e.lr_scheduler.load_state_dict(state["lr_scheduler"])
         for key, value in state["counters"].items():
             setattr(e, key, value)
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         if state["compression"] is not None and self.plugin.has_state:
             self.plugin.load_state_dict(state["compression"])
         for name, value in state["user"].items():
@@ -528,19 +384,6 @@ def _settle_before(original: Callable, settle: Callable[[], Any]) -> Callable:
         return original(*args, **kwargs)
 
     return settled
-
-
-def _collect_ptrs(obj: Any, out: set[int]) -> None:
-    """``data_ptr()`` of every tensor in nested dicts, lists and tuples (objects are not entered:
-    what they hold is copied in the step)."""
-    if isinstance(obj, torch.Tensor):
-        out.add(obj.data_ptr())
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _collect_ptrs(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _collect_ptrs(v, out)
 
 
 def record_restore(step: int, source: str, seconds: float) -> None:

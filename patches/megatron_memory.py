@@ -32,7 +32,6 @@ the next ``optimizer.step()`` wait until the snapshot is committed, and that wai
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import Any, Callable
 
@@ -45,8 +44,8 @@ from robust_plugins.checkpoint.restore import restore_from_memory, rollback_boun
 from robust_plugins.errors import CheckpointError, UnsupportedError
 from robust_plugins.patches import megatron_optim
 from robust_plugins.watchdog import snapshot_check
-from robust_plugins.patches.deepspeed_memory import (SnapshotBinding, _note_crash, _rng_state,
-                                                      _set_rng_state, record_restore)
+from robust_plugins.checkpoint.binding import SnapshotBinding, rng_state, set_rng_state
+from robust_plugins.patches.deepspeed_memory import _finish_before_destroy, record_restore
 
 log = get_logger(__name__)
 
@@ -148,14 +147,14 @@ class MegatronMemory(SnapshotBinding):
         self._hooks = [o.register_step_pre_hook(self._settle_in_step) for o in stepped] if waits else []
         self.restored: dict | None = None
         """What the last restore used: ``{"step", "source", "seconds"}``."""
-        sys.excepthook = _note_crash(sys.excepthook)
         self._track()
+        _finish_before_destroy()
 
     # ------------------------------------------------------------------------------- capture
     def capture(self, step: int) -> dict:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-        rng = _rng_state()
+        rng = rng_state()
         rng["tracker"] = get_cuda_rng_tracker().get_states()
         return {
             "step": int(step),
@@ -181,7 +180,7 @@ class MegatronMemory(SnapshotBinding):
         load_plugin_states(self.plugins, state["plugins"], "The in-memory snapshot")
         rng = dict(state["rng"])
         get_cuda_rng_tracker().set_states(rng.pop("tracker"))
-        _set_rng_state(rng)
+        set_rng_state(rng)
         for name, value in state["user"].items():
             if name not in self._user:
                 raise CheckpointError(f"The snapshot holds registered state {name!r}, which this run did not "
