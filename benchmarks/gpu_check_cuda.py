@@ -78,7 +78,7 @@ def part_auto(ctx: dict) -> dict:
     tiny = torch.zeros(1, device=got)
     dist.all_reduce(tiny)  # what the link probe issues (its w > 1 branch is skipped on one rank)
     auto = autocodec.AutoCodec(candidates=("int8", "bf16_allreduce"), sample_numel=1 << 14)
-    link, costs = auto_measure.probe(bucket[: auto.sample_numel], None, None, codecs=("int8",),
+    link, costs = auto_measure.probe(bucket[: auto.sample_numel], None, codecs=("int8",),
                                      block_size=auto.block_size, bf16_error_feedback=False, link_gbit=None,
                                      probe_bytes=auto.probe_bytes)
 

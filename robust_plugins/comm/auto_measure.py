@@ -215,17 +215,12 @@ def measure_links(groups: Mapping[str, Any], given_gbit: Mapping[str, float | No
     return out
 
 
-def probe(sample: torch.Tensor, group, agree_group, *, codecs: Sequence[str], block_size: int,
+def probe(sample: torch.Tensor, group, *, codecs: Sequence[str], block_size: int,
           bf16_error_feedback: bool, link_gbit: float | None,
           probe_bytes: int) -> tuple[LinkEstimate, dict[str, CodecCost]]:
-    """The link of ``group`` and the cost and error of each of ``codecs`` on ``sample`` (a
-    collective on ``group`` and ``agree_group``).
-
-    The numbers are max-reduced over ``agree_group`` (``None``: ``group``); a caller whose
-    ``group`` is one of several disjoint groups reducing at the same moment (the rails of a
-    hierarchical all-reduce) passes the group spanning them all, so every rail decides alike.
-    ``link_gbit``, when given, is the bus rate (only the latency is measured).
-    """
+    """The link of ``group`` and the cost and error of each of ``codecs`` on ``sample``, agreed
+    over ``group`` (a collective on it). ``link_gbit``, when given, is the bus rate (only the
+    latency is measured)."""
     import torch.distributed as dist
 
     w = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
@@ -236,7 +231,7 @@ def probe(sample: torch.Tensor, group, agree_group, *, codecs: Sequence[str], bl
     names = sorted(costs)
     agreed = _max_over_group(
         [latency, seconds_per_byte] + [costs[c].seconds_per_element for c in names]
-        + [costs[c].rel_error for c in names], group if agree_group is None else agree_group)
+        + [costs[c].rel_error for c in names], group)
     latency, seconds_per_byte = agreed[0], agreed[1]
     k = len(names)
     costs = {c: CodecCost(agreed[2 + i], agreed[2 + k + i]) for i, c in enumerate(names)}

@@ -84,8 +84,7 @@ class AutoCodec:
         among these): all but :data:`~robust_plugins.comm.auto_model.FLAT_ONLY`."""
         return tuple(c for c in self.candidates if c not in model.FLAT_ONLY)
 
-    def decide(self, tensor: torch.Tensor, group=None, *, numel: int | None = None, agree_group=None,
-               intra=None, rail=None, per_node: int = 1, run: Callable[[str, torch.Tensor], Any] | None = None,
+    def decide(self, tensor: torch.Tensor, group=None, *, numel: int | None = None, intra=None, rail=None, per_node: int = 1, run: Callable[[str, torch.Tensor], Any] | None = None,
                collective: str = "all_reduce") -> Decision:
         """The decision for reducing ``tensor`` (or a bucket of ``numel`` of its elements) over ``group``.
 
@@ -95,11 +94,9 @@ class AutoCodec:
         without error feedback) at the first bucket of each size; ``collective`` (``all_reduce`` or
         ``reduce_scatter``, whose ``tensor`` is the whole input) selects the planner's time model and
         ``run`` must run that collective. Without ``run``, a codec of the two-phase collectives from
-        the planner's predictions (never a ``FLAT_ONLY`` candidate), its facts agreed over
-        ``agree_group`` (``None``: ``group``; the group spanning disjoint rails that reduce at once).
+        the planner's predictions (never a ``FLAT_ONLY`` candidate).
 
-        A collective on ``group`` (and ``agree_group``), on every rank in the same order as the
-        reductions: the facts are measured when this group was never measured or ``recheck_steps``
+        A collective on ``group``, on every rank in the same order as the reductions: the facts are measured when this group was never measured or ``recheck_steps``
         steps have passed. Route and codec decisions are kept apart, and so are collectives.
         """
         self._calls += 1
@@ -115,7 +112,7 @@ class AutoCodec:
             if routes:
                 links, costs = measure.probe_routes(sample, group, intra, rail, codecs=self.candidates, **settings)
             else:
-                links, costs = measure.probe(sample, group, agree_group, codecs=self._codec_candidates(), **settings)
+                links, costs = measure.probe(sample, group, codecs=self._codec_candidates(), **settings)
             self._probes[gkey] = probed = (step, links, costs)
             self._decisions = {k: v for k, v in self._decisions.items() if k[0] != gkey}
         cache = (gkey, numel) if collective == "all_reduce" else (gkey, numel, collective)

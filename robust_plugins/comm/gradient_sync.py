@@ -265,9 +265,8 @@ class GradientSync:
         flat fallback, where the hierarchy has no plan). A fixed codec takes the layout of
         ``topology.hierarchical``; ``auto`` (a collective) decides once per bucket size and group,
         in :meth:`AutoCodec.decide <robust_plugins.comm.autocodec.AutoCodec.decide>`: the route on
-        a group of several ranks, else the codec of the two-phase collectives (on every rail of a
-        hierarchy without a plan, agreed over the data-parallel group). A bucket whose route or codec
-        changed restarts its residuals."""
+        a group of several ranks (the hierarchy's routes where it has a plan), else the codec of the
+        two-phase collectives. A bucket whose route or codec changed restarts its residuals."""
         import torch.distributed as dist
 
         n = tensor.numel()
@@ -286,16 +285,9 @@ class GradientSync:
             route, ef_key, kept = d.route, key, d.route
             self._route_decisions[key] = d
             self.stats.by_route[route] += n
-        elif layout == "flat" or output is not None:
+        else:  # one rank, or a hierarchy without a plan (its flat fallback): the codec only
             d = self.auto.decide(tensor, group)
             route, ef_key, kept = f"{layout} {d.codec}", key, d.codec
-        else:
-            per_node = len(groups.intra_ranks) if planned else 1
-            # Every rank reduces this bucket now, each on its own rail: agree over the whole
-            # data-parallel group so that all rails pick the same codec.
-            world = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
-            d = self.auto.decide(tensor, groups.rail if planned else group, numel=-(-n // per_node), agree_group=world)
-            route, ef_key, kept = f"hier {d.codec}", ("hierarchical", key) if planned else key, d.codec
         if len(self.auto.history) != before:
             self.stats.auto_decisions = self.auto.decisions()
         last = self._last_codec.get(ef_key)
