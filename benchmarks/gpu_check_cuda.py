@@ -66,7 +66,7 @@ from gpu_check_hosts import Skip, _equal, _sync, need_cuda  # noqa: E402
 
 
 def part_auto(ctx: dict) -> dict:
-    from robust_plugins.comm import autocodec, compressed_all_reduce
+    from robust_plugins.comm import auto_measure, autocodec, compressed_all_reduce
     from robust_plugins.device import collective_device
     from robust_plugins.timing import WARMUP
 
@@ -74,11 +74,13 @@ def part_auto(ctx: dict) -> dict:
     want = "cuda" if ctx["backend"] == "nccl" else "cpu"
     got = collective_device(None)
     bucket = torch.randn(1 << 20 if dev.type == "cuda" else 1 << 14, device=dev)
-    agreed = autocodec._max_over_group([1.0, 2.5], None)
+    agreed = auto_measure._max_over_group([1.0, 2.5], None)
     tiny = torch.zeros(1, device=got)
     dist.all_reduce(tiny)  # what the link probe issues (its w > 1 branch is skipped on one rank)
     auto = autocodec.AutoCodec(candidates=("int8", "bf16_allreduce"), sample_numel=1 << 14)
-    link, costs = auto.probe(bucket)
+    link, costs = auto_measure.probe(bucket[: auto.sample_numel], None, codecs=("int8",),
+                                     block_size=auto.block_size, bf16_error_feedback=False, link_gbit=None,
+                                     probe_bytes=auto.probe_bytes)
 
     def run(route: str, t: torch.Tensor) -> None:
         codec = route.split()[1]
@@ -90,9 +92,9 @@ def part_auto(ctx: dict) -> dict:
         else:
             compressed_all_reduce(t, codec=codec, op="sum")
 
-    times = autocodec.timed_runs(bucket, ("flat none", "flat int8"), run, None, rounds=2)
-    decision = auto.route_for(bucket, group=None, intra=None, rail=None, per_node=1, run=run)
-    warmed = [WARMUP.seen(("run", autocodec._ranks_of(None), r)) for r in ("flat none", "flat int8")]
+    times = auto_measure.timed_runs(bucket, ("flat none", "flat int8"), run, None, rounds=2)
+    decision = auto.decide(bucket, None, run=run)
+    warmed = [WARMUP.seen(("run", auto_measure.ranks_of(None), r)) for r in ("flat none", "flat int8")]
     return {"collective_device": str(got), "agreed": agreed, "link": vars(link),
             "costs": {c: vars(v) for c, v in costs.items()}, "trial_s": times, "route": decision.to_dict(),
             "checks": {"collective_device is the backend's": got.type == want,

@@ -318,30 +318,16 @@ class BucketedReduction:
 
     # -- codec auto: switching itself off ----------------------------------------------------------
     def _hand_back_if_off(self, keys: list) -> None:
-        """After a step of planned buckets: when ``auto`` sent every bucket as ``flat none`` (the
-        plain fp32 all-reduce), or its routes save less than ``auto_min_gain`` of the time of the
-        best single wire (fp32 or DeepSpeed's bf16 scheme) for every bucket, summed over the step
-        (:func:`~robust_plugins.comm.auto_model.step_gain`), hand the reduction back to DeepSpeed's
-        one bucket (its wire chosen by :meth:`_choose_host_wire`) until ``auto`` is due to measure again
-        (``auto_recheck_steps``; never with 0). Planned buckets cost more collectives (and, with
-        overlap, a thread competing with backward) for the same sums, which on a fast link can
-        cost more than a lossy route saves (BENCHMARKS.md). Every rank agrees: ``auto``'s decisions are agreed over the group."""
-        from robust_plugins.comm.auto_model import step_gain
-
-        auto = self.sync.auto
-        if auto is None or not keys or any(k is None for k in keys):
-            return  # a fixed codec, or a warm-up step: nothing was decided
-        routes = [self.sync.route_of(k) for k in keys]
-        decisions = [self.sync.decision_of(k) for k in keys]
-        if set(routes) == {"flat none"}:
-            why = "chose the uncompressed flat all-reduce for all %d buckets" % len(keys)
-        elif None not in decisions and step_gain(decisions) < auto.min_gain:
-            why = (f"chose {', '.join(sorted(set(routes)))} for the {len(keys)} buckets, which save "
-                   f"{step_gain(decisions):.0%} of the time of one wire (fp32 or bf16) for all of them "
-                   f"(< min_gain {auto.min_gain:.0%}), not worth planned buckets")
-        else:
+        """After a step of planned buckets, hand the reduction back to DeepSpeed's one bucket (its
+        wire from :meth:`_choose_host_wire`) until ``auto`` is due to measure again
+        (``auto_recheck_steps``; never with 0) where :meth:`GradientSync.hand_back_reason
+        <robust_plugins.comm.gradient_sync.GradientSync.hand_back_reason>` names a reason: planned
+        buckets cost more collectives (and, with overlap, a thread competing with backward) for the
+        same sums. Every rank agrees: ``auto``'s decisions are agreed over the group."""
+        why = self.sync.hand_back_reason(keys)
+        if why is None:
             return
-        due = auto.next_recheck_step()
+        due = self.sync.auto.next_recheck_step()
         self._host_until = math.inf if due is None else due
         self.host_wire, wire_why = self._choose_host_wire()
         self.host_choices.append({"step": self.engine.global_steps, "why": why, "wire": self.host_wire,
@@ -355,42 +341,15 @@ class BucketedReduction:
 
     def _choose_host_wire(self) -> tuple[str, str]:
         """What the handed-back reduction sends: ``"deepspeed"`` (DeepSpeed's own all-reduce, its
-        ``communication_data_type``) or ``"bf16"`` (DeepSpeed's bf16 scheme, chosen by
-        :func:`~robust_plugins.comm.autocodec.choose_host_wire` from interleaved timed runs of both
-        on a copy of this step's whole gradient; a collective on the data-parallel group)."""
-        import statistics
-
-        import torch.distributed as dist
-
-        from robust_plugins.comm.auto_measure import timed_runs
-        from robust_plugins.comm.auto_model import HOST_TRIALS, choose_host_wire
-        from robust_plugins.comm.collectives import bf16_all_reduce
-        from robust_plugins.config import BF16_ALLREDUCE
-
-        auto, e = self.sync.auto, self.engine
-        if BF16_ALLREDUCE not in auto.candidates:
-            return "deepspeed", "bf16_allreduce is not among auto_candidates"
+        ``communication_data_type``) or ``"bf16"`` (DeepSpeed's bf16 scheme), as ``auto`` chooses
+        (:meth:`AutoCodec.host_wire <robust_plugins.comm.autocodec.AutoCodec.host_wire>`, a
+        collective on the data-parallel group) on this step's gradient (:func:`trial_tensor`), where
+        DeepSpeed sends fp32 gradients."""
+        e = self.engine
         grads = [self.params[i].grad.data for idx in self.plan for i in idx]
         if e.communication_data_type != torch.float32 or any(g.dtype != torch.float32 for g in grads):
             return "deepspeed", f"DeepSpeed's communication_data_type is {e.communication_data_type}"
-        # The quality guard's error is the probe's (a real bucket before its reduction, every rank's
-        # bf16 sum simulated): the reduced gradients timed below are equal on every rank, whose bf16
-        # sum can be exact (it measured 0.0 when the step had sent every bucket as bf16).
-        rel = auto.measured_error(BF16_ALLREDUCE)
-        if rel is None:
-            return "deepspeed", "no probe measured bf16_allreduce's error"
-
-        def run(wire: str, copy: torch.Tensor) -> None:
-            if wire == "fp32":
-                dist.all_reduce(copy, group=self.group)
-            else:
-                bf16_all_reduce(copy, group=self.group, op="sum")
-
-        # This step's (reduced) gradients: realistic values; each run works on a copy.
-        times = timed_runs(trial_tensor(grads, e.flatten), ("fp32", "bf16"), run, self.group, rounds=HOST_TRIALS)
-        wire, reason = choose_host_wire(times["fp32"], times["bf16"], rel, min_gain=auto.min_gain,
-                                        max_error=auto.max_error)
-        self.host_trial_s = {w: statistics.median(t) for w, t in times.items()}
+        wire, reason, self.host_trial_s = self.sync.auto.host_wire(lambda: trial_tensor(grads, e.flatten), self.group)
         return ("bf16" if wire == "bf16" else "deepspeed"), reason
 
     def host_allreduce_bucket(self, original, bucket, dp_group, dp_world_size):

@@ -1,32 +1,29 @@
-"""What ``auto`` measures: codec costs and errors, timed trial runs, and the group's agreement on them.
+"""The ``auto`` measurer: the facts its planner (:mod:`robust_plugins.comm.auto_model`) decides from.
 
-Every time here comes from :class:`~robust_plugins.timing.Clock` on the measured tensor's device
-(CUDA events on a GPU, where the host returns at launch) after one untimed warm-up per key where
-the device needs it (:data:`~robust_plugins.timing.WARMUP`: NCCL's lazy communicator, Triton's
-JIT), and every tensor a collective here moves is on the group's device
-(:func:`~robust_plugins.device.collective_device`). :mod:`robust_plugins.comm.autocodec` decides
-from these numbers.
+Link probes (latency and bus bandwidth of a group), codec costs and errors on a sample of a real
+bucket, timed trial runs of candidate routes, and the host-wire trial. Every function here that
+takes a group is a collective on it and returns numbers agreed over it (the slowest rank's), so
+every rank decides alike. Times come from :class:`~robust_plugins.timing.Clock` on the measured
+tensor's device (CUDA events on a GPU, where the host returns at launch) after one untimed warm-up
+per key where the device needs it (:data:`~robust_plugins.timing.WARMUP`: NCCL's lazy
+communicator, Triton's JIT); every tensor a collective here moves is on the group's device
+(:func:`~robust_plugins.device.collective_device`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from robust_plugins.comm import _twophase
+from robust_plugins.comm.auto_model import CodecCost, LinkEstimate
+from robust_plugins.comm.collectives import bf16_all_reduce
 from robust_plugins.config import BF16_ALLREDUCE
 from robust_plugins.device import collective_device
 from robust_plugins.timing import WARMUP, Clock
-
-
-@dataclass(frozen=True)
-class CodecCost:
-    """Compute cost (encode + reduce + decode, seconds per element) and relative error of a codec."""
-
-    seconds_per_element: float
-    rel_error: float
 
 
 def timed_runs(tensor: torch.Tensor, names: Sequence[str], run: Callable[[str, torch.Tensor], Any], group,
@@ -43,7 +40,7 @@ def timed_runs(tensor: torch.Tensor, names: Sequence[str], run: Callable[[str, t
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
-    ranks = _ranks_of(group)
+    ranks = ranks_of(group)
     for name in names:
         WARMUP.ensure(("run", ranks, name), lambda: run(name, tensor.detach().clone()), tensor.device)
     out = []
@@ -60,7 +57,7 @@ def timed_runs(tensor: torch.Tensor, names: Sequence[str], run: Callable[[str, t
     return {name: agreed[i::k] for i, name in enumerate(names)}
 
 
-def _ranks_of(group) -> tuple:
+def ranks_of(group) -> tuple:
     """The group's global ranks (a warm-up key): ``("world",)`` for the default group."""
     import torch.distributed as dist
 
@@ -90,8 +87,6 @@ def measure_codec(codec: str, sample: torch.Tensor, group_size: int, block_size:
 
     ``bf16_allreduce`` (see :func:`measure_bf16_allreduce`) is timed and judged differently.
     """
-    from robust_plugins.comm import _twophase
-
     if codec == BF16_ALLREDUCE:
         return measure_bf16_allreduce(sample, group_size, error_feedback=bf16_error_feedback)
     flat = sample.detach().reshape(-1).float().contiguous()
@@ -191,7 +186,7 @@ def measure_links(groups: Mapping[str, Any], given_gbit: Mapping[str, float | No
         if w <= 1:
             out[kind] = (0.0, 0.0, w)
         else:
-            live[kind] = (group, w, collective_device(group), _ranks_of(group))
+            live[kind] = (group, w, collective_device(group), ranks_of(group))
     # On the device the group's backend moves (CUDA on NCCL), timed by its clock (CUDA events
     # after the collective joined the current stream), after a warm-up of each size per group
     # on a GPU: NCCL builds its communicator at the first collective.
@@ -218,3 +213,111 @@ def measure_links(groups: Mapping[str, Any], given_gbit: Mapping[str, float | No
         elapsed = max(clock.stop() - latency, 1e-9)
         out[kind] = (latency, elapsed / (2 * (w - 1) / w * buf.numel() * 4), w)
     return out
+
+
+def probe(sample: torch.Tensor, group, *, codecs: Sequence[str], block_size: int,
+          bf16_error_feedback: bool, link_gbit: float | None,
+          probe_bytes: int) -> tuple[LinkEstimate, dict[str, CodecCost]]:
+    """The link of ``group`` and the cost and error of each of ``codecs`` on ``sample``, agreed
+    over ``group`` (a collective on it). ``link_gbit``, when given, is the bus rate (only the
+    latency is measured)."""
+    import torch.distributed as dist
+
+    w = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    costs = {c: measure_codec(c, sample, w, block_size, bf16_error_feedback) for c in codecs if c != "none"}
+    latency, seconds_per_byte = 0.0, 0.0
+    if w > 1:
+        latency, seconds_per_byte, _ = measure_link(group, link_gbit, probe_bytes)
+    names = sorted(costs)
+    agreed = _max_over_group(
+        [latency, seconds_per_byte] + [costs[c].seconds_per_element for c in names]
+        + [costs[c].rel_error for c in names], group)
+    latency, seconds_per_byte = agreed[0], agreed[1]
+    k = len(names)
+    costs = {c: CodecCost(agreed[2 + i], agreed[2 + k + i]) for i, c in enumerate(names)}
+    bandwidth = 1 / seconds_per_byte if seconds_per_byte > 0 else math.inf
+    return LinkEstimate(bandwidth, latency, w), costs
+
+
+def probe_routes(sample: torch.Tensor, group, intra, rail, *, codecs: Sequence[str], block_size: int,
+                 bf16_error_feedback: bool, link_gbit: float | None,
+                 probe_bytes: int) -> tuple[dict[str, LinkEstimate], dict[str, CodecCost]]:
+    """The data-parallel (``flat``), node (``intra``) and ``rail`` links and each of ``codecs``'
+    cost on ``sample``, agreed over ``group`` (a collective on ``group``; the node and rail probes
+    run on all of their disjoint groups at once). ``intra`` and ``rail`` ``None``: no hierarchy (a
+    node and a rail of one rank each). ``link_gbit``, when given, is the rate of the flat and rail
+    links (both cross nodes); the node link is always measured."""
+    import torch.distributed as dist
+
+    w = dist.get_world_size(group)
+    costs = {c: measure_codec(c, sample, w, block_size, bf16_error_feedback) for c in codecs if c != "none"}
+    kinds = {"flat": group} | {k: g for k, g in (("intra", intra), ("rail", rail)) if g is not None}
+    measured = measure_links(kinds, {"flat": link_gbit, "intra": None, "rail": link_gbit}, probe_bytes)
+    for kind in ("intra", "rail"):
+        measured.setdefault(kind, (0.0, 0.0, 1))
+    names = sorted(costs)
+    flat_values = [v for kind in ("flat", "intra", "rail") for v in measured[kind][:2]]
+    agreed = _max_over_group(flat_values + [costs[c].seconds_per_element for c in names]
+                             + [costs[c].rel_error for c in names], group)
+    links = {}
+    for i, kind in enumerate(("flat", "intra", "rail")):
+        latency, spb = agreed[2 * i], agreed[2 * i + 1]
+        links[kind] = LinkEstimate(1 / spb if spb > 0 else math.inf, latency, measured[kind][2])
+    k = len(names)
+    costs = {c: CodecCost(agreed[6 + i], agreed[6 + k + i]) for i, c in enumerate(names)}
+    return links, costs
+
+
+#: Trial routes measured within this factor of the fastest are run again, ``CLOSE_RERUNS`` times
+#: (the median of their runs counts): one sample on shared cores can be off by 30 %, and only close
+#: calls need a second look. Three samples (one plus two reruns) keep a lossy route from winning an
+#: equal contest on one fast sample.
+CLOSE_FACTOR = 1.25
+CLOSE_RERUNS = 2
+
+
+def rerun_routes(measured: Mapping[str, float], predicted: Mapping[str, float],
+                 factor: float = CLOSE_FACTOR) -> list[str]:
+    """The trial routes worth a second run (pure): those measured, or predicted, within ``factor``
+    of the fastest measured one (sorted, so every rank runs them in the same order).
+
+    A route the model predicted competitive but whose one sample came out far slower gets a second
+    look: on shared cores one sample can be several times off, which alone would rule it out.
+    """
+    best = min(measured.values())
+    return sorted(r for r, t in measured.items()
+                  if min(t, predicted.get(r, math.inf)) <= factor * best)
+
+
+def trial_times(tensor: torch.Tensor, routes: Sequence[str], run: Callable[[str, torch.Tensor], Any],
+                group, predicted: Mapping[str, float]) -> dict[str, float]:
+    """Each route's agreed time on a copy of ``tensor`` (``run(route, copy)`` reduces it, a
+    collective on ``group``): one interleaved run each, then the median of ``1 + CLOSE_RERUNS``
+    runs for the routes :func:`rerun_routes` names."""
+    times = {r: t[0] for r, t in timed_runs(tensor, routes, run, group).items()}
+    close = rerun_routes(times, predicted)
+    if len(close) > 1:
+        again = timed_runs(tensor, close, run, group, rounds=CLOSE_RERUNS)
+        for r in close:
+            times[r] = statistics.median([times[r], *again[r]])
+    return times
+
+
+#: Interleaved timed runs of each host wire (medians compared): enough that a wire within
+#: ``min_gain`` of the other does not win on one launch's noise.
+HOST_TRIALS = 7
+
+
+def host_wire_times(tensor: torch.Tensor, group, rounds: int = HOST_TRIALS) -> dict[str, list[float]]:
+    """Interleaved timed runs of the two wires a host's own single bucket can send on a copy of
+    ``tensor`` (a collective on ``group``): ``fp32`` (the plain all-reduce) and ``bf16``
+    (:func:`~robust_plugins.comm.collectives.bf16_all_reduce`, no error feedback); agreed times."""
+    import torch.distributed as dist
+
+    def run(wire: str, copy: torch.Tensor) -> None:
+        if wire == "fp32":
+            dist.all_reduce(copy, group=group)
+        else:
+            bf16_all_reduce(copy, group=group, op="sum")
+
+    return timed_runs(tensor, ("fp32", "bf16"), run, group, rounds=rounds)

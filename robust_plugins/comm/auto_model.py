@@ -1,6 +1,6 @@
-"""The ``auto`` codec's pure cost model: predicted times, the quality guard, and the codec, route
-and host-wire choices made from measured numbers (:class:`~robust_plugins.comm.autocodec.AutoCodec`
-measures them). Unit tests call every function here with made-up numbers.
+"""The ``auto`` planner: pure functions from measured facts (link estimates, codec costs, trial
+times) to a codec or route per bucket. No I/O, no collectives; unit tests call every function here
+with made-up numbers. :mod:`robust_plugins.comm.auto_measure` produces the facts.
 
 Cost model for a bucket of ``n`` fp32 elements on a group of ``W`` ranks (each rank sends and
 receives ``2 (W-1) / W`` of the bucket in a ring all-reduce, and the same share of the compressed
@@ -18,9 +18,7 @@ cast (with error feedback of its rounding only with ``auto_bf16_error_feedback``
 
     bf16_allreduce: latency + 2 (W-1)/W * n * 2 / bus_bandwidth + n * cost_per_element
 
-It is the candidate for fast links, where a two-phase codec's encode and second collective cost
-more than the bytes they save (BENCHMARKS.md). Its quality guard counts the
-backend's bf16 additions too (see :func:`measure_codec`). It exists as a flat route only: the
+Its quality guard counts the backend's bf16 additions too. It exists as a flat route only: the
 hierarchy's rail step is a two-phase codec.
 
 **Routes** (``topology.hierarchical`` with ``auto``): the choice is then a *route*, a layout and a
@@ -32,43 +30,44 @@ adds the intra-node steps, priced like one fp32 all-reduce on the node group, to
     flat c:  codec time of n elements on the data-parallel group's link
     hier c:  none time of n elements on the node's link + codec time of n / p on the rail's link
 
-**Reduce-scatters** (megatron-core's distributed optimizer, DeepSpeed ZeRO-3) choose among the
-same routes with the reduce-scatter's model (:func:`predict_reduce_scatter_seconds`): each rank
-sends and receives ``(W-1) / W`` of the bucket, half the all-reduce's bus traffic, in one
-collective (the compressed one is one all-to-all, no requantization)::
+**Reduce-scatters** choose among the same routes with the reduce-scatter's model
+(:func:`predict_reduce_scatter_seconds`): each rank sends and receives ``(W-1) / W`` of the
+bucket, half the all-reduce's bus traffic, in one collective::
 
     none:  latency + (W-1)/W * n * 4   / bus_bandwidth
     codec: latency + (W-1)/W * n * bpe / bus_bandwidth + n * cost_per_element
     hier c: none reduce-scatter of n on the node's link + codec reduce-scatter of n / p on the rail
 
-``cost_per_element`` is the all-reduce's measured codec cost (encode, reduce, requantize, decode),
-an upper bound for the reduce-scatter's encode and decode; the trial runs time the real thing.
-:data:`FLAT_ONLY` candidates are no reduce-scatter (they are one all-reduce of the whole bucket).
+``cost_per_element`` is the all-reduce's measured codec cost, an upper bound for the
+reduce-scatter's encode and decode. :data:`FLAT_ONLY` candidates are no reduce-scatter.
 
 The model alone decides when the link rate is given (``auto_link_gbit``). Otherwise it only
-prunes: every route predicted within ``TRIAL_FACTOR`` of the best (and the best exact route, so
-that an uncompressed baseline is always measured) is run once on a copy of the real bucket
-(without keeping residuals), the times are max-reduced over the group, close contenders (measured
-or predicted within ``CLOSE_FACTOR`` of the fastest measured) run ``CLOSE_RERUNS`` times more,
-interleaved, and count the median of their runs, and the measured fastest route wins, an exact one
-unless a lossy one measured ``min_gain`` faster. The trials exist because a bandwidth probe does
-not predict links that share cores with the ranks (a node's loopback, the netns simulator).
+prunes (:func:`trial_routes`): the routes it names are timed on a copy of the real bucket, and
+:func:`choose_route` picks from those times: the measured fastest route, an exact one unless a
+lossy one measured ``min_gain`` faster. A bandwidth probe does not predict links that share cores
+with the ranks (a node's loopback), which is why trials decide.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from robust_plugins.config import AUTO_CANDIDATES, BF16_ALLREDUCE
-from robust_plugins.comm.auto_measure import CodecCost
 from robust_plugins.errors import ConfigError
 
 #: Candidates that are a plain collective on the whole bucket, not a codec for the hierarchy's
 #: rail step: ``auto`` offers them as flat routes only.
 FLAT_ONLY = (BF16_ALLREDUCE,)
+
+
+@dataclass(frozen=True)
+class CodecCost:
+    """Compute cost (encode + reduce + decode, seconds per element) and relative error of a codec."""
+
+    seconds_per_element: float
+    rel_error: float
 
 
 def bytes_per_element(codec: str, block_size: int) -> float:
@@ -207,12 +206,6 @@ def choose_codec(
 
 #: Routes predicted more than this many times slower than the best predicted one are not run.
 TRIAL_FACTOR = 4.0
-#: Routes measured within this factor of the fastest are run again, ``CLOSE_RERUNS`` times (the
-#: median of their runs counts): one sample on shared cores can be off by 30 %, and only close calls
-#: need a second look. Three samples (one plus two reruns) keep a lossy route from winning an equal
-#: contest on one fast sample.
-CLOSE_FACTOR = 1.25
-CLOSE_RERUNS = 2
 
 
 def predict_route_seconds(route: str, numel: int, links: Mapping[str, LinkEstimate],
@@ -249,19 +242,6 @@ def trial_routes(predicted: Mapping[str, float], factor: float = TRIAL_FACTOR) -
     if exact:
         keep.add(min(exact, key=lambda r: (predicted[r], r)))
     return sorted(keep)
-
-
-def rerun_routes(measured: Mapping[str, float], predicted: Mapping[str, float],
-                 factor: float = CLOSE_FACTOR) -> list[str]:
-    """The trial routes worth a second run: those measured, or predicted, within ``factor`` of the
-    fastest measured one (sorted, so every rank runs them in the same order).
-
-    A route the model predicted competitive but whose one sample came out far slower gets a second
-    look: on shared cores one sample can be several times off, which alone would rule it out.
-    """
-    best = min(measured.values())
-    return sorted(r for r, t in measured.items()
-                  if min(t, predicted.get(r, math.inf)) <= factor * best)
 
 
 def choose_route(
@@ -376,9 +356,25 @@ def step_gain(decisions: Sequence[Decision], host_routes: Sequence[str] = HOST_R
     return 1 - sum(chosen) / base
 
 
-#: Interleaved timed runs of each wire in :func:`choose_host_wire`'s trial (medians compared):
-#: enough that a wire within ``min_gain`` of the other does not win on one launch's noise.
-HOST_TRIALS = 7
+def hand_back_reason(routes: Sequence[str | None], decisions: Sequence[Decision | None],
+                     min_gain: float) -> str | None:
+    """Why a host that can reduce a whole step in its own single bucket should do so instead of
+    the step's planned buckets (pure), or None: keep the planned buckets. ``routes`` and
+    ``decisions`` are those of the step's buckets, in order (``None`` where a bucket had no route
+    plan). Hand back when every bucket went ``flat none``, or when the chosen routes save less than
+    ``min_gain`` of the best uniform host wire's time over the step (:func:`step_gain`)."""
+    if not routes:
+        return None
+    if set(routes) == {"flat none"}:
+        return "chose the uncompressed flat all-reduce for all %d buckets" % len(routes)
+    if None in decisions:
+        return None
+    gain = step_gain(decisions)
+    if gain < min_gain:
+        return (f"chose {', '.join(sorted(set(routes)))} for the {len(routes)} buckets, which save "
+                f"{gain:.0%} of the time of one wire (fp32 or bf16) for all of them "
+                f"(< min_gain {min_gain:.0%}), not worth planned buckets")
+    return None
 
 
 def choose_host_wire(fp32_s: Sequence[float], bf16_s: Sequence[float], rel_error: float, *,

@@ -1,6 +1,6 @@
 """Host-agnostic gradient synchronisation: the policy between a host's bucket and the wire.
 
-A host integration (``patches/deepspeed.py`` today, megatron-core next) hands every data-parallel
+A host integration (``patches/deepspeed.py``, ``patches/megatron.py``) hands every data-parallel
 gradient bucket to :class:`GradientSync`. It decides, per bucket, whether to compress (codec,
 ``warmup_steps``, ``min_numel``), gives each bucket a stable error-feedback key, counts what it did,
 and owns the residuals that must be checkpointed. It knows nothing of DeepSpeed or Megatron.
@@ -11,23 +11,18 @@ backward order, same bucket sizes every step), so the n-th bucket of a step is t
 slice each step, which is what error feedback needs. A key whose size changes is reported by
 :class:`~robust_plugins.comm.state.CompressionState`.
 
-With ``topology.hierarchical`` every routed bucket (``codec: none`` included) goes through
-:func:`~robust_plugins.topology.hierarchical_all_reduce`: the groups are discovered and built at the
-first bucket (a collective over the whole job; with a data-parallel group smaller than the job,
-tensor or pipeline parallelism, each group's hierarchy is planned on its own ranks). With ``codec: auto`` an :class:`~robust_plugins.comm.autocodec.AutoCodec` picks the
-codec per bucket size and each codec keeps its own residuals; when a bucket's codec changes (at a
-re-check) its old residuals are dropped, with a log line. With both, ``auto`` also picks the
-layout per bucket size: ``flat none`` (the plain all-reduce), flat or hierarchical with a codec,
-from trial runs of the candidate routes on the first bucket of each size (``topology.hierarchical``
-then means "the hierarchy may be used"). Among the routes is ``flat bf16_allreduce``, one bf16
-all-reduce of the whole bucket (DeepSpeed's ``communication_data_type: bf16``), with error feedback
-of the cast's rounding only with ``auto_bf16_error_feedback`` (residuals under the bucket's key,
-like a codec's, and checkpointed with them).
-
-Reduce-scatters (:meth:`GradientSync.reduce_scatter_sum`: megatron-core's distributed optimizer,
-DeepSpeed ZeRO-3) take the same settings: ``topology.hierarchical`` runs
-:func:`~robust_plugins.topology.hierarchical_reduce_scatter`, and ``auto`` picks their route with
-the reduce-scatter's time model through the same :meth:`AutoCodec.route_for`.
+Every bucket takes one path: :meth:`GradientSync._route` names its route (``"<layout> <codec>"``),
+then :func:`run_route` reduces it. With ``topology.hierarchical`` the layout is ``hier``
+(:func:`~robust_plugins.topology.hierarchical_all_reduce` /
+:func:`~robust_plugins.topology.hierarchical_reduce_scatter`; the groups are discovered and built
+at the first bucket, a collective over the whole job, each data-parallel group's hierarchy planned
+on its own ranks). With ``codec: auto`` the route is the decision of
+:class:`~robust_plugins.comm.autocodec.AutoCodec` per group and bucket size (with
+``topology.hierarchical`` "the hierarchy may be used"), among them ``flat bf16_allreduce``, one bf16
+all-reduce of the whole bucket, with error feedback of the cast's rounding only with
+``auto_bf16_error_feedback``; each codec keeps its own residuals, dropped when a bucket's route
+changes. Reduce-scatters (:meth:`GradientSync.reduce_scatter_sum`: megatron-core's distributed
+optimizer, DeepSpeed ZeRO-3) take the same settings with the reduce-scatter's time model.
 """
 
 from __future__ import annotations
@@ -39,7 +34,10 @@ from typing import Callable, Optional
 
 import torch
 
-from robust_plugins._logging import get_logger, log_rank0, warn_once
+from robust_plugins._logging import get_logger, log_rank0
+from robust_plugins.comm.auto_model import hand_back_reason
+from robust_plugins.comm.autocodec import AutoCodec
+from robust_plugins.comm.state import CompressionState
 from robust_plugins.config import AUTO_CODEC, BF16_ALLREDUCE, CompressionConfig, TopologyConfig
 from robust_plugins.errors import CheckpointError, UnsupportedError
 
@@ -84,16 +82,12 @@ class GradientSync:
 
     def __init__(self, config: CompressionConfig, step_fn: Callable[[], int],
                  topology: Optional[TopologyConfig] = None):
-        from robust_plugins.comm.state import CompressionState
-
         self.config = config
         self.topology = topology
         self.hierarchical = topology is not None and topology.hierarchical
         self._step_fn = step_fn
         self.auto = None
         if config.codec == AUTO_CODEC:
-            from robust_plugins.comm.autocodec import AutoCodec
-
             bf16_ef = config.auto_bf16_error_feedback and config.error_feedback
             self.auto = AutoCodec(
                 candidates=config.auto_candidates, block_size=config.block_size, min_gain=config.auto_min_gain,
@@ -201,7 +195,7 @@ class GradientSync:
         return step >= self.config.warmup_steps and self.auto.due(step)
 
     def decision_of(self, key):
-        """``auto`` only: the :class:`~robust_plugins.comm.autocodec.Decision` the last bucket under
+        """``auto`` only: the :class:`~robust_plugins.comm.auto_model.Decision` the last bucket under
         ``key`` was reduced by (its route, trial times and predictions); None before its first
         reduction, without ``auto``, or on the codec-only path (no hierarchy plan)."""
         return self._route_decisions.get(key) if self.auto is not None else None
@@ -216,26 +210,14 @@ class GradientSync:
             return None
         return last if " " in last else f"flat {last}"  # the codec-only path is flat (no hierarchy plan)
 
-    def _codec(self, tensor: torch.Tensor, group, numel: int, ef_key, agree_group=None) -> str:
-        """The codec for this bucket: the fixed one, or ``auto``'s choice (a collective on ``group``
-        and ``agree_group``, see :meth:`AutoCodec.probe`)."""
-        if self.auto is None:
-            codec = self.config.codec
-        else:
-            before = len(self.auto.history)
-            codec = self.auto.codec_for(tensor, group, numel=numel, agree_group=agree_group)
-            if len(self.auto.history) != before:
-                self.stats.auto_decisions = self.auto.decisions()
-            last = self._last_codec.get(ef_key)
-            if last is not None and last != codec and last in self.states:
-                # The residual was made by another quantizer; carrying it over would be exact only
-                # for the sender side, so both sides restart from zero (at most one step's error).
-                self.states[last].forget(ef_key)
-                log_rank0(log, logging.INFO, "auto codec: bucket %s switched %s -> %s; its residuals restart",
-                          ef_key, last, codec)
-            self._last_codec[ef_key] = codec
-        self.stats.by_codec[codec] += tensor.numel()
-        return codec
+    def hand_back_reason(self, keys: list) -> Optional[str]:
+        """``auto`` only: why a host that can reduce a whole step in its own single bucket should,
+        after a step whose buckets went under ``keys`` (:func:`~robust_plugins.comm.auto_model.hand_back_reason`),
+        or None: keep the buckets (also without ``auto`` and after a warm-up step, a ``None`` key)."""
+        if self.auto is None or not keys or any(k is None for k in keys):
+            return None
+        return hand_back_reason([self.route_of(k) for k in keys], [self.decision_of(k) for k in keys],
+                                self.auto.min_gain)
 
     def _hierarchy(self, group):
         """The topology groups, built once at the first hierarchical bucket (a collective)."""
@@ -264,164 +246,88 @@ class GradientSync:
                       f" (FLAT fallback: {self._groups.fallback_reason})" if self._groups.plan is None else "")
         return self._groups
 
-    def all_reduce_sum(self, tensor: torch.Tensor, group, key: str) -> torch.Tensor:
-        """In-place sum of ``tensor`` over ``group`` (a key from :meth:`compress_key`): compressed, and
-        hierarchical with ``topology.hierarchical``."""
-        from robust_plugins.comm import compressed_all_reduce
+    def _groups_for(self, group, collective: str):
+        """``topology.hierarchical``: the node and rail groups for a bucket reduced on ``group``;
+        else None. The flat fallback (and every reduce-scatter) reduces on the group this call was
+        given (a sync thread's clone on gloo, with the same ranks in the same order), never on the
+        one the hierarchy was planned with: that is the host's, which the training thread drives
+        (comm/overlap.py)."""
+        if not self.hierarchical:
+            return None
+        groups = self._hierarchy(group)
+        if groups.group is not group and (collective == "reduce_scatter" or groups.plan is None):
+            groups = dataclasses.replace(groups, group=group)
+        return groups
 
-        if self.hierarchical:
-            from robust_plugins.topology import hierarchical_all_reduce
-
-            groups = self._hierarchy(group)
-            if groups.plan is None and groups.group is not group:
-                # The flat fallback reduces over the group this call was given (a sync thread's
-                # clone on gloo), never over the one the hierarchy was planned with: that is the
-                # host's, which the training thread drives (comm/overlap.py).
-                groups = dataclasses.replace(groups, group=group)
-            if self.auto is not None and groups.plan is not None:
-                return self._auto_route(tensor, group, groups, key)
-            per_node = len(groups.intra_ranks) if groups.plan is not None else 1
-            rail = groups.rail if groups.plan is not None else group
-            ef_key = ("hierarchical", key) if groups.plan is not None else key
-            # Every rank reduces this bucket now, each on its own rail: agree over the whole
-            # data-parallel group so that all rails pick the same codec.
-            import torch.distributed as dist
-
-            world = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
-            codec = self._codec(tensor, rail, -(-tensor.numel() // per_node), ef_key, agree_group=world)
-            state = self.states.get(codec)
-            self.stats.hierarchical_elements += tensor.numel()
-            return hierarchical_all_reduce(tensor, groups, codec=None if state else codec, op="sum",
-                                           state=state, key=key)
+    def _route(self, tensor: torch.Tensor, group, groups, key: str, output: Optional[torch.Tensor] = None) -> str:
+        """The route (``"<layout> <codec>"``) of this bucket, an all-reduce of ``tensor`` or, with
+        ``output``, its reduce-scatter. ``hier`` is the hierarchical collective on ``groups`` (or its
+        flat fallback, where the hierarchy has no plan). A fixed codec takes the layout of
+        ``topology.hierarchical``; ``auto`` (a collective) decides once per bucket size and group,
+        in :meth:`AutoCodec.decide <robust_plugins.comm.autocodec.AutoCodec.decide>`: the route on
+        a group of several ranks (the hierarchy's routes where it has a plan), else the codec of the
+        two-phase collectives. A bucket whose route or codec changed restarts its residuals."""
         import torch.distributed as dist
 
-        if self.auto is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            return self._auto_route(tensor, group, None, key)
-        codec = self._codec(tensor, group, tensor.numel(), key)
-        state = self.states.get(codec)
-        return compressed_all_reduce(tensor, group=group, codec=None if state else codec, op="sum",
-                                     state=state, key=key)
-
-    def reduce_scatter_sum(self, output: torch.Tensor, input: torch.Tensor, group, key: str) -> torch.Tensor:
-        """``output`` = the sum over ``group`` of ``input``'s shard ``rank`` (as
-        ``reduce_scatter_tensor`` cuts it), for a key from :meth:`compress_key`: compressed with the
-        fixed codec, hierarchical with ``topology.hierarchical``
-        (:func:`~robust_plugins.topology.hierarchical_reduce_scatter`), and with ``codec: auto`` by
-        the route ``auto`` picks for this bucket with the reduce-scatter's model (``flat none`` is
-        the host's plain ``reduce_scatter_tensor``). ``output`` may be a view into ``input``."""
-        import torch.distributed as dist
-
-        from robust_plugins.comm import compressed_reduce_scatter
-        from robust_plugins.topology import hierarchical_reduce_scatter
-
-        groups = None
-        if self.hierarchical:
-            # Reduce on the group this call was given (a sync thread's clone on gloo), never on the
-            # host's own; the clone has the same ranks in the same order.
-            groups = dataclasses.replace(self._hierarchy(group), group=group)
-        if self.auto is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-            planned = groups if groups is not None and groups.plan is not None else None
-            return self._auto_route(input, group, planned, key, output=output)
-        codec = self._codec(input, group, input.numel(), key)
-        state = self.states.get(codec)
-        if groups is not None:
-            self.stats.hierarchical_elements += input.numel()
-            return hierarchical_reduce_scatter(output, input, groups, codec=None if state else codec, op="sum",
-                                               state=state, key=key)
-        return compressed_reduce_scatter(output, input, group=group, codec=None if state else codec, op="sum",
-                                         state=state, key=key)
-
-    def _auto_route(self, tensor: torch.Tensor, group, groups, key: str,
-                    output: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``auto``: the codec, and with ``topology.hierarchical`` (``groups``) the layout (flat or
-        hierarchical), chosen from measured trial runs (see ``robust_plugins.comm.autocodec``);
-        ``flat none`` is the plain uncompressed collective the host would run. With ``output`` the
-        collective is a reduce-scatter of ``tensor`` into ``output`` (:meth:`reduce_scatter_sum`),
-        else an in-place all-reduce of ``tensor``."""
-        from robust_plugins.comm import compressed_all_reduce, compressed_reduce_scatter
-        from robust_plugins.comm.collectives import bf16_all_reduce
-        from robust_plugins.topology import hierarchical_all_reduce, hierarchical_reduce_scatter
-
-        scratch: dict = {}  # lives for this bucket's trials only
-
-        def run(route: str, t: torch.Tensor) -> None:  # trial runs: no residual is kept
-            layout, codec = route.split()
-            if output is not None:
-                out = torch.empty_like(output)
-                if layout == "hier":
-                    hierarchical_reduce_scatter(out, t, groups, codec=codec, op="sum")
-                else:
-                    compressed_reduce_scatter(out, t, group=group, codec=codec, op="sum")
-            elif codec == BF16_ALLREDUCE:
-                # Its error feedback is most of its compute (3 passes of 4 over the bucket), so the
-                # trial pays for it, on a scratch residual that is thrown away. The scratch is kept
-                # for a second trial run: a step reuses its residual, and allocating (first-touch
-                # pages of a bucket-sized buffer) is a cost the first run alone pays.
-                res = None
-                if BF16_ALLREDUCE in self.states:  # auto_bf16_error_feedback
-                    res = scratch.get(t.numel())
-                    if res is None:
-                        res = scratch[t.numel()] = torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
-                bf16_all_reduce(t, group=group, op="sum", residual=res)
-            elif layout == "hier":
-                hierarchical_all_reduce(t, groups, codec=codec, op="sum")
-            else:
-                compressed_all_reduce(t, group=group, codec=codec, op="sum")
-
+        n = tensor.numel()
+        layout = "flat" if groups is None else "hier"
+        if self.auto is None:
+            self.stats.by_codec[self.config.codec] += n
+            return f"{layout} {self.config.codec}"
+        planned = groups is not None and groups.plan is not None
         before = len(self.auto.history)
-        collective = "all_reduce" if output is None else "reduce_scatter"
-        if groups is None:  # flat only: the codec, timed on the real bucket like the routes
-            d = self.auto.route_for(tensor, group=group, intra=None, rail=None, per_node=1, run=run,
-                                    collective=collective)
-        else:
-            d = self.auto.route_for(tensor, group=group, intra=groups.intra, rail=groups.rail,
-                                    per_node=len(groups.intra_ranks), run=run, collective=collective)
+        if dist.is_initialized() and dist.get_world_size(group) > 1 and (planned or layout == "flat" or output is not None):
+            hier = groups if planned else None
+            d = self.auto.decide(tensor, group, intra=hier.intra if hier else None, rail=hier.rail if hier else None,
+                                 per_node=len(hier.intra_ranks) if hier else 1,
+                                 run=_trial_run(group, hier, output, BF16_ALLREDUCE in self.states),
+                                 collective="all_reduce" if output is None else "reduce_scatter")
+            route, ef_key, kept = d.route, key, d.route
+            self._route_decisions[key] = d
+            self.stats.by_route[route] += n
+        else:  # one rank, or a hierarchy without a plan (its flat fallback): the codec only
+            d = self.auto.decide(tensor, group)
+            route, ef_key, kept = f"{layout} {d.codec}", key, d.codec
         if len(self.auto.history) != before:
             self.stats.auto_decisions = self.auto.decisions()
-        last = self._last_codec.get(key)
-        if last is not None and last != d.route:
-            old_codec = last.split()[1]
+        last = self._last_codec.get(ef_key)
+        if last is not None and last != kept:
+            old_codec = last.split()[-1]
             if old_codec in self.states:
                 # Another quantizer or another slice (flat keeps the whole bucket's residual, the
                 # hierarchy this rank's shard): both sides restart from zero.
-                self.states[old_codec].forget(key)
-                self.states[old_codec].forget(("hierarchical", key))
-            log_rank0(log, logging.INFO, "auto route: bucket %s switched %s -> %s; its residuals restart",
-                      key, last, d.route)
-        self._last_codec[key] = d.route
-        self._route_decisions[key] = d
-        self.stats.by_codec[d.codec] += tensor.numel()
-        self.stats.by_route[d.route] += tensor.numel()
-        state = self.states.get(d.codec)
-        if output is not None:
-            if d.layout == "hier":
-                self.stats.hierarchical_elements += tensor.numel()
-                return hierarchical_reduce_scatter(output, tensor, groups, codec=None if state else d.codec,
-                                                   op="sum", state=state, key=key)
-            return compressed_reduce_scatter(output, tensor, group=group, codec=None if state else d.codec,
-                                             op="sum", state=state, key=key)
-        if d.codec == BF16_ALLREDUCE:
-            residual = (state.sender_residual(key, tensor.numel(), tensor.device)
-                        if state is not None and state.error_feedback else None)
-            return bf16_all_reduce(tensor, group=group, op="sum", residual=residual)
-        if d.layout == "hier":
+                self.states[old_codec].forget(ef_key)
+                self.states[old_codec].forget(("hierarchical", ef_key))
+            log_rank0(log, logging.INFO, "auto: bucket %s switched %s -> %s; its residuals restart", ef_key, last, kept)
+        self._last_codec[ef_key] = kept
+        self.stats.by_codec[d.codec] += n
+        return route
+
+    def all_reduce_sum(self, tensor: torch.Tensor, group, key: str) -> torch.Tensor:
+        """In-place sum of ``tensor`` over ``group`` (a key from :meth:`compress_key`) on this
+        bucket's route (:meth:`_route`): compressed, and hierarchical with ``topology.hierarchical``."""
+        groups = self._groups_for(group, "all_reduce")
+        route = self._route(tensor, group, groups, key)
+        return self._reduce(route, tensor, group, groups, key)
+
+    def reduce_scatter_sum(self, output: torch.Tensor, input: torch.Tensor, group, key: str) -> torch.Tensor:
+        """``output`` = the sum over ``group`` of ``input``'s shard ``rank`` (as
+        ``reduce_scatter_tensor`` cuts it), for a key from :meth:`compress_key`, on this bucket's
+        route (:meth:`_route`, with the reduce-scatter's time model for ``auto``; ``flat none`` is
+        the host's plain ``reduce_scatter_tensor``): compressed, and hierarchical with
+        ``topology.hierarchical`` (:func:`~robust_plugins.topology.hierarchical_reduce_scatter`).
+        ``output`` may be a view into ``input``."""
+        groups = self._groups_for(group, "reduce_scatter")
+        route = self._route(input, group, groups, key, output)
+        return self._reduce(route, input, group, groups, key, output)
+
+    def _reduce(self, route: str, tensor: torch.Tensor, group, groups, key: str,
+                output: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run ``route`` on this bucket with the error-feedback state of its codec under ``key``."""
+        if route.startswith("hier "):
             self.stats.hierarchical_elements += tensor.numel()
-            return hierarchical_all_reduce(tensor, groups, codec=None if state else d.codec, op="sum",
-                                           state=state, key=key)
-        return compressed_all_reduce(tensor, group=group, codec=None if state else d.codec, op="sum",
-                                     state=state, key=key)
-
-    def reduce_sum(self, tensor: torch.Tensor, dst: int, group, key: str) -> torch.Tensor:
-        """Compressed sum onto group-local rank ``dst`` (phase one only; others unchanged)."""
-        from robust_plugins.comm import compressed_reduce
-
-        if self.hierarchical:
-            warn_once(log, "hierarchical-reduce", "topology.hierarchical covers all-reduces and reduce-scatters: "
-                      "a reduce to one rank (%s) stays a flat compressed reduce.", key)
-        codec = self._codec(tensor, group, tensor.numel(), key)
-        state = self.states.get(codec)
-        return compressed_reduce(tensor, dst, group=group, codec=None if state else codec, op="sum",
-                                 state=state, key=key)
+        state = self.states.get(route.split()[1])
+        return run_route(route, tensor, group, groups, output=output, state=state, key=key)
 
     # -- checkpointing ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -448,3 +354,52 @@ class GradientSync:
             else:  # e.g. bf16_allreduce residuals saved with auto_bf16_error_feedback, which is now off
                 log_rank0(log, logging.WARNING, "auto codec: the checkpoint's %s residuals are not used: this "
                           "job does not feed back %s (its next bucket starts from a zero residual).", codec, codec)
+
+
+
+def run_route(route: str, tensor: torch.Tensor, group, groups, *, output: Optional[torch.Tensor] = None,
+              state=None, key=None, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` on ``route`` (``"<layout> <codec>"``): in place, or with
+    ``output`` as a reduce-scatter into it. ``hier`` runs the hierarchical collective on ``groups``
+    (which falls back to the flat one, with a warning, where the hierarchy has no plan). ``state``
+    and ``key`` give the codec's error feedback (none without a state); the ``bf16_allreduce``
+    route feeds back into ``residual``, or into the state's sender residual under ``key``."""
+    from robust_plugins.comm import compressed_all_reduce, compressed_reduce_scatter
+    from robust_plugins.comm.collectives import bf16_all_reduce
+    from robust_plugins.topology import hierarchical_all_reduce, hierarchical_reduce_scatter
+
+    layout, codec = route.split()
+    wire = None if state is not None else codec
+    if output is not None:
+        if layout == "hier":
+            return hierarchical_reduce_scatter(output, tensor, groups, codec=wire, op="sum", state=state, key=key)
+        return compressed_reduce_scatter(output, tensor, group=group, codec=wire, op="sum", state=state, key=key)
+    if codec == BF16_ALLREDUCE:
+        if residual is None and state is not None and state.error_feedback:
+            residual = state.sender_residual(key, tensor.numel(), tensor.device)
+        return bf16_all_reduce(tensor, group=group, op="sum", residual=residual)
+    if layout == "hier":
+        return hierarchical_all_reduce(tensor, groups, codec=wire, op="sum", state=state, key=key)
+    return compressed_all_reduce(tensor, group=group, codec=wire, op="sum", state=state, key=key)
+
+
+def _trial_run(group, groups, output: Optional[torch.Tensor], bf16_error_feedback: bool):
+    """``run(route, copy)`` for ``auto``'s trial runs: :func:`run_route` on ``group`` (and the
+    hierarchy ``groups``), without error-feedback state; a reduce-scatter into a scratch copy of
+    ``output`` when given."""
+    scratch: dict = {}  # lives for this bucket's trials only
+
+    def run(route: str, t: torch.Tensor) -> None:
+        out = None if output is None else torch.empty_like(output)
+        res = None
+        if route.endswith(BF16_ALLREDUCE) and bf16_error_feedback:
+            # Its error feedback is most of its compute (3 passes of 4 over the bucket), so the
+            # trial pays for it, on a scratch residual that is thrown away. The scratch is kept
+            # for a second trial run: a step reuses its residual, and allocating (first-touch
+            # pages of a bucket-sized buffer) is a cost the first run alone pays.
+            res = scratch.get(t.numel())
+            if res is None:
+                res = scratch[t.numel()] = torch.zeros(t.numel(), dtype=torch.float32, device=t.device)
+        run_route(route, t, group, groups, output=out, residual=res)
+
+    return run

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from robust_plugins.comm.autocodec import (
-    AutoCodec, CodecCost, LinkEstimate, bytes_per_element, choose_codec, measure_codec, predict_seconds,
-)
+from robust_plugins.comm.auto_measure import measure_codec
+from robust_plugins.comm.auto_model import CodecCost, LinkEstimate, bytes_per_element, choose_codec, predict_seconds
+from robust_plugins.comm.autocodec import AutoCodec
 from robust_plugins.config import CompressionConfig, PluginConfig
 from robust_plugins.errors import ConfigError
 
@@ -113,12 +113,12 @@ def test_measure_codec_on_a_real_tensor():
 def test_auto_codec_without_a_process_group_decides_none_and_records_it():
     auto = AutoCodec(recheck_steps=2)
     t = torch.randn(4096)
-    assert auto.codec_for(t) == "none"
+    assert auto.decide(t).codec == "none"
     assert auto.decisions()[0]["reason"] == "group of one: nothing crosses a link"
     assert len(auto.history) == 1 and auto.history[0]["numel"] == 4096
-    auto.codec_for(t)
+    auto.decide(t)
     assert len(auto.history) == 1  # cached until the re-check
-    auto.codec_for(t)
+    auto.decide(t)
     assert len(auto.history) == 2  # step (call count) advanced by recheck_steps: probed again
 
 
@@ -161,7 +161,8 @@ def test_a_single_compression_state_refuses_auto():
 
 
 # -- routes: flat or hierarchical, and the codec (topology.hierarchical with auto) ---------------
-from robust_plugins.comm.autocodec import choose_route, predict_route_seconds, rerun_routes, trial_routes  # noqa: E402
+from robust_plugins.comm.auto_measure import rerun_routes  # noqa: E402
+from robust_plugins.comm.auto_model import choose_route, predict_route_seconds, trial_routes  # noqa: E402
 
 
 def links(inter_gbit: float, intra_gbit: float, world: int = 4, per_node: int = 2) -> dict:
@@ -256,7 +257,7 @@ def test_rerun_gives_a_route_the_model_favoured_a_second_look():
 
 
 def test_step_gain_sums_the_buckets_of_a_step_against_flat_none():
-    from robust_plugins.comm.autocodec import Decision, step_gain
+    from robust_plugins.comm.auto_model import Decision, step_gain
 
     def d(route, measured, predicted=None):
         layout, codec = route.split()
@@ -282,8 +283,50 @@ def test_step_gain_sums_the_buckets_of_a_step_against_flat_none():
     assert step_gain([fast, fast, fast, none]) == pytest.approx(1 - 0.034 / 0.036)
 
 
+def test_hand_back_when_every_bucket_went_flat_none_or_the_routes_save_too_little():
+    from robust_plugins.comm.auto_model import Decision, hand_back_reason
+
+    def d(route, measured):
+        layout, codec = route.split()
+        return Decision(1000, codec, {}, "test", layout=layout, measured_s=measured)
+
+    none = d("flat none", {"flat none": 0.010, "flat bf16_allreduce": 0.012})
+    bf16 = d("flat bf16_allreduce", {"flat none": 0.010, "flat bf16_allreduce": 0.007})
+    hier = d("hier int8", {"flat none": 0.200, "hier int8": 0.070})
+    assert "flat all-reduce for all 2 buckets" in hand_back_reason(["flat none"] * 2, [None, None], 0.1)
+    routes = ["flat none"] * 3 + ["flat bf16_allreduce"]
+    assert "save 8% of the time" in hand_back_reason(routes, [none, none, none, bf16], 0.1)
+    assert hand_back_reason(routes, [none, none, none, bf16], 0.05) is None
+    assert hand_back_reason(["hier int8"] * 2, [hier, hier], 0.1) is None
+    assert hand_back_reason(["flat int8", "flat none"], [None, none], 0.1) is None  # no route plan: keep
+    assert hand_back_reason([], [], 0.1) is None
+
+
+def test_gradient_sync_hands_back_only_auto_steps_without_warm_up_keys():
+    from robust_plugins.comm.gradient_sync import GradientSync
+
+    fixed = GradientSync(CompressionConfig(codec="int8"), step_fn=lambda: 0)
+    assert fixed.hand_back_reason(["site:0"]) is None
+    sync = GradientSync(CompressionConfig(codec="auto"), step_fn=lambda: 0)
+    t = torch.randn(1000)
+    key = sync.compress_key("site", t.numel())
+    sync.all_reduce_sum(t, None, key)  # world of one: the codec-only decision, none
+    assert sync.route_of(key) == "flat none" and sync.decision_of(key) is None
+    assert "for all 1 buckets" in sync.hand_back_reason([key])
+    assert sync.hand_back_reason([key, None]) is None  # a warm-up bucket: nothing was decided
+
+
+def test_host_wire_is_fp32_without_bf16_among_the_candidates_or_its_measured_error():
+    auto = AutoCodec(candidates=("none", "int8"))
+    assert auto.host_wire(lambda: pytest.fail("timed"), None) == (
+        "fp32", "bf16_allreduce is not among auto_candidates", {})
+    auto = AutoCodec(candidates=("none", "bf16_allreduce"))
+    assert auto.host_wire(lambda: pytest.fail("timed"), None)[:2] == (
+        "fp32", "no probe measured bf16_allreduce's error")
+
+
 def test_host_wire_bf16_only_by_min_gain_on_medians_and_within_the_guard():
-    from robust_plugins.comm.autocodec import choose_host_wire
+    from robust_plugins.comm.auto_model import choose_host_wire
 
     fp32 = [0.050, 0.049, 0.080, 0.051, 0.050]  # one slow spell: the median ignores it
     assert choose_host_wire(fp32, [0.044, 0.043, 0.044, 0.090, 0.044], 3e-3, min_gain=0.1, max_error=0.1)[0] == "bf16"
@@ -296,7 +339,7 @@ def test_host_wire_bf16_only_by_min_gain_on_medians_and_within_the_guard():
 
 
 def test_auto_bf16_error_feedback_is_a_checked_bool_and_prices_the_feedback():
-    from robust_plugins.comm.autocodec import measure_bf16_allreduce
+    from robust_plugins.comm.auto_measure import measure_bf16_allreduce
 
     with pytest.raises(ConfigError, match="auto_bf16_error_feedback"):
         PluginConfig.from_dict({"compression": {"codec": "auto", "auto_bf16_error_feedback": "yes"}})
@@ -358,7 +401,7 @@ def test_link_latencies_are_interleaved_barriered_and_the_best_counts(monkeypatc
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(dist, "barrier", lambda group: calls.append(("barrier", group)))
     monkeypatch.setattr(auto_measure, "collective_device", lambda group: torch.device("cpu"))
-    monkeypatch.setattr(auto_measure, "_ranks_of", lambda group: (group,))
+    monkeypatch.setattr(auto_measure, "ranks_of", lambda group: (group,))
     monkeypatch.setattr(auto_measure, "Clock", FakeClock)
     out = auto_measure.measure_links({"flat": "flat", "intra": "intra", "rail": "rail", "none": "one"},
                                      {"flat": 1000.0, "intra": None, "rail": 1000.0}, probe_bytes=4096)
@@ -384,7 +427,7 @@ def test_hier_none_replaces_flat_none_only_by_min_gain():
 
 
 def test_reduce_scatter_model_moves_half_the_bytes_in_one_collective():
-    from robust_plugins.comm.autocodec import predict_reduce_scatter_seconds
+    from robust_plugins.comm.auto_model import predict_reduce_scatter_seconds
 
     lk = link(1, w=4)
     bus = 3 / 4 * N * 4 / lk.bus_bytes_per_s

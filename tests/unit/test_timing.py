@@ -82,21 +82,21 @@ def test_warmup_runs_each_key_once_on_a_device_and_never_on_the_host():
 
 
 def test_timed_runs_warms_up_once_per_group_and_name_where_the_device_needs_it(monkeypatch):
-    """autocodec.timed_runs gives each (group, name) one untimed run before its first timed one on a
+    """auto_measure.timed_runs gives each (group, name) one untimed run before its first timed one on a
     GPU, none on the CPU (run here without a process group)."""
-    from robust_plugins.comm import auto_measure, autocodec
+    from robust_plugins.comm import auto_measure
 
     book, runs = timing.Warmup(), []
     monkeypatch.setattr(auto_measure, "WARMUP", book)
     tensor = torch.ones(8)
-    autocodec.timed_runs(tensor, ("a", "b"), lambda name, t: runs.append(name), None, rounds=2)
+    auto_measure.timed_runs(tensor, ("a", "b"), lambda name, t: runs.append(name), None, rounds=2)
     assert runs == ["a", "b", "a", "b"]  # CPU: no warm-up run
     runs.clear()
     book.forget()
     monkeypatch.setattr(auto_measure, "Clock", lambda device: timing.Clock("cpu"))
     monkeypatch.setattr(timing, "warmup_runs", lambda device: 1)  # a device that needs one
-    autocodec.timed_runs(tensor, ("a", "b"), lambda name, t: runs.append(name), None)
-    autocodec.timed_runs(tensor, ("a", "c"), lambda name, t: runs.append(name), None)
+    auto_measure.timed_runs(tensor, ("a", "b"), lambda name, t: runs.append(name), None)
+    auto_measure.timed_runs(tensor, ("a", "c"), lambda name, t: runs.append(name), None)
     assert runs == ["a", "b", "a", "b", "c", "a", "c"]
 
 
