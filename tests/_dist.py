@@ -42,6 +42,9 @@ def _worker(rank, world_size, port, timeout_s, fn, args, results, env, init):
     # The fork server's environment is the one pytest had when the server started: replace it.
     os.environ.clear()
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    from robust_plugins.patches import wandb_fork
+
+    wandb_fork.own_media_dir()  # as robust run's standbys do: not the fork server's
     import torch
     import torch.distributed as dist
 

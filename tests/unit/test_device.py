@@ -91,7 +91,7 @@ class _FakeCudaRng:
 
 
 def test_rng_state_saved_and_restored_for_the_current_device_only(monkeypatch):
-    from robust_plugins.patches.deepspeed_memory import _rng_state, _set_rng_state
+    from robust_plugins.checkpoint.binding import rng_state as _rng_state, set_rng_state as _set_rng_state
 
     fake = _FakeCudaRng(monkeypatch, index=2)
     state = _rng_state()
@@ -120,7 +120,7 @@ def test_hf_trainer_binding_saves_and_restores_the_current_devices_rng_only(monk
 
 
 def test_rng_state_on_cpu_has_no_cuda_entry():
-    from robust_plugins.patches.deepspeed_memory import _rng_state
+    from robust_plugins.checkpoint.binding import rng_state as _rng_state
 
     assert dev.device_rng_state() is None and "cuda" not in _rng_state()
     dev.set_device_rng_state(None)  # nothing saved: nothing to do

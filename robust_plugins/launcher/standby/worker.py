@@ -150,6 +150,9 @@ def become_rank(status: int, handoff: int, report: dict) -> None:
     _redirect(1, job.get("stdout"))
     _redirect(2, job.get("stderr"))
     say({"k": "go"})
+    from robust_plugins.patches import wandb_fork
+
+    wandb_fork.own_media_dir()  # not the zygote's: a sibling's exit would remove it
     os.close(status)
     os.close(handoff)
     if job.get("module"):
