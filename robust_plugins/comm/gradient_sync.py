@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import torch
 
-from robust_plugins._logging import get_logger, log_rank0
+from robust_plugins._logging import get_logger, log_rank0, warn_once
 from robust_plugins.comm.auto_model import hand_back_reason
 from robust_plugins.comm.autocodec import AutoCodec
 from robust_plugins.comm.state import CompressionState
@@ -320,6 +320,32 @@ class GradientSync:
         groups = self._groups_for(group, "reduce_scatter")
         route = self._route(input, group, groups, key, output)
         return self._reduce(route, input, group, groups, key, output)
+
+    def reduce_sum(self, tensor: torch.Tensor, dst: int, group, key: str) -> torch.Tensor:
+        """Compressed sum onto group-local rank ``dst`` (phase one only; the others' ``tensor`` is
+        left as it is): DeepSpeed ZeRO 1/2's reduce to one rank. Always flat (with
+        ``topology.hierarchical`` too, said once); ``auto`` picks the codec alone."""
+        from robust_plugins.comm import compressed_reduce
+
+        if self.hierarchical:
+            warn_once(log, "hierarchical-reduce", "topology.hierarchical covers all-reduces and reduce-scatters: "
+                      "a reduce to one rank (%s) stays a flat compressed reduce.", key)
+        if self.auto is None:
+            codec = self.config.codec
+        else:
+            before = len(self.auto.history)
+            codec = self.auto.decide(tensor, group).codec
+            if len(self.auto.history) != before:
+                self.stats.auto_decisions = self.auto.decisions()
+            last = self._last_codec.get(key)
+            if last is not None and last != codec and last in self.states:
+                self.states[last].forget(key)  # another quantizer's residual: both sides restart
+                log_rank0(log, logging.INFO, "auto: bucket %s switched %s -> %s; its residuals restart", key, last, codec)
+            self._last_codec[key] = codec
+        self.stats.by_codec[codec] += tensor.numel()
+        state = self.states.get(codec)
+        return compressed_reduce(tensor, dst, group=group, codec=None if state else codec, op="sum",
+                                 state=state, key=key)
 
     def _reduce(self, route: str, tensor: torch.Tensor, group, groups, key: str,
                 output: Optional[torch.Tensor] = None) -> torch.Tensor:
