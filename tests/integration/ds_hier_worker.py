@@ -14,6 +14,7 @@ for the codec's bound, then a few AdamW steps vanilla vs hierarchical int8. Rank
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -49,13 +50,7 @@ def one_step(stage: int, block: dict | None, corpus) -> dict:
         groups = plugin.sync._hierarchy(None)
         counters = {"rail": WireCounter(groups.rail), "intra": WireCounter(groups.intra)}
     counters["all"] = WireCounter()
-    for c in counters.values():
-        c.__enter__()
-    try:
-        train(engine, 1, corpus)
-    finally:
-        for c in counters.values():
-            c.__exit__(None, None, None)
+    _train_counted(engine, corpus, counters)
     update = before - torch.cat([p.detach().flatten() for p in engine.module.parameters()])
     out = {"update": update, "bytes": {k: c.bytes_sent for k, c in counters.items()},
            "calls": {k: dict(c.calls) for k, c in counters.items()}}
@@ -67,6 +62,14 @@ def one_step(stage: int, block: dict | None, corpus) -> dict:
         if plugin.sync._groups is not None:
             out["intra_ranks"], out["rail_ranks"] = plugin.sync._groups.intra_ranks, plugin.sync._groups.rail_ranks
     return out
+
+
+def _train_counted(engine, corpus, counters: dict) -> None:
+    """One training step with every wire counter in ``counters`` open."""
+    with contextlib.ExitStack() as stack:
+        for c in counters.values():
+            stack.enter_context(c)
+        train(engine, 1, corpus)
 
 
 ZERO3 = {"stage3_param_persistence_threshold": 1000}  # the matrices partitioned, the small ones persistent
@@ -82,13 +85,7 @@ def zero3_step(block: dict | None, corpus) -> dict:
     if plugin is not None and plugin.config.topology is not None:
         groups = plugin.sync._hierarchy(None)
         counters |= {"rail": WireCounter(groups.rail), "intra": WireCounter(groups.intra)}
-    for c in counters.values():
-        c.__enter__()
-    try:
-        train(engine, 1, corpus)
-    finally:
-        for c in counters.values():
-            c.__exit__(None, None, None)
+    _train_counted(engine, corpus, counters)
     update = torch.cat([(b - p.ds_tensor.detach().float()).reshape(-1) for b, p in zip(before, params)])
     out = {"update": update, "bytes": {k: c.bytes_sent for k, c in counters.items()},
            "shard": sum(-(-p.ds_numel // dist.get_world_size()) for p in params)}
