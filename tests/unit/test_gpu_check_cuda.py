@@ -27,7 +27,8 @@ def test_gpu_check_runs_on_cpu_up_to_its_gpu_parts_and_writes_json(tmp_path, cap
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     check = _load()
     assert check.main(["--out", str(tmp_path)]) == 0
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("part ")]
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if ln.startswith("part ")]
     report = json.loads((tmp_path / "gpu_check_cuda.json").read_text())
     assert list(report["parts"]) == list(check.PARTS) and len(lines) == len(check.PARTS)
     ran = {"auto", "coord", "heatmap", "pipelined", "threads"}
@@ -38,6 +39,8 @@ def test_gpu_check_runs_on_cpu_up_to_its_gpu_parts_and_writes_json(tmp_path, cap
         else:
             assert part == {"status": "skipped", "reason": "needs a CUDA device", "seconds": part["seconds"]}
             assert f"part {name}: skipped (needs a CUDA device)" in "\n".join(lines)
+    skipped = len(check.PARTS) - len(ran)
+    assert f"PASSED ({len(ran)} ok, {skipped} skipped) - the skipped parts did NOT run" in out
     assert report["env"]["backend"] == "gloo"
     assert not torch.distributed.is_initialized()  # the check leaves no process group behind
 
