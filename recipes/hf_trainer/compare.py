@@ -13,11 +13,11 @@ steps), median step time, gradient bytes per step on rank 0 and their ratio.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 from robust_plugins.errors import ConfigError
+from robust_plugins.recipes._compare import report_and_table, run_summary
 
 HERE = Path(__file__).resolve().parent
 MODULE = "robust_plugins.recipes.hf_trainer.train"
@@ -35,25 +35,15 @@ def config_for(name: str, telemetry_dir: Path, log_every: int, codec: str | None
 
 def summary(name: str, run_dir: Path) -> dict[str, Any]:
     """Final loss, median step time and gradient bytes of one finished run."""
-    from robust_plugins.telemetry.sinks import read_records
-
-    steps = [r for r in read_records(run_dir / "telemetry") if r.get("kind") == "step"]
-    if not steps:
-        raise ConfigError(f"run {name} wrote no telemetry step records in {run_dir}; raise --steps above "
-                          f"--log-every.")
     result = json.loads((run_dir / "result.json").read_text())
     losses = [h["loss"] for h in result["log_history"] if "loss" in h]
-    return {"name": name, "final_loss": statistics.fmean(losses[-5:]),
-            "step_time_s": statistics.median(r["step_time_s"] for r in steps),
-            "grad_bytes_per_step": statistics.median(r["grad_bytes_per_step_rank0"] for r in steps),
-            "digest": result["digest"]}
+    return run_summary(name, run_dir, losses, result["digest"])
 
 
 def compare(*, out_dir: str | Path, preset: str = "cpu-tiny", nproc: int = 2, steps: int = 20, codec: str | None = None,
             log_every: int = 5, seed: int = 0, timeout_s: float = 600.0) -> dict:
     """Run baseline and plugin, write the report; returns the two summaries and the report path."""
     from robust_plugins.launch import run_torchrun
-    from robust_plugins.telemetry.report import build
 
     if steps < log_every:
         raise ConfigError(f"--steps {steps} must be >= --log-every {log_every} (telemetry writes one record "
@@ -70,14 +60,4 @@ def compare(*, out_dir: str | Path, preset: str = "cpu-tiny", nproc: int = 2, st
         print(f"[{name}] torchrun --nproc-per-node {nproc} -m {MODULE} {' '.join(args)}", flush=True)
         run_torchrun(MODULE, args, nproc=nproc, timeout_s=timeout_s, log_path=run_dir / "launch.log")
         summaries.append(summary(name, run_dir))
-    report = build([out / "baseline" / "telemetry", out / "plugin" / "telemetry"], out / "report.html")
-    base, plug = summaries
-    ratio = plug["grad_bytes_per_step"] / base["grad_bytes_per_step"] if base["grad_bytes_per_step"] else None
-    print(f"{'run':<10}{'final loss':>12}{'step time (median)':>20}{'grad bytes/step rank0':>24}")
-    for s in summaries:
-        print(f"{s['name']:<10}{s['final_loss']:>12.4f}{s['step_time_s'] * 1e3:>17.1f} ms{s['grad_bytes_per_step']:>24.0f}")
-    if ratio is not None:
-        print(f"plugin / baseline: gradient bytes {ratio:.3f}x, step time "
-              f"{plug['step_time_s'] / base['step_time_s']:.2f}x, final loss {plug['final_loss'] / base['final_loss']:.4f}x")
-    print(f"report: {report.resolve()}")
-    return {"baseline": base, "plugin": plug, "bytes_ratio": ratio, "report": str(report)}
+    return report_and_table(out, summaries)

@@ -13,11 +13,11 @@ gradient bytes per step and their ratio.
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
 from robust_plugins.errors import ConfigError
+from robust_plugins.recipes._compare import report_and_table, run_summary
 
 HERE = Path(__file__).resolve().parent
 MODULE = "robust_plugins.recipes.megatron_gpt.train"
@@ -31,17 +31,8 @@ def _block(config: Path, telemetry_dir: Path, log_every: int) -> dict:
 
 
 def _summary(name: str, run_dir: Path) -> dict[str, Any]:
-    from robust_plugins.telemetry.sinks import read_records
-
-    steps = [r for r in read_records(run_dir / "telemetry") if r.get("kind") == "step"]
-    if not steps:
-        raise ConfigError(f"run {name} wrote no telemetry step records in {run_dir}; raise --steps above "
-                          f"--log-every.")
     result = json.loads((run_dir / "result.json").read_text())
-    return {"name": name, "final_loss": statistics.mean(result["losses"][-5:]),
-            "step_time_s": statistics.median(r["step_time_s"] for r in steps),
-            "grad_bytes_per_step": statistics.median(r["grad_bytes_per_step_rank0"] for r in steps),
-            "digest": result["digest"]}
+    return run_summary(name, run_dir, result["losses"], result["digest"])
 
 
 def compare(*, out_dir: str | Path, preset: str = "cpu-tiny", nproc: int | None = None, steps: int = 20,
@@ -51,7 +42,6 @@ def compare(*, out_dir: str | Path, preset: str = "cpu-tiny", nproc: int | None 
     ``nproc`` defaults to the ranks the preset is laid out for (``Preset.ranks``)."""
     from robust_plugins.launch import run_torchrun
     from robust_plugins.recipes.megatron_gpt.model import PRESETS
-    from robust_plugins.telemetry.report import build
 
     if preset not in PRESETS:
         raise ConfigError(f"--preset {preset!r}: allowed {', '.join(sorted(PRESETS))}.")
@@ -74,14 +64,4 @@ def compare(*, out_dir: str | Path, preset: str = "cpu-tiny", nproc: int | None 
         print(f"[{name}] torchrun --nproc-per-node {nproc} -m {MODULE} {' '.join(args)}", flush=True)
         run_torchrun(MODULE, args, nproc=nproc, timeout_s=timeout_s, log_path=run_dir / "launch.log")
         summaries.append(_summary(name, run_dir))
-    report = build([out / "baseline" / "telemetry", out / "plugin" / "telemetry"], out / "report.html")
-    base, plug = summaries
-    ratio = plug["grad_bytes_per_step"] / base["grad_bytes_per_step"] if base["grad_bytes_per_step"] else None
-    print(f"{'run':<10}{'final loss':>12}{'step time (median)':>20}{'grad bytes/step rank0':>24}")
-    for s in summaries:
-        print(f"{s['name']:<10}{s['final_loss']:>12.4f}{s['step_time_s'] * 1e3:>17.1f} ms{s['grad_bytes_per_step']:>24.0f}")
-    if ratio is not None:
-        print(f"plugin / baseline: gradient bytes {ratio:.3f}x, step time "
-              f"{plug['step_time_s'] / base['step_time_s']:.2f}x, final loss {plug['final_loss'] / base['final_loss']:.4f}x")
-    print(f"report: {report.resolve()}")
-    return {"baseline": base, "plugin": plug, "bytes_ratio": ratio, "report": str(report)}
+    return report_and_table(out, summaries)
