@@ -30,7 +30,6 @@ from robust_plugins.watchdog.detect import (
 from robust_plugins.watchdog.faults import Fault
 from robust_plugins.launcher.monitor.faultlog import FaultBook
 from robust_plugins.launcher.monitor.state import _RankState
-from robust_plugins.launcher.monitor.transport import Transport
 
 log = get_logger(__name__)
 
@@ -57,9 +56,9 @@ class Detectors:
     learned hang timeout."""
 
     def __init__(self, cfg: WatchdogConfig, run_dir: Path, host: str, lock: threading.Lock, book: FaultBook,
-                 transport: Transport, record: Record) -> None:
+                 record: Record, drain: Callable[[], None]) -> None:
         self.cfg, self.run_dir, self.host = cfg, run_dir, host
-        self._lock, self.book, self.transport, self._record = lock, book, transport, record
+        self._lock, self.book, self._record, self._drain = lock, book, record, drain
         self.reports: list[Fault] = []
         """Faults reported without stopping anything (stragglers)."""
         self._spiked: dict[int, int] = {}
@@ -74,7 +73,6 @@ class Detectors:
         self._learned: tuple[float, float] | None = None
         """(monotonic time, value) of the latest learned hang timeout; None: compute anew."""
         self._warned_unregistered = False
-        self._warned_receiver = False
 
     def relearn(self) -> None:
         """Compute the learned hang timeout anew at the next check (new ranks or new history)."""
@@ -109,20 +107,13 @@ class Detectors:
                 return
 
     def check(self, ranks: dict[int, _RankState], incarnation: int, history: list[float], started: float,
-              will_restart: bool) -> Fault | None:
-        """Run the detectors on ``ranks`` of ``incarnation`` (started at monotonic ``started``;
-        ``history``: earlier incarnations' step times, read under ``lock``): the fault recorded
-        when the ranks must be stopped (SDC, NaN/Inf, spike, hang), else None. Stragglers are
-        followed and reported, never returned."""
-        if not self.transport.alive():
-            if not self._warned_receiver:
-                self._warned_receiver = True
-                log.warning("robust watchdog: the signal receiver stopped; hang, NaN, spike and "
-                            "SDC detection are off for the rest of the job (crashes are still detected).")
-            return None
-        self.transport.drain()
-        now, now_wall = time.monotonic(), time.time()
-        self.transport.heartbeat(now)
+              will_restart: bool, now: float) -> Fault | None:
+        """Run the detectors on ``ranks`` of ``incarnation`` at monotonic time ``now``, after the
+        monitor read what the ranks sent (``started``: the incarnation's start; ``history``:
+        earlier incarnations' step times, read under ``lock``). Returns the fault recorded when
+        the ranks must be stopped (SDC, NaN/Inf, spike, hang), else None; stragglers are followed
+        and reported, never returned."""
+        now_wall = time.time()
         with self._lock:
             bad = {r: st.bad_number for r, st in ranks.items() if st.bad_number}
             progress = {r: st.progress for r, st in ranks.items() if st.registered}
@@ -166,7 +157,7 @@ class Detectors:
                 while (len(self.book.hash_log.get((incarnation, step), {})) < len(ranks)
                        and time.monotonic() < deadline):
                     time.sleep(0.02)
-                    self.transport.drain()
+                    self._drain()
             with self._lock:
                 persistent = replay and minority == rp["ranks"]
                 if replay:

@@ -80,6 +80,7 @@ class Monitor:
         """Ranks whose checkpointed step times seeded ``_history`` (a fresh launcher only)."""
         self._incarnation_started = 0.0
         self._uses_api = False
+        self._warned_receiver = False
         self._queries: list[tuple[int, Any]] = []
         """(step, reply address) of ``ok_to_save`` questions not answered yet."""
         self._stopping = -1
@@ -90,8 +91,8 @@ class Monitor:
         self.emergency = EmergencySaves(cfg.emergency_save_timeout_s, self._savers, self._typical_step_s,
                                         lambda addr, message: self.transport.send(addr, message))
         self.transport = Transport(self.run_dir, self._handle, self._on_records, ring_entries)
-        self.detectors = Detectors(cfg, self.run_dir, self.host, self._lock, self.book, self.transport,
-                                   self._record)
+        self.detectors = Detectors(cfg, self.run_dir, self.host, self._lock, self.book, self._record,
+                                   self.transport.drain)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def worker_env(self, ranks: Iterable[int] | None = None) -> dict[str, str]:
@@ -209,8 +210,17 @@ class Monitor:
         return fault
 
     def _check(self, will_restart: bool) -> Fault | None:
+        if not self.transport.alive():
+            if not self._warned_receiver:
+                self._warned_receiver = True
+                log.warning("robust watchdog: the signal receiver stopped; hang, NaN, spike and "
+                            "SDC detection are off for the rest of the job (crashes are still detected).")
+            return None
+        self.transport.drain()
+        now = time.monotonic()
+        self.transport.heartbeat(now)
         return self.detectors.check(self.ranks, self.incarnation, self._history, self._incarnation_started,
-                                    will_restart)
+                                    will_restart, now)
 
     @property
     def reports(self) -> list[Fault]:
