@@ -18,7 +18,7 @@
 This module never imports megatron-core itself: every call into it is in ``patches/``
 (``megatron.py``: gradient sync; ``megatron_checkpoint.py``: the layout, sharded state dicts,
 ``dist_checkpointing`` save and load; ``megatron_memory.py``: snapshots; ``megatron_cpu.py``: the
-CPU shim), imported when these functions run.
+CPU shim), which import megatron-core when these functions run.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from robust_plugins._logging import get_logger
 from robust_plugins.config import CheckpointConfig, PluginConfig
 from robust_plugins.device import collective_device, device_rng_state, set_device_rng_state
 from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
+from robust_plugins.patches import megatron_checkpoint as mcore
 
 log = get_logger(__name__)
 
@@ -238,16 +239,14 @@ class MegatronCheckpointer:
         import torch.distributed as dist
 
         from robust_plugins.checkpoint import DiskCheckpointer
-        from robust_plugins.patches import megatron_checkpoint as host
         from robust_plugins.patches.megatron import check_megatron_version, megatron_version
 
         check_megatron_version()
-        self.chunks = _chunks(ddp, host.virtual_pipeline_size())
+        self.chunks = _chunks(ddp, mcore.virtual_pipeline_size())
         """The model chunks saved (one DDP each; several with virtual pipeline stages)."""
         self.plugins = _chunk_plugins(self.chunks, plugin)
         """Each chunk's plugin (None where a chunk has none), in chunk order."""
-        self._host = host
-        self._dist = host.DistCheckpoint(self.chunks, optimizer)  # refuses optimizers it cannot save
+        self._dist = mcore.DistCheckpoint(self.chunks, optimizer)  # refuses optimizers it cannot save
         self.ddp = self.chunks[0]
         """The first chunk (the only one without virtual pipeline stages)."""
         self.optimizer = optimizer
@@ -257,7 +256,7 @@ class MegatronCheckpointer:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
-        layout = host.layout()
+        layout = mcore.layout()
         if len(self.chunks) > 1:  # older manifests have no vpp: a 1F1B checkpoint loads as before
             layout["vpp"] = len(self.chunks)
         self.gradient_accumulation_steps: int | None = _accumulation(global_batch, micro_batch, layout["dp"])
@@ -306,7 +305,7 @@ class MegatronCheckpointer:
         from robust_plugins.patches.megatron_memory import plugin_states
 
         return {"format": 1, "step": int(step), "extra": extra, "plugin": plugin_states(self.plugins),
-                "cpu_rng": torch.get_rng_state(), "tracker_rng": self._host.tracker_rng_states(),
+                "cpu_rng": torch.get_rng_state(), "tracker_rng": mcore.tracker_rng_states(),
                 **({"cuda_rng": rng} if (rng := device_rng_state()) is not None else {})}
 
     # ------------------------------------------------------------------------------ save
@@ -399,7 +398,7 @@ class MegatronCheckpointer:
 
             load_plugin_states(self.plugins, state["plugin"], f"Checkpoint {directory}")
         torch.set_rng_state(state["cpu_rng"])
-        self._host.set_tracker_rng_states(state["tracker_rng"])
+        mcore.set_tracker_rng_states(state["tracker_rng"])
         set_device_rng_state(state.get("cuda_rng"))
         self.extra = state["extra"]
         if self.memory is not None:
@@ -413,17 +412,17 @@ class MegatronCheckpointer:
         from robust_plugins.checkpoint.manifest import read_manifest
 
         m = read_manifest(directory)
-        now = {**self._host.layout(), "world_size": self.world_size, "micro_batch": self.disk.layout.get("micro_batch")}
+        now = {**mcore.layout(), "world_size": self.world_size, "micro_batch": self.disk.layout.get("micro_batch")}
         plan = plan_megatron_reshard({"where": f"checkpoint {directory}", "world_size": m.world_size, **m.layout},
                                      now)
         self.resharded = None
         if plan is None:
             return None
-        extra_dims = self._host.extra_parallel_sizes()
+        extra_dims = mcore.extra_parallel_sizes()
         if any(v != 1 for v in extra_dims.values()):
             raise CheckpointError(f"Resharding {directory} to dp {now['dp']} supports context- and expert-parallel "
                                   f"size 1 only, this job has {extra_dims}; resume at dp {m.layout.get('dp')}.")
-        source = self._host.saved_rank_of_this_position(m.layout["tp"], m.layout["dp"])
+        source = mcore.saved_rank_of_this_position(m.layout["tp"], m.layout["dp"])
         self.gradient_accumulation_steps = plan.gradient_accumulation_steps
         self.disk.layout.update(global_batch=plan.train_batch_size,
                                 gradient_accumulation_steps=plan.gradient_accumulation_steps)
@@ -440,7 +439,7 @@ class MegatronCheckpointer:
         from robust_plugins import watchdog
         from robust_plugins.checkpoint import emergency
 
-        layout = self._host.layout()
+        layout = mcore.layout()
         why = emergency.plan(zero_stage=1 if hasattr(self.optimizer, "sharded_state_dict") else 0,
                              model_parallel=layout["tp"] * layout["pp"], host="megatron-core",
                              has_residuals=any(p is not None for p in self.plugins))
