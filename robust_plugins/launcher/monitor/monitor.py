@@ -210,6 +210,7 @@ class Monitor:
         return fault
 
     def _check(self, will_restart: bool) -> Fault | None:
+        """Read what the ranks sent, then :meth:`Detectors.check`; None once the receiver stopped."""
         if not self.transport.alive():
             if not self._warned_receiver:
                 self._warned_receiver = True
