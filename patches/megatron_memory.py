@@ -239,3 +239,9 @@ class MegatronMemory(SnapshotBinding):
         self.restored = {"step": step, "source": source, "seconds": time.perf_counter() - t0}
         record_restore(step, source, self.restored["seconds"])
         return step
+
+    def restored_from_disk(self, step: int, tag: str, seconds: float) -> None:
+        """Note that the disk checkpoint ``tag`` restored ``step`` (the next snapshot is the one
+        after it) and append it to ``restores.jsonl``."""
+        self.taken_at = step
+        record_restore(step, f"disk:{tag}", seconds)

@@ -15,10 +15,10 @@
         if step % save_every == 0:
             ckpt.save(step)
 
-This module imports megatron-core only when these functions are called. Everything touching
-megatron-core internals lives in ``patches/megatron.py`` (gradient sync) and
-``patches/megatron_cpu.py`` (the CPU shim); checkpoints go through megatron-core's public
-``dist_checkpointing.save`` / ``load``.
+This module never imports megatron-core itself: every call into it is in ``patches/``
+(``megatron.py``: gradient sync; ``megatron_checkpoint.py``: the layout, sharded state dicts,
+``dist_checkpointing`` save and load; ``megatron_memory.py``: snapshots; ``megatron_cpu.py``: the
+CPU shim), which import megatron-core when these functions run.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from robust_plugins._logging import get_logger
 from robust_plugins.config import CheckpointConfig, PluginConfig
 from robust_plugins.device import collective_device, device_rng_state, set_device_rng_state
 from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
+from robust_plugins.patches import megatron_checkpoint as mcore
 
 log = get_logger(__name__)
 
@@ -109,14 +110,13 @@ def apply_rank_order(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, topo
     out = {"rank": new, "launcher_rank": old, "order": list(order), "source": topo.source}
     if list(order) == list(range(world)):
         return out
-    # torch keeps the default group's store privately; holding our own reference keeps a store
-    # hosted by this process (rank 0 without torchrun's agent store) alive across the re-init.
-    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if get_store is None:
+    from robust_plugins.patches.torch_c10d import default_store
+
+    store = default_store()  # our reference keeps it alive across the re-init
+    if store is None:
         raise ConfigError(f"apply_rank_order: torch {torch.__version__} has no "
                           f"distributed_c10d._get_default_store; launch the processes in the order "
                           f"{list(order)} instead (RANK = position in that list).")
-    store = get_store()
     backend = dist.get_backend()
     dist.destroy_process_group()
     dist.init_process_group(backend, store=dist.PrefixStore("robust_plugins/rank_order/", store), rank=new,
@@ -163,13 +163,6 @@ def _optimizer_kind(opt) -> str | None:
     return "+".join(type(p).__name__ for p in chain) if chain is not None else type(opt).__name__
 
 
-def _layout() -> dict[str, int]:
-    from megatron.core import parallel_state as ps
-
-    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size()}
-
-
 def _chunks(ddp: Any, vpp: int | None) -> list:
     """The model chunks as a list, checked against megatron's virtual pipeline size."""
     chunks = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
@@ -179,17 +172,6 @@ def _chunks(ddp: Any, vpp: int | None) -> list:
             f"virtual_pipeline_model_parallel_size = {vpp}; pass {vpp or 1}: every chunk of this rank "
             f"(Megatron-LM's model list, in virtual-stage order), each a megatron DistributedDataParallel.")
     return chunks
-
-
-def _ties_embeddings(chunk) -> bool:
-    """Whether a model chunk (DDP, ``Float16Module``, ``GPTModel``) shares its input embedding
-    and output layer weights."""
-    module = chunk
-    while module is not None:
-        if getattr(module, "share_embeddings_and_output_weights", False):
-            return True
-        module = getattr(module, "module", None)
-    return False
 
 
 def _chunk_plugins(chunks: list, plugin: Any) -> list:
@@ -260,20 +242,11 @@ class MegatronCheckpointer:
         from robust_plugins.patches.megatron import check_megatron_version, megatron_version
 
         check_megatron_version()
-        from megatron.core import parallel_state as ps
-
-        from robust_plugins.patches import megatron_optim
-
-        self.chunks = _chunks(ddp, ps.get_virtual_pipeline_model_parallel_world_size())
+        self.chunks = _chunks(ddp, mcore.virtual_pipeline_size())
         """The model chunks saved (one DDP each; several with virtual pipeline stages)."""
-        self._disk_refusal = (megatron_optim.interleaved_disk_refusal(optimizer, len(self.chunks))
-                              if any(_ties_embeddings(c) for c in self.chunks) else None)
         self.plugins = _chunk_plugins(self.chunks, plugin)
         """Each chunk's plugin (None where a chunk has none), in chunk order."""
-        self._megatron_optimizer = optimizer is not None and megatron_optim.is_megatron_optimizer(optimizer)
-        if self._megatron_optimizer:
-            megatron_optim.check(optimizer, "MegatronCheckpointer")
-            megatron_optim.install()
+        self._dist = mcore.DistCheckpoint(self.chunks, optimizer)  # refuses optimizers it cannot save
         self.ddp = self.chunks[0]
         """The first chunk (the only one without virtual pipeline stages)."""
         self.optimizer = optimizer
@@ -283,7 +256,7 @@ class MegatronCheckpointer:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
-        layout = _layout()
+        layout = mcore.layout()
         if len(self.chunks) > 1:  # older manifests have no vpp: a 1F1B checkpoint loads as before
             layout["vpp"] = len(self.chunks)
         self.gradient_accumulation_steps: int | None = _accumulation(global_batch, micro_batch, layout["dp"])
@@ -324,64 +297,15 @@ class MegatronCheckpointer:
             self.memory = MegatronMemory(self.chunks, optimizer, self.plugins, self.config)
 
     # ----------------------------------------------------------------------------- state
-    def _optimizer_sharded(self, model_sd: dict, is_loading: bool) -> Any:
-        opt = self.optimizer
-        if opt is None:
-            return None
-        if self._megatron_optimizer:
-            from robust_plugins.patches import megatron_optim
-
-            if is_loading:
-                megatron_optim.prepare_load(opt)
-            # The distributed optimizer's format that loads at any data-parallel size (its default
-            # in 0.16, fully_sharded_model_space, is deprecated there); the others ignore it.
-            return opt.sharded_state_dict(model_sd, is_loading=is_loading,
-                                          metadata={"distrib_optim_sharding_type": "fully_reshardable"})
-        if hasattr(opt, "sharded_state_dict"):
-            return opt.sharded_state_dict(model_sd, is_loading=is_loading)
-        from megatron.core.dist_checkpointing.optimizer import (
-            get_param_id_to_sharded_param_map, optim_state_to_sharding_state,
-        )
-
-        params = [p for g in opt.param_groups for p in g["params"]]
-        if is_loading:
-            # The load template needs every state tensor to exist; shapes are what matter.
-            for p in params:
-                if p not in opt.state or not opt.state[p]:
-                    opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                    "exp_avg_sq": torch.zeros_like(p)}
-        state = opt.state_dict()
-        # megatron's helper drops excluded keys; Adam's per-parameter step counts (scalars, equal
-        # on every rank) travel beside the sharded moments instead, as common state.
-        steps = {pid: s["step"].clone() for pid, s in state["state"].items() if "step" in s}
-        id_map = get_param_id_to_sharded_param_map(model_sd, params)
-        optim_state_to_sharding_state(state, id_map, exclude_keys=("step",))
-        state["param_steps"] = steps
-        return state
-
-    def _model_keys(self) -> list[str]:
-        """Megatron-LM's keys: ``model`` for one chunk, ``model0``, ``model1``... for several."""
-        return ["model"] if len(self.chunks) == 1 else [f"model{i}" for i in range(len(self.chunks))]
-
-    def _model_sharded(self) -> dict:
-        return {key: c.module.sharded_state_dict(prefix="") for key, c in zip(self._model_keys(), self.chunks)}
-
     def sharded_state_dict(self, is_loading: bool = False) -> dict:
         """megatron-core sharded state dict of the model chunks (and optimizer) this checkpointer saves."""
-        out = self._model_sharded()
-        # The optimizer maps its parameters through a second, untouched copy of the model's.
-        opt = self._optimizer_sharded(self._model_sharded(), is_loading)
-        if opt is not None:
-            out["optimizer"] = opt
-        return out
+        return self._dist.sharded_state_dict(is_loading)
 
     def _rank_state(self, step: int, extra: Any) -> dict:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
         from robust_plugins.patches.megatron_memory import plugin_states
 
         return {"format": 1, "step": int(step), "extra": extra, "plugin": plugin_states(self.plugins),
-                "cpu_rng": torch.get_rng_state(), "tracker_rng": get_cuda_rng_tracker().get_states(),
+                "cpu_rng": torch.get_rng_state(), "tracker_rng": mcore.tracker_rng_states(),
                 **({"cuda_rng": rng} if (rng := device_rng_state()) is not None else {})}
 
     # ------------------------------------------------------------------------------ save
@@ -401,15 +325,13 @@ class MegatronCheckpointer:
         A failure on any rank leaves the previous checkpoints and ``latest`` untouched and raises
         CheckpointError on every rank.
         """
-        from megatron.core import dist_checkpointing
-
-        if self._disk_refusal is not None:
-            raise UnsupportedError(self._disk_refusal)
+        if self._dist.disk_refusal is not None:
+            raise UnsupportedError(self._dist.disk_refusal)
         root = self._root(root)
         tag = f"iter_{int(step):07d}" if tag is None else str(tag)
         staging = self.disk.begin(root, tag)
         try:
-            dist_checkpointing.save(self.sharded_state_dict(), staging)
+            self._dist.save(staging)
         except Exception as exc:  # reported by every rank's finish(), which cleans up and raises
             log.exception("robust_plugins: rank %d: dist_checkpointing.save of %s failed", self.rank, tag)
             self.disk.fail(exc)
@@ -435,9 +357,6 @@ class MegatronCheckpointer:
         """
         import time
 
-        from megatron.core import dist_checkpointing
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
         from robust_plugins.checkpoint import scan
         from robust_plugins.checkpoint.restore import rollback_bound
         from robust_plugins.checkpoint.safe_pickle import check_dist_checkpoint
@@ -453,9 +372,9 @@ class MegatronCheckpointer:
             step = self.memory.restore(disk_step=max(steps, default=None))
             if step is not None:
                 return step
-        if self._disk_refusal is not None:
+        if self._dist.disk_refusal is not None:
             if tag is not None or scan(root):
-                raise UnsupportedError(self._disk_refusal)
+                raise UnsupportedError(self._dist.disk_refusal)
             return None
         tag = self.disk.select(root, tag, max_step=bound)
         if tag is None:
@@ -463,15 +382,7 @@ class MegatronCheckpointer:
         directory = os.path.join(root, tag)
         check_dist_checkpoint(directory)  # torch unpickles .metadata with plain pickle.load
         plan = self._plan_reshard(directory)
-        loaded = dist_checkpointing.load(self.sharded_state_dict(is_loading=True), directory)
-        for key, chunk in zip(self._model_keys(), self.chunks):
-            chunk.module.load_state_dict(loaded[key])
-        if self.optimizer is not None:
-            osd = loaded["optimizer"]
-            if not hasattr(self.optimizer, "sharded_state_dict"):
-                for pid, step in osd.pop("param_steps", {}).items():
-                    osd["state"][pid]["step"] = step
-            self.optimizer.load_state_dict(osd)
+        self._dist.load(directory)
         path = os.path.join(directory, STATE_FILE.format(rank=self.rank if plan is None else plan[1]))
         if not os.path.isfile(path):
             raise CheckpointError(f"Checkpoint {directory} has no {os.path.basename(path)}: it was written by "
@@ -487,39 +398,31 @@ class MegatronCheckpointer:
 
             load_plugin_states(self.plugins, state["plugin"], f"Checkpoint {directory}")
         torch.set_rng_state(state["cpu_rng"])
-        get_cuda_rng_tracker().set_states(state["tracker_rng"])
+        mcore.set_tracker_rng_states(state["tracker_rng"])
         set_device_rng_state(state.get("cuda_rng"))
         self.extra = state["extra"]
         if self.memory is not None:
-            from robust_plugins.patches.deepspeed_memory import record_restore
-
-            self.memory.taken_at = int(state["step"])
-            record_restore(int(state["step"]), f"disk:{tag}", time.perf_counter() - t0)
+            self.memory.restored_from_disk(int(state["step"]), tag, time.perf_counter() - t0)
         return int(state["step"])
 
     def _plan_reshard(self, directory: str) -> tuple[Any, int] | None:
         """(plan, saved rank whose per-rank file this rank reads) for a checkpoint of another
         data-parallel size, after adopting the plan's accumulation; None at the same size."""
-        from megatron.core import parallel_state as ps
-
         from robust_plugins.checkpoint.elastic import plan_megatron_reshard
         from robust_plugins.checkpoint.manifest import read_manifest
 
         m = read_manifest(directory)
-        now = {**_layout(), "world_size": self.world_size, "micro_batch": self.disk.layout.get("micro_batch")}
+        now = {**mcore.layout(), "world_size": self.world_size, "micro_batch": self.disk.layout.get("micro_batch")}
         plan = plan_megatron_reshard({"where": f"checkpoint {directory}", "world_size": m.world_size, **m.layout},
                                      now)
         self.resharded = None
         if plan is None:
             return None
-        extra_dims = {"context": ps.get_context_parallel_world_size(),
-                      "expert": ps.get_expert_model_parallel_world_size()}
+        extra_dims = mcore.extra_parallel_sizes()
         if any(v != 1 for v in extra_dims.values()):
             raise CheckpointError(f"Resharding {directory} to dp {now['dp']} supports context- and expert-parallel "
                                   f"size 1 only, this job has {extra_dims}; resume at dp {m.layout.get('dp')}.")
-        # megatron's default order (tp-cp-ep-dp-pp): rank = tp_rank + tp * (dp_rank + dp * pp_rank).
-        tp, s_dp = m.layout["tp"], m.layout["dp"]
-        source = ps.get_tensor_model_parallel_rank() + tp * s_dp * ps.get_pipeline_model_parallel_rank()
+        source = mcore.saved_rank_of_this_position(m.layout["tp"], m.layout["dp"])
         self.gradient_accumulation_steps = plan.gradient_accumulation_steps
         self.disk.layout.update(global_batch=plan.train_batch_size,
                                 gradient_accumulation_steps=plan.gradient_accumulation_steps)
@@ -536,7 +439,7 @@ class MegatronCheckpointer:
         from robust_plugins import watchdog
         from robust_plugins.checkpoint import emergency
 
-        layout = _layout()
+        layout = mcore.layout()
         why = emergency.plan(zero_stage=1 if hasattr(self.optimizer, "sharded_state_dict") else 0,
                              model_parallel=layout["tp"] * layout["pp"], host="megatron-core",
                              has_residuals=any(p is not None for p in self.plugins))

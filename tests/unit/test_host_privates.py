@@ -24,9 +24,6 @@ ALLOWED = {
         "read with getattr, None when absent: the call is timed at its launch",
     ("comm/wire.py", "_CoalescingManager"): "the same: the block's completion; absent: launch timing",
     ("comm/wire.py", "_IllegalWork"): "the same: a work without a future is timed at its launch",
-    ("megatron.py", "_get_default_store"):
-        "apply_rank_order keeps the default group's store alive across the re-init; absent: a "
-        "ConfigError says to launch in the printed order instead",
     ("watchdog/flight.py", "torch._C._distributed_c10d._WorkerServer"):
         "torch's flight-recorder server has no public constructor; absent: logged, hang "
         "localisation falls back to stacks",

@@ -60,8 +60,8 @@ def test_agent_is_not_built_on_a_mismatching_torch(monkeypatch):
 
     monkeypatch.setattr(torch_elastic, "SUPPORTED_BELOW", (2, 0, 0))
     monkeypatch.setattr(torch_elastic, "SUPPORTED_MIN", (1, 0, 0))
-    with pytest.raises(HostVersionError, match="elastic agent"):
-        agent._agent_class()
+    with pytest.raises(HostVersionError, match="elastic agent"):  # before torch's __init__ runs
+        agent.RobustAgent(spec=None, logs_specs=None, monitor=None, node="n")
 
 
 def test_rendezvous_poll_is_shortened_only_inside_the_block(monkeypatch):
@@ -140,7 +140,7 @@ def test_the_guard_lists_every_private_member_the_agent_uses():
             (own if isinstance(node.ctx, ast.Store) else used).add(node.attr)
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    ours = {n for n in vars(agent._agent_class()) if not n.startswith("__") and n != "_abc_impl"}
+    ours = {n for n in vars(agent.RobustAgent) if not n.startswith("__") and n != "_abc_impl"}
     own |= ours
     overridden = {n for n in ours if hasattr(LocalElasticAgent, n)}
     guarded = set(torch_elastic.OVERRIDDEN) | set(torch_elastic.AGENT_FIELDS) | {torch_elastic.PCONTEXT_FIELD}

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import threading
 import time
+from pathlib import Path
+from typing import Callable
 
 from robust_plugins._logging import get_logger
+from robust_plugins.config import WatchdogConfig
 from robust_plugins.watchdog import flight as _flight
 from robust_plugins.launcher.monitor import stacks as _stacks
 from robust_plugins.watchdog.detect import (
@@ -24,6 +28,7 @@ from robust_plugins.watchdog.detect import (
     stragglers,
 )
 from robust_plugins.watchdog.faults import Fault
+from robust_plugins.launcher.monitor.faultlog import FaultBook
 from robust_plugins.launcher.monitor.state import _RankState
 
 log = get_logger(__name__)
@@ -34,24 +39,56 @@ log = get_logger(__name__)
 _LEARN_EVERY_S = 1.0
 
 
-class _MonitorDetectors:
-    """The judging half of :class:`~robust_plugins.launcher.monitor.Monitor`: what each step record
-    adds to the evidence (:meth:`_on_step`, under the monitor's lock) and the detectors (NaN/Inf,
-    spike, SDC, straggler, hang) that :meth:`_check` runs from the agent thread. The decisions are
-    the pure functions of :mod:`robust_plugins.watchdog.detect`; the per-rank state they read is
-    the monitor's (``ranks``, ``_history``), and every fault goes to its ``book``."""
+Record = Callable[..., Fault]
+"""The monitor's ``_record(fault, detected_at=None)``: writes a fault to the book and returns it."""
 
-    def _on_step(self, st: _RankState, rank: int, step: int, loss: float | None,
-                 grad_norm: float | None, wall_s: float | None, comm_s: float | None,
-                 t_wall: float, now: float) -> None:
-        """A rank finished ``step`` at monotonic time ``now`` (wall time ``t_wall``); under ``_lock``."""
-        st.registered = self._uses_api = True  # also if its hello came too early
+
+class Detectors:
+    """The judging part of :class:`~robust_plugins.launcher.monitor.Monitor`, one per monitor:
+    what each step record adds to the evidence (:meth:`on_step`, under ``lock``) and the
+    detectors (NaN/Inf, spike, SDC, straggler, hang) that :meth:`check` runs from the agent thread.
+
+    The decisions are the pure functions of :mod:`robust_plugins.watchdog.detect`. The per-rank
+    state they judge (``ranks``: the current incarnation's, and ``incarnation``) is the monitor's and
+    comes with each call; faults that stop the ranks go to ``record``, straggler reports to
+    :attr:`reports` and ``book.file``. Owned here: the running medians of loss and gradient norm,
+    the steps whose batch is skipped (:attr:`skip_steps`, kept in ``skip_steps.json``) and the
+    learned hang timeout."""
+
+    def __init__(self, cfg: WatchdogConfig, run_dir: Path, host: str, lock: threading.Lock, book: FaultBook,
+                 record: Record, drain: Callable[[], None]) -> None:
+        self.cfg, self.run_dir, self.host = cfg, run_dir, host
+        self._lock, self.book, self._record, self._drain = lock, book, record, drain
+        self.reports: list[Fault] = []
+        """Faults reported without stopping anything (stragglers)."""
+        self._spiked: dict[int, int] = {}
+        """Spike faults per step, over every incarnation."""
+        self.skip_path = run_dir / "skip_steps.json"
+        self.skip_steps: set[int] = set()
+        """Steps whose batch the ranks skip (spiked twice); kept in the run directory, so a
+        relaunch with the same ``--run-dir`` skips them too."""
+        if self.skip_path.exists():
+            self.skip_steps = {int(x) for x in json.loads(self.skip_path.read_text())["steps"]}
+        self._medians: dict[tuple[int, str], RunningMedian] = {}
+        self._learned: tuple[float, float] | None = None
+        """(monotonic time, value) of the latest learned hang timeout; None: compute anew."""
+        self._warned_unregistered = False
+
+    def relearn(self) -> None:
+        """Compute the learned hang timeout anew at the next check (new ranks or new history)."""
+        self._learned = None
+
+    def on_step(self, st: _RankState, rank: int, step: int, loss: float | None,
+                grad_norm: float | None, wall_s: float | None, comm_s: float | None,
+                t_wall: float, now: float, incarnation: int) -> None:
+        """Rank ``rank`` (state ``st``) of ``incarnation`` finished ``step`` at monotonic time
+        ``now`` (wall time ``t_wall``); under ``lock``."""
         st.last_msg_wall = t_wall
-        self.book.on_step(step, now, self.incarnation)
+        self.book.on_step(step, now, incarnation)
         st.progress.on_step(step, now)
         if wall_s is not None and comm_s is not None:
             st.compute.append((step, max(0.0, float(wall_s) - float(comm_s)), t_wall))
-        self._note_bad_number(st, step, loss, grad_norm, t_wall)
+        self.note_bad_number(st, step, loss, grad_norm, t_wall)
         for what, value in (("loss", loss), ("grad_norm", grad_norm)):
             # Medians live across incarnations: a restarted job needs no new warm-up.
             med = self._medians.setdefault((rank, what), RunningMedian(self.cfg.spike_window))
@@ -59,8 +96,9 @@ class _MonitorDetectors:
             if median is not None and st.spike is None:
                 st.spike = (step, what, float(value), median, t_wall)
 
-    def _note_bad_number(self, st: _RankState, step: int, loss: float | None,
-                         grad_norm: float | None, t_wall: float) -> None:
+    def note_bad_number(self, st: _RankState, step: int, loss: float | None,
+                        grad_norm: float | None, t_wall: float) -> None:
+        """Keep the first NaN/Inf loss or gradient norm of a rank (under ``lock``)."""
         if not self.cfg.nan_check or st.bad_number is not None:
             return
         for what, value in (("loss", loss), ("grad_norm", grad_norm)):
@@ -68,24 +106,22 @@ class _MonitorDetectors:
                 st.bad_number = (step, what, value, t_wall)
                 return
 
-    def _check(self, will_restart: bool) -> Fault | None:
-        if not self.transport.alive():
-            if not self._warned_receiver:
-                self._warned_receiver = True
-                log.warning("robust watchdog: the signal receiver stopped; hang, NaN, spike and "
-                            "SDC detection are off for the rest of the job (crashes are still detected).")
-            return None
-        self.transport.drain()
-        now, now_wall = time.monotonic(), time.time()
-        self.transport.heartbeat(now)
+    def check(self, ranks: dict[int, _RankState], incarnation: int, history: list[float], started: float,
+              will_restart: bool, now: float) -> Fault | None:
+        """Run the detectors on ``ranks`` of ``incarnation`` at monotonic time ``now``, after the
+        monitor read what the ranks sent (``started``: the incarnation's start; ``history``:
+        earlier incarnations' step times, read under ``lock``). Returns the fault recorded when
+        the ranks must be stopped (SDC, NaN/Inf, spike, hang), else None; stragglers are followed
+        and reported, never returned."""
+        now_wall = time.time()
         with self._lock:
-            bad = {r: st.bad_number for r, st in self.ranks.items() if st.bad_number}
-            progress = {r: st.progress for r, st in self.ranks.items() if st.registered}
-            finished = [r for r, st in self.ranks.items() if st.finished]
-            silent = sorted(r for r, st in self.ranks.items() if not st.registered)
-            history = list(self._history)
+            bad = {r: st.bad_number for r, st in ranks.items() if st.bad_number}
+            progress = {r: st.progress for r, st in ranks.items() if st.registered}
+            finished = [r for r, st in ranks.items() if st.finished]
+            silent = sorted(r for r, st in ranks.items() if not st.registered)
+            history = list(history)
         if (silent and not self._warned_unregistered
-                and now - self._incarnation_started > self.cfg.hang_initial_timeout_s):
+                and now - started > self.cfg.hang_initial_timeout_s):
             self._warned_unregistered = True
             log.warning("robust watchdog: ranks %s sent no step signal within %.0f s, so they are "
                         "not watched for hangs. Call robust_plugins.watchdog.step_end(step, ...) "
@@ -102,7 +138,7 @@ class _MonitorDetectors:
                         "reason": f"{first[1]} = {first[2]} at step {step}"},
             ))
         with self._lock:
-            sdc = sorted((st.sdc for st in self.ranks.values() if st.sdc), key=lambda x: x[0])
+            sdc = sorted((st.sdc for st in ranks.values() if st.sdc), key=lambda x: x[0])
         if sdc:
             # Every rank computed the same verdict from the same all-gathered hashes.
             step, minority, reason, t, every = sdc[0]
@@ -113,20 +149,20 @@ class _MonitorDetectors:
                 checked["checked_by"] = "snapshot"
             with self._lock:
                 rp = self.book.sdc_replay
-                replay = rp is not None and self.incarnation > rp["incarnation"] and step == rp["step"]
+                replay = rp is not None and incarnation > rp["incarnation"] and step == rp["step"]
             if replay:
                 # Every rank sends its hash right after the same all-gather: wait (bounded) for
                 # all of them, so the evidence holds every replica's.
                 deadline = time.monotonic() + 1.0
-                while (len(self.book.hash_log.get((self.incarnation, step), {})) < len(self.ranks)
+                while (len(self.book.hash_log.get((incarnation, step), {})) < len(ranks)
                        and time.monotonic() < deadline):
                     time.sleep(0.02)
-                    self.transport.drain()
+                    self._drain()
             with self._lock:
                 persistent = replay and minority == rp["ranks"]
                 if replay:
                     first = self.book.replay_verdict("persistent" if persistent else "different", minority,
-                                                     self.incarnation)
+                                                     incarnation)
             if persistent:
                 # The same ranks corrupted the same step twice, from a verified checkpoint: their
                 # hardware, not a cosmic ray. Restarting on it would loop; the job stops (a
@@ -153,10 +189,10 @@ class _MonitorDetectors:
                     # The rollback replays the steps up to `step` on every rank (a data-parallel
                     # step needs its peers' gradients); the replayed check there is the verdict.
                     self.book.sdc_replay = {"fault": fault, "step": step, "ranks": minority,
-                                        "incarnation": self.incarnation, "agreed": False}
+                                            "incarnation": incarnation, "agreed": False}
             return fault
         with self._lock:
-            spikes = {r: st.spike for r, st in self.ranks.items() if st.spike}
+            spikes = {r: st.spike for r, st in ranks.items() if st.spike}
         if spikes:
             step = min(sp[0] for sp in spikes.values())
             suspects = sorted(r for r, sp in spikes.items() if sp[0] == step)
@@ -173,14 +209,14 @@ class _MonitorDetectors:
                                   + ("; it spiked before the rollback too: the restarted ranks skip "
                                      "its batch" if skip else "")},
             ))
-        self._check_stragglers(now_wall)
+        self._check_stragglers(ranks, incarnation, now_wall)
         if self._learned is None or now - self._learned[0] >= _LEARN_EVERY_S:
             self._learned = (now, learned_timeout(self.cfg, progress, history))
         stalled, timeout = stalled_ranks(self.cfg, progress, now, finished, history,
                                          learned=self._learned[1])
         if not stalled:
             return None
-        return self._hang(stalled, timeout, will_restart, now)
+        return self._hang(ranks, incarnation, stalled, timeout, will_restart, now)
 
     def _note_spike(self, step: int) -> bool:
         """Count a spike at ``step``; True when its batch is to be skipped from now on."""
@@ -194,7 +230,7 @@ class _MonitorDetectors:
         os.replace(tmp, self.skip_path)
         return True
 
-    def _check_stragglers(self, now_wall: float) -> None:
+    def _check_stragglers(self, ranks: dict[int, _RankState], incarnation: int, now_wall: float) -> None:
         """Follow stragglers (ranks whose compute time stays above their peers'), never restarting
         for one: an episode starts when the detector names the rank (said in the log) and is
         written to ``faults.jsonl`` once, when it ends
@@ -204,7 +240,7 @@ class _MonitorDetectors:
         with self._lock:
             # The detector judges the last `window` steps: copy only those (the deque keeps 512,
             # and copying all of them every check was most of a check's CPU).
-            live = {r: st for r, st in self.ranks.items() if st.registered and not st.finished}
+            live = {r: st for r, st in ranks.items() if st.registered and not st.finished}
             compute = {r: [st.compute[i][1] for i in range(-min(window, len(st.compute)), 0)]
                        for r, st in live.items()}
             found = {s.rank: s for s in stragglers(compute, factor, window)}
@@ -226,7 +262,7 @@ class _MonitorDetectors:
                     st.straggling = None
                     ended.append((ep, "recovered"))
         for ep, why in ended:
-            self._write_episode(ep, why)
+            self._write_episode(ep, why, incarnation)
 
     def _episode_start(self, rank: int, st, s, now_wall: float) -> StragglerEpisode:
         """A new episode of ``rank`` (under ``_lock``), from the first step of its latest slow run."""
@@ -243,14 +279,14 @@ class _MonitorDetectors:
                     s.peers_s * 1e3)
         return ep
 
-    def _write_episode(self, ep: StragglerEpisode, why: str) -> None:
-        """Write the one ``faults.jsonl`` row of an episode that ended (``why``: ``recovered``,
-        ``restart``, ``job end``)."""
+    def _write_episode(self, ep: StragglerEpisode, why: str, incarnation: int) -> None:
+        """Write the one ``faults.jsonl`` row of an episode of ``incarnation`` that ended (``why``:
+        ``recovered``, ``restart``, ``job end``)."""
         sm = ep.summary()
         fault = Fault(
             kind="straggler", step=ep.first_step, suspect_ranks=[ep.rank], suspect_hosts=[self.host],
             detected_after_s=round(max(0.0, ep.detected_wall - ep.onset_wall), 3), action="report",
-            incarnation=self.incarnation,
+            incarnation=incarnation,
             detail={**sm, "factor": self.cfg.straggler_factor, "window": self.cfg.straggler_window,
                     "ended": why, "reported_at_step": ep.seen_step,
                     "reason": f"rank {ep.rank} computes {sm['compute_s'] * 1e3:.0f} ms a step over "
@@ -265,24 +301,25 @@ class _MonitorDetectors:
         log.warning("robust watchdog: straggler episode of rank %d on %s ended (%s): %s", ep.rank, self.host,
                     why, fault.detail["reason"])
 
-    def _end_straggler_episodes(self, why: str) -> None:
-        """Write every open episode (the incarnation or the job ends)."""
+    def end_straggler_episodes(self, ranks: dict[int, _RankState], incarnation: int, why: str) -> None:
+        """Write every open episode of ``ranks`` (``incarnation`` or the job ends)."""
         with self._lock:
-            open_eps = [st.straggling for st in self.ranks.values() if st.straggling is not None]
-            for st in self.ranks.values():
+            open_eps = [st.straggling for st in ranks.values() if st.straggling is not None]
+            for st in ranks.values():
                 st.straggling = None
         for ep in open_eps:
-            self._write_episode(ep, why)
+            self._write_episode(ep, why, incarnation)
 
-    def _hang(self, stalled: list[int], timeout: float, will_restart: bool, now: float) -> Fault:
+    def _hang(self, ranks: dict[int, _RankState], incarnation: int, stalled: list[int], timeout: float,
+              will_restart: bool, now: float) -> Fault:
         with self._lock:
-            targets = {r: (st.pid, st.fh_path) for r, st in self.ranks.items() if st.pid}
-            last_steps = {r: st.progress.last_step for r, st in self.ranks.items()}
-            injected = {r: st.injected for r, st in self.ranks.items() if st.injected}
-            oldest = min(self.ranks[r].progress.last_progress for r in stalled)
-            kinds = [st.device_type for st in self.ranks.values()]
+            targets = {r: (st.pid, st.fh_path) for r, st in ranks.items() if st.pid}
+            last_steps = {r: st.progress.last_step for r, st in ranks.items()}
+            injected = {r: st.injected for r, st in ranks.items() if st.injected}
+            oldest = min(ranks[r].progress.last_progress for r in stalled)
+            kinds = [st.device_type for st in ranks.values()]
         t0 = time.monotonic()
-        tag = f"hang-inc{self.incarnation}"
+        tag = f"hang-inc{incarnation}"
         # The flight recorder first: on NCCL a healthy rank's stack does not show that it waits
         # for a peer (detect.in_collective); sequence numbers tell who never issued what the
         # others wait in. The raw dumps are kept as evidence beside the stacks.
@@ -297,7 +334,7 @@ class _MonitorDetectors:
         block_host = collectives_block_host(kinds)
         suspects = where.suspects
         # The fault began when the first suspect stopped making progress.
-        started = [self.ranks[r].progress.last_progress for r in suspects if r in self.ranks] or [oldest]
+        started = [ranks[r].progress.last_progress for r in suspects if r in ranks] or [oldest]
         detected_after = (now - min(started)) + dump_s
         sus_steps = [last_steps[r] for r in suspects if last_steps.get(r) is not None]
         step = min(sus_steps) + 1 if sus_steps else None
@@ -339,8 +376,8 @@ class _MonitorDetectors:
                 log.warning("robust watchdog: could not keep rank %d's flight recorder in %s: %r", rank, path, exc)
         return paths
 
-    def rejudge_hang(self, fault: Fault, nodes: list[dict]) -> None:
-        """Judge ``fault`` (a hang this monitor recorded) again on every node's flight-recorder views
+    def rejudge_hang(self, fault: Fault, nodes: list[dict], ranks: dict[int, _RankState]) -> None:
+        """Judge ``fault`` (a hang of ``ranks`` recorded here) again on every node's flight-recorder views
         (``nodes``: each ``{"node", "ranks", "views"}``, this node's included; see
         :func:`~robust_plugins.launcher.nodes.exchange_hang_views`): every group compared over all
         its members, not this node's only. Updates the fault's suspects, reason and verdict."""
@@ -366,7 +403,7 @@ class _MonitorDetectors:
         detail["reason"] = where.reason
         detail["verdict"] = hang_verdict(where, detail.get("collectives_block_host"))
         with self._lock:
-            steps = [self.ranks[r].progress.last_step for r in where.suspects
-                     if r in self.ranks and self.ranks[r].progress.last_step is not None]
+            steps = [ranks[r].progress.last_step for r in where.suspects
+                     if r in ranks and ranks[r].progress.last_step is not None]
         if steps:
             fault.step = min(steps) + 1

@@ -21,7 +21,7 @@ from typing import Any, Iterable
 
 from robust_plugins._logging import get_logger
 from robust_plugins.config import WatchdogConfig
-from robust_plugins.launcher.monitor.detectors import _MonitorDetectors
+from robust_plugins.launcher.monitor.detectors import Detectors
 from robust_plugins.launcher.monitor.emergency import EmergencySaves
 from robust_plugins.launcher.monitor.faultlog import FaultBook, Injections
 from robust_plugins.launcher.monitor.state import _RankState
@@ -30,7 +30,7 @@ from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import inject as _inject
 from robust_plugins.watchdog import protocol as _protocol
 from robust_plugins.watchdog import ring as _ring
-from robust_plugins.watchdog.detect import STEP_WINDOW, RunningMedian
+from robust_plugins.watchdog.detect import STEP_WINDOW
 from robust_plugins.watchdog.faults import Fault
 from robust_plugins.watchdog.protocol import (
     MSG_BAD,
@@ -49,15 +49,17 @@ from robust_plugins.watchdog.protocol import (
 log = get_logger(__name__)
 
 
-class Monitor(_MonitorDetectors):
+class Monitor:
     """Fault detection for the ranks of one node.
 
-    Parts: :attr:`transport` (socket, step rings, receiver thread), :attr:`book` (recorded
-    faults and when each is written), :attr:`injections` (``--inject`` faults still to fire) and
-    :attr:`emergency` (the bounded wait for emergency saves) are objects of their own; the
-    detectors (``detectors.py``) are methods on the per-rank state below."""
+    Parts: :attr:`transport` (socket, step rings, receiver thread), :attr:`detectors` (the
+    evidence of each step and the detectors that judge it), :attr:`book` (recorded faults and when
+    each is written), :attr:`injections` (``--inject`` faults still to fire) and :attr:`emergency`
+    (the bounded wait for emergency saves). The monitor holds the per-rank state of the current
+    incarnation (:attr:`ranks`) and hands it to them."""
 
     transport: Transport
+    detectors: Detectors
     book: FaultBook
     injections: Injections
     emergency: EmergencySaves
@@ -72,27 +74,13 @@ class Monitor(_MonitorDetectors):
         self.injections = Injections(injections)
         self.incarnation = -1
         self.ranks: dict[int, _RankState] = {}
-        self.reports: list[Fault] = []
-        """Faults reported without stopping anything (stragglers)."""
-        self._spiked: dict[int, int] = {}
-        """Spike faults per step, over every incarnation."""
-        self.skip_path = self.run_dir / "skip_steps.json"
-        self.skip_steps: set[int] = set()
-        """Steps whose batch the ranks skip (spiked twice); kept in the run directory, so a
-        relaunch with the same ``--run-dir`` skips them too."""
-        if self.skip_path.exists():
-            self.skip_steps = {int(x) for x in json.loads(self.skip_path.read_text())["steps"]}
         self._history: list[float] = []
         """Step times of earlier incarnations (the learned hang timeout survives restarts)."""
         self._seeded: set[int] = set()
         """Ranks whose checkpointed step times seeded ``_history`` (a fresh launcher only)."""
         self._incarnation_started = 0.0
-        self._warned_unregistered = False
         self._uses_api = False
         self._warned_receiver = False
-        self._learned: tuple[float, float] | None = None
-        """(monotonic time, value) of the latest learned hang timeout; None: compute anew."""
-        self._medians: dict[tuple[int, str], RunningMedian] = {}
         self._queries: list[tuple[int, Any]] = []
         """(step, reply address) of ``ok_to_save`` questions not answered yet."""
         self._stopping = -1
@@ -103,6 +91,8 @@ class Monitor(_MonitorDetectors):
         self.emergency = EmergencySaves(cfg.emergency_save_timeout_s, self._savers, self._typical_step_s,
                                         lambda addr, message: self.transport.send(addr, message))
         self.transport = Transport(self.run_dir, self._handle, self._on_records, ring_entries)
+        self.detectors = Detectors(cfg, self.run_dir, self.host, self._lock, self.book, self._record,
+                                   self.transport.drain)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def worker_env(self, ranks: Iterable[int] | None = None) -> dict[str, str]:
@@ -118,7 +108,7 @@ class Monitor(_MonitorDetectors):
             _protocol.ENV_INCARNATION: str(self.incarnation + 1),
             _protocol.ENV_SDC_EVERY: str(self.cfg.sdc_every_steps),
             _protocol.ENV_STRAGGLER: "1" if self.cfg.straggler_factor > 0 else "0",
-            _protocol.ENV_SKIP: _protocol.format_skip_steps(self.skip_steps),
+            _protocol.ENV_SKIP: _protocol.format_skip_steps(self.detectors.skip_steps),
             _protocol.ENV_EMERGENCY_TIMEOUT: str(self.cfg.emergency_save_timeout_s),
             _protocol.ENV_ROLLBACK_MAX_STEP: self.book.rollback_max_step(),
             _protocol.ENV_SPIKE: (f"{self.cfg.spike_factor:g},{self.cfg.spike_window},"
@@ -129,7 +119,7 @@ class Monitor(_MonitorDetectors):
 
     def begin_incarnation(self, pids: dict[int, int]) -> None:
         """New ranks ``{global_rank: pid}`` started; forget the previous incarnation's state."""
-        self._end_straggler_episodes("restart")
+        self.detectors.end_straggler_episodes(self.ranks, self.incarnation, "restart")
         # The previous ranks are stopped by now: whatever they wrote since the last poll (steps
         # past a fault extend a rollback's bad range) is read under their incarnation.
         with self.transport.held():
@@ -140,7 +130,7 @@ class Monitor(_MonitorDetectors):
                 del self._history[:-STEP_WINDOW * max(1, len(pids))]
                 self.incarnation += 1
                 self._incarnation_started = now
-                self._learned = None
+                self.detectors.relearn()
                 # A script that reported steps before will again: watch the new ranks from their start
                 # (a restarted rank can hang before its first step, e.g. in init_process_group).
                 self.ranks = {r: _RankState(pid=p, registered=self._uses_api) for r, p in pids.items()}
@@ -157,7 +147,7 @@ class Monitor(_MonitorDetectors):
         """Stop the receiver, remove the socket and the step rings, write a fault still waiting
         for its resume step."""
         self.transport.close()
-        self._end_straggler_episodes("job end")
+        self.detectors.end_straggler_episodes(self.ranks, self.incarnation, "job end")
         self.book.flush(self.incarnation)
 
     def on_crash(self, failures: dict[int, Any], will_restart: bool,
@@ -219,6 +209,29 @@ class Monitor(_MonitorDetectors):
         self._answer_queries(fault)
         return fault
 
+    def _check(self, will_restart: bool) -> Fault | None:
+        """Read what the ranks sent, then :meth:`Detectors.check`; None once the receiver stopped."""
+        if not self.transport.alive():
+            if not self._warned_receiver:
+                self._warned_receiver = True
+                log.warning("robust watchdog: the signal receiver stopped; hang, NaN, spike and "
+                            "SDC detection are off for the rest of the job (crashes are still detected).")
+            return None
+        self.transport.drain()
+        now = time.monotonic()
+        self.transport.heartbeat(now)
+        return self.detectors.check(self.ranks, self.incarnation, self._history, self._incarnation_started,
+                                    will_restart, now)
+
+    @property
+    def reports(self) -> list[Fault]:
+        """Faults reported without stopping anything (stragglers)."""
+        return self.detectors.reports
+
+    def rejudge_hang(self, fault: Fault, nodes: list[dict]) -> None:
+        """A recorded hang judged again on every node's views: :meth:`Detectors.rejudge_hang`."""
+        self.detectors.rejudge_hang(fault, nodes, self.ranks)
+
     @property
     def all_faults(self) -> list[Fault]:
         """Faults that stopped the ranks (restart, rollback, or the job's end)."""
@@ -231,7 +244,7 @@ class Monitor(_MonitorDetectors):
     def flush_faults(self) -> None:
         """Write the faults still held for their resume step or an SDC verdict, and the straggler
         episodes still open (the job ends)."""
-        self._end_straggler_episodes("job end")
+        self.detectors.end_straggler_episodes(self.ranks, self.incarnation, "job end")
         self.book.flush(self.incarnation)
 
     def fault_state(self) -> tuple[int, set[int]]:
@@ -277,6 +290,12 @@ class Monitor(_MonitorDetectors):
         return times[len(times) // 2] if times else 0.0
 
     # -- what the ranks send (called by the transport, under its lock) ---------------------------
+    def _on_step(self, st: _RankState, rank: int, step: int, loss: float | None, grad_norm: float | None,
+                 wall_s: float | None, comm_s: float | None, t_wall: float, now: float) -> None:
+        """A rank finished ``step``: :meth:`Detectors.on_step`; under ``_lock``."""
+        st.registered = self._uses_api = True  # also if its hello came too early
+        self.detectors.on_step(st, rank, step, loss, grad_norm, wall_s, comm_s, t_wall, now, self.incarnation)
+
     def _on_records(self, rank: int, records: list, wall_offset: float) -> None:
         """Step records of ``rank`` from its ring."""
         with self._lock:
@@ -308,7 +327,7 @@ class Monitor(_MonitorDetectors):
             elif kind == MSG_BAD:
                 # A NaN/Inf step, also in the ring: flagged at once, and never lost to a lapped ring.
                 st.registered = self._uses_api = True
-                self._note_bad_number(st, int(msg["s"]), msg.get("l"), msg.get("g"), msg["t"])
+                self.detectors.note_bad_number(st, int(msg["s"]), msg.get("l"), msg.get("g"), msg["t"])
             elif kind == MSG_INJECT:
                 st.injected = msg
                 self.injections.fired(msg.get("spec"), int(msg["s"]), self.incarnation)
@@ -331,7 +350,7 @@ class Monitor(_MonitorDetectors):
                         s.progress.step_times for s in self.ranks.values()):
                     self._seeded.add(rank)
                     self._history.extend(float(t) for t in msg.get("times", [])[-STEP_WINDOW:])
-                    self._learned = None
+                    self.detectors.relearn()
                     log.info("robust watchdog: rank %s restored %d step times from its checkpoint "
                              "(learned hang timeout without a new warm-up)", rank,
                              len(msg.get("times", [])))
