@@ -96,10 +96,12 @@ def _refuse_pipeline(plugin_cfg: PluginConfig) -> None:
     """What the compression of a pipeline stage's data-parallel reduction was not verified with."""
     cfg, topo = plugin_cfg.compression, plugin_cfg.topology
     refusals = (
-        (cfg.codec == "auto", "compression.codec = 'auto'", "none, bf16, int8, int4, sign"),
+        (cfg.codec == "auto", "compression.codec = 'auto' (its probes and per-group decisions inside the "
+                              "pipeline schedule were not verified)", "none, bf16, int8, int4, sign"),
         (cfg.sign_mode == "momentum", "compression.sign_mode = 'momentum'", "'gradient'"),
         (bool(cfg.overlap), "compression.overlap = true", "false or unset (the pipeline reduces at the batch's end)"),
-        (topo is not None and topo.hierarchical, "topology.hierarchical = true", "false"),
+        (topo is not None and topo.hierarchical, "topology.hierarchical = true (a stage's data-parallel group "
+                                                 "mapped onto node and rail groups was not verified)", "false or unset"),
     )
     for refused, what, allowed in refusals:
         if refused:
