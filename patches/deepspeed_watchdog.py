@@ -181,8 +181,8 @@ def _refuse_sdc_on_zero3(engine, rank_client) -> None:
     if rank_client.injections.params:
         specs = ", ".join(f.spec() for f in rank_client.injections.params)
         raise UnsupportedError(
-            f"robust run --inject {specs}: a parameter fault fires in a replica check, and {deepspeed_zero3.NO_REPLICA}. "
-            f"Allowed on ZeRO-3: kill, hang, nan, spike, slow, badbatch.")
+            f"robust run --inject {specs}: a parameter fault fires in a replica check, and "
+            f"{deepspeed_zero3.NO_REPLICA}. Allowed on ZeRO-3: kill, hang, nan, spike, slow, badbatch.")
 
 
 def _agreed_ok_to_save(engine) -> bool:
