@@ -182,10 +182,12 @@ class MemorySnapshots(SnapshotBinding):
                                           after_commit=self._after_commit, n_slots=3 if self.peers is not None else 2)
         self.zero3 = _zero3.is_zero3(engine)
         """ZeRO-3: a snapshot holds this rank's partitions (``patches/deepspeed_zero3.py``)."""
+        if self.zero3:
+            _zero3.refuse_sdc(cfg)
         # ZeRO-3 ranks hold disjoint partitions: no replica to check a snapshot against.
         self.sdc = snapshot_check.build(self.store, cfg.verify_replicas,
                                         [self.rank] if self.zero3 else _replica_ranks(engine, self.world),
-                                        self.every, self.timeout_s)
+                                        self.every, self.timeout_s, alone=_zero3.NO_REPLICA if self.zero3 else None)
         """The replica check of every snapshot under robust run (``verify_replicas``), or None."""
         self.background = cfg.memory_copy == "background"
         """Parameters and optimizer state copied on the snapshot thread (``memory_copy``)."""

@@ -1,7 +1,8 @@
 """DeepSpeed: find the config ``deepspeed.initialize`` will use, and refuse what the plugin cannot serve.
 
 ``compression`` serves ZeRO stages 0-3 (ZeRO-3's refusals: ``patches/deepspeed_zero3_reduce.py``) and
-pipeline engines (flat, fixed codec); ``checkpoint`` stages 0-3 and pipeline engines (ZeRO 0/1, which is
+pipeline engines (each stage's data-parallel reduction, ``auto`` and ``topology.hierarchical``
+included); ``checkpoint`` stages 0-3 and pipeline engines (ZeRO 0/1, which is
 what DeepSpeed allows with them).
 
 :func:`_refuse_before_init` needs no engine and runs before DeepSpeed builds one;
@@ -94,12 +95,10 @@ def _refuse_engine(engine, plugin_cfg: PluginConfig) -> None:
 
 def _refuse_pipeline(plugin_cfg: PluginConfig) -> None:
     """What the compression of a pipeline stage's data-parallel reduction was not verified with."""
-    cfg, topo = plugin_cfg.compression, plugin_cfg.topology
+    cfg = plugin_cfg.compression
     refusals = (
-        (cfg.codec == "auto", "compression.codec = 'auto'", "none, bf16, int8, int4, sign"),
         (cfg.sign_mode == "momentum", "compression.sign_mode = 'momentum'", "'gradient'"),
         (bool(cfg.overlap), "compression.overlap = true", "false or unset (the pipeline reduces at the batch's end)"),
-        (topo is not None and topo.hierarchical, "topology.hierarchical = true", "false"),
     )
     for refused, what, allowed in refusals:
         if refused:

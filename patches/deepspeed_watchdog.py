@@ -133,6 +133,7 @@ def attach_watchdog(engine, plugin) -> StepSignals | None:
 
     engine.load_checkpoint = _guard.wrap(load, load_checkpoint)
     add_step_observer(engine, on_step, first=True)
+    _refuse_sdc_on_zero3(engine, client.get_client())
     if current_rank() == 0:
         log.info("robust_plugins: the engine reports every optimizer step to robust run's watchdog "
                  "(step, loss, grad norm)")
@@ -165,6 +166,23 @@ def on_step(engine) -> None:
     signals.last_time = now
     signals.latest = info
     client.step_end(info.step, loss=info.loss, grad_norm=info.grad_norm)
+
+
+def _refuse_sdc_on_zero3(engine, rank_client) -> None:
+    """ZeRO-3 has no replicas to compare (``patches/deepspeed_zero3.py`` :data:`NO_REPLICA`):
+    ``watchdog.check_params`` raises instead of hashing empty placeholders, and a ``bitflip`` /
+    ``stuckbit`` injection, which only a replica check fires, is refused here, not left unfired."""
+    from robust_plugins.errors import UnsupportedError
+    from robust_plugins.patches import deepspeed_zero3
+
+    if not deepspeed_zero3.is_zero3(engine):
+        return
+    rank_client.params_refused = deepspeed_zero3.NO_REPLICA
+    if rank_client.injections.params:
+        specs = ", ".join(f.spec() for f in rank_client.injections.params)
+        raise UnsupportedError(
+            f"robust run --inject {specs}: a parameter fault fires in a replica check, and "
+            f"{deepspeed_zero3.NO_REPLICA}. Allowed on ZeRO-3: kill, hang, nan, spike, slow, badbatch.")
 
 
 def _agreed_ok_to_save(engine) -> bool:

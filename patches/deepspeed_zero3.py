@@ -20,6 +20,13 @@ over the data-parallel group, that every rank of a restore reaches together.
 What is refused (:func:`check_engine`), because its capture was not verified: parameter or
 optimizer offload (``offload_param`` / ``offload_optimizer``), ZeRO++'s secondary partition
 (``zero_hpz_partition_size`` > 1) and MoE engines.
+
+Silent data corruption is not detected on ZeRO-3 (:data:`NO_REPLICA`): the checks compare
+data-parallel replicas, and a ZeRO-3 partition has none (the gathered parameters all come from
+the one owner's partition, so comparing them finds nothing). Under ``robust run`` the snapshot
+check says so on rank 0; :func:`refuse_sdc` refuses ``checkpoint.verify_replicas: true`` set
+explicitly, and ``patches/deepspeed_watchdog.py`` refuses ``watchdog.check_params`` and the
+``bitflip`` / ``stuckbit`` injections on a ZeRO-3 engine.
 """
 
 from __future__ import annotations
@@ -36,6 +43,21 @@ def is_zero3(engine) -> bool:
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
     return isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3)
+
+
+#: Why no silent-data-corruption check serves ZeRO-3 (quoted by every refusal and statement).
+NO_REPLICA = ("DeepSpeed ZeRO-3 partitions the parameters and the optimizer state, so no rank holds a replica "
+              "of another rank's partition to compare with: silent data corruption is not detected on ZeRO-3 "
+              "(the replica checks need ZeRO stage 0, 1 or 2, or the pipeline engine's data-parallel replicas)")
+
+
+def refuse_sdc(checkpoint_cfg) -> None:
+    """Refuse ``checkpoint.verify_replicas: true`` given explicitly with ZeRO-3 (the default
+    ``true`` is announced as off under ``robust run`` instead: it was not asked for)."""
+    if checkpoint_cfg.verify_replicas and "verify_replicas" in checkpoint_cfg.model_fields_set:
+        raise UnsupportedError(
+            f"robust_plugins.checkpoint.verify_replicas = true with ZeRO-3: {NO_REPLICA}. Allowed with "
+            f"ZeRO-3: false or unset.")
 
 
 def check_engine(engine, what: str) -> None:

@@ -75,7 +75,8 @@ class CheckpointConfig(Section):
     snapshot is uncommitted on every rank, no later one is taken, and ``robust run`` rolls back to
     the one before it, from memory (one step lost with ``memory_every: 1``), naming the ranks that
     differ. ``false``: off (the SDC check is then ``watchdog.check_params`` alone). No effect
-    outside ``robust run``, or where a rank has no replica."""
+    outside ``robust run``, or where a rank has no replica (said on rank 0). DeepSpeed ZeRO-3 has
+    none (every rank holds other partitions): ``true`` written there is refused."""
 
     memory_copy: Literal[MEMORY_COPY_MODES] = "background"
     """With ``memory_every``: ``background`` copies parameters and optimizer state (which only the

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from robust_plugins._logging import get_logger, warn_once
+from robust_plugins.errors import UnsupportedError
 from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import hold as _hold
 from robust_plugins.watchdog import inject_rank as _inject_rank
@@ -123,6 +124,10 @@ class _Client:
         """An emergency saver is registered: each step_end records where the device stood."""
         self.step_mark = None
         """The CUDA event recorded at the last step_end (``mark_steps``; None on CPU)."""
+        self.params_refused: str | None = None
+        """Why :func:`check_params` cannot serve this rank's parameters, or None: set by a host
+        binding whose parameters have no replica (``patches/deepspeed_watchdog.py``, ZeRO-3);
+        :func:`check_params` then raises with it instead of hashing them."""
         _die_with_parent()
         # Waits (bounded) for room: the monitor learns the faulthandler file from it, and removes
         # the ring's file name once the rank has mapped it.
@@ -433,6 +438,8 @@ def check_params(step: int, params: Any, group: Any = None) -> bool:
     client = get_client()
     if client is None:
         return True
+    if client.params_refused is not None:
+        raise UnsupportedError(f"robust_plugins.watchdog.check_params: {client.params_refused}. Remove the call.")
     if client.sdc_every <= 0 or int(step) % client.sdc_every:
         return True  # before listing the parameters: most steps are not check steps
     tensors = list(params.parameters()) if hasattr(params, "parameters") else list(params)

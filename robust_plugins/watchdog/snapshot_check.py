@@ -39,8 +39,14 @@ from robust_plugins.watchdog.param_hash import hash_message
 log = get_logger(__name__)
 
 
-def off_reason(verify_replicas: bool, under_robust_run: bool, sdc_every: int, replicas_n: int) -> str | None:
-    """Why the snapshot check does not run, or None when it does (pure)."""
+#: :func:`off_reason` for a rank without a data-parallel replica, unless the host says more.
+NO_REPLICA = "this rank has no data-parallel replica to compare with"
+
+
+def off_reason(verify_replicas: bool, under_robust_run: bool, sdc_every: int, replicas_n: int,
+               alone: str | None = None) -> str | None:
+    """Why the snapshot check does not run, or None when it does (pure). ``alone``: the reason
+    when there is no replica (a host's own words, e.g. ZeRO-3's; default :data:`NO_REPLICA`)."""
     if not verify_replicas:
         return "checkpoint.verify_replicas is false"
     if not under_robust_run:
@@ -48,7 +54,7 @@ def off_reason(verify_replicas: bool, under_robust_run: bool, sdc_every: int, re
     if sdc_every <= 0:
         return "the watchdog's SDC check is off (sdc_every_steps=0)"
     if replicas_n < 2:
-        return "this rank has no data-parallel replica to compare with"
+        return alone or NO_REPLICA
     return None
 
 
@@ -115,12 +121,13 @@ class SnapshotCheck:
 
 
 def build(store: Any, verify_replicas: bool, replica_ranks: Sequence[int], every: int,
-          timeout_s: float) -> SnapshotCheck | None:
+          timeout_s: float, alone: str | None = None) -> SnapshotCheck | None:
     """The check for a binding, or None (with one rank-0 line saying why, when it was asked for).
 
     Collective when it runs: every rank of the job calls it at the same point."""
     c = _client.get_client()
-    reason = off_reason(verify_replicas, c is not None, c.sdc_every if c is not None else 0, len(replica_ranks))
+    reason = off_reason(verify_replicas, c is not None, c.sdc_every if c is not None else 0, len(replica_ranks),
+                        alone)
     if reason is not None:
         if verify_replicas and c is not None:
             announce(log, "robust_plugins: in-memory snapshots are not checked against the replicas: %s", reason)

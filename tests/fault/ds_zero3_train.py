@@ -3,8 +3,9 @@
 It never calls ``engine.load_checkpoint``: the resume inside ``deepspeed.initialize`` (on by
 default under ``robust run``) is all there is. The model is initialized from a different seed in
 every incarnation and every rank seeds its RNGs per incarnation too, so only a restore can make a
-restarted job right. Rank 0 writes the final loss and every rank's hash of its ZeRO-3 state
-(fp32 master partition, bf16 parameter partition, Adam's state).
+restarted job right. Rank 0 writes the final loss, every rank's hash of its ZeRO-3 state
+(fp32 master partition, bf16 parameter partition, Adam's state) and what
+``watchdog.check_params`` said (ZeRO-3 refuses it: no replicas to compare).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from robust_plugins import watchdog
+from robust_plugins.errors import UnsupportedError
 from robust_plugins.workloads import build_gpt, get_batch, load_corpus
 
 MICRO_BATCH = 4
@@ -72,6 +75,11 @@ def main() -> None:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     rank, world = dist.get_rank(), dist.get_world_size()
     start = engine.global_steps + 1
+    try:  # ZeRO-3 has no replicas to compare: the SDC check refuses rather than hash placeholders
+        watchdog.check_params(start, engine.module)
+        check_params = "ran"
+    except UnsupportedError as exc:
+        check_params = str(exc)
     corpus = load_corpus(max_bytes=200_000)
     loss_value = None
     for step in range(start, args.steps + 1):
@@ -90,7 +98,8 @@ def main() -> None:
     dist.all_gather_object(hashes, state_hash(engine))
     if rank == 0:
         Path(args.out).write_text(json.dumps({"started_at": start, "final_loss": loss_value, "hashes": hashes,
-                                              "restored": engine.robust_plugins.memory.restored}) + "\n")
+                                              "restored": engine.robust_plugins.memory.restored,
+                                              "check_params": check_params}) + "\n")
     dist.barrier()
     dist.destroy_process_group()
 

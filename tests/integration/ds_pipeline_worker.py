@@ -82,14 +82,16 @@ class Records(logging.Handler):
         return out
 
 
-def make_engine(block, seed=SEED):
+def make_engine(block, seed=SEED, sgd=False):
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
     layers = [LayerSpec(Embed), LayerSpec(Block), LayerSpec(Block), LayerSpec(Head)]
     model = PipelineModule(layers=layers, num_stages=2, loss_fn=loss_fn, partition_method="uniform",
                            seed_layers=True, base_seed=seed)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # SGD(lr=1): one step's update is the reduced gradient itself (the hierarchy scenarios' oracle).
+    opt = torch.optim.SGD(params, lr=1.0) if sgd else torch.optim.AdamW(params, lr=3e-3)
     cfg = {"train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 2,
            "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
            "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e6, "allgather_bucket_size": 5e6}}
@@ -194,6 +196,7 @@ def scenarios(rank: int, world: int, out: str) -> dict:
             import json
 
             res["telemetry"] = [json.loads(x) for x in open(path)] if rank == 0 else []
+    res["hier"] = hierarchy_scenarios(corpus)
     for e in engines:
         e.robust_plugins.memory.close(remove=True)
     dist.barrier()
@@ -201,3 +204,71 @@ def scenarios(rank: int, world: int, out: str) -> dict:
         memory.remove_job(key)
     res["shm_left"] = memory.job_files(key)
     return res
+
+
+_INT8 = {"codec": "int8", "block_size": 256, "min_numel": 0, "warmup_steps": 0}
+_HIER = {"hierarchical": True}
+#: (name, simulated layout, block). DeepSpeed's pipeline grid is stage-major: stage 0 is ranks
+#: {0,1}, stage 1 is {2,3}, and those pairs are the DP groups. "2x2" puts each stage on one node
+#: (its DP pair never crosses a node); "4x1" puts every rank on a node of its own (each DP pair
+#: spans two nodes: its node group is the rank itself, its rail the pair).
+HIERARCHY = (
+    ("vanilla", None, None),
+    ("hier_none_4x1", "4x1", {"compression": {"codec": "none"}, "topology": _HIER}),
+    ("hier_none_2x2", "2x2", {"compression": {"codec": "none"}, "topology": _HIER}),
+    ("hier_int8_4x1", "4x1", {"compression": _INT8, "topology": _HIER}),
+    ("hier_int8_2x2", "2x2", {"compression": _INT8, "topology": _HIER}),
+    # Told a 10 Mbit/s link between nodes: the cost model alone decides.
+    ("auto_4x1", "4x1", {"compression": {"codec": "auto", "auto_link_gbit": 0.01, "min_numel": 0, "warmup_steps": 0},
+                         "topology": _HIER}),
+)
+
+
+def hierarchy_scenarios(corpus) -> dict:
+    """One SGD(lr=1) step per :data:`HIERARCHY` entry: this rank's update (its stage's reduced
+    gradient), the largest local gradient before the reduction, the sync's statistics and groups
+    and, for ``hier_int8_*``, the bytes on the node and rail groups of the stage's DP group."""
+    from robust_plugins.comm import WireCounter
+    from robust_plugins.topology.discover import SIM_ENV
+
+    out = {}
+    for name, layout, block in HIERARCHY:
+        os.environ.pop(SIM_ENV, None)
+        if layout is not None:
+            os.environ[SIM_ENV] = layout
+        e = make_engine(block, sgd=True)
+        params = [p for p in e.module.parameters()]
+        before = torch.cat([p.detach().flatten().clone() for p in params])
+        absmax = []
+        reduce = e.allreduce_gradients
+
+        def allreduce_gradients(*args, _reduce=reduce, **kwargs):
+            absmax.append(max(float(p.grad.abs().max()) for p in params if p.grad is not None))
+            return _reduce(*args, **kwargs)
+
+        e.allreduce_gradients = allreduce_gradients
+        counters = {}
+        plugin = getattr(e, "robust_plugins", None)
+        if name.startswith("hier_int8"):
+            # Built now, so the counters can filter on them; the other scenarios build them where
+            # a user's job does, at the first bucket of the schedule's ReduceGrads (a collective
+            # over the job there).
+            groups = plugin.sync._hierarchy(e.grid.get_data_parallel_group())
+            counters = {"rail": WireCounter(groups.rail), "intra": WireCounter(groups.intra)}
+        for c in counters.values():
+            c.__enter__()
+        try:
+            train(e, 1, corpus)
+        finally:
+            for c in counters.values():
+                c.__exit__(None, None, None)
+        r = {"update": before - torch.cat([p.detach().flatten() for p in params]), "absmax": absmax[0],
+             "bytes": {k: c.bytes_sent for k, c in counters.items()}, "numel": before.numel()}
+        if block is not None:
+            g, st = plugin.sync._groups, plugin.sync.stats
+            r.update(intra=list(g.intra_ranks), rail=list(g.rail_ranks), planned=g.plan is not None,
+                     by_codec=dict(st.by_codec), by_route=dict(st.by_route), hier=st.hierarchical_elements,
+                     decisions=[(d["route"], d["codec"]) for d in st.auto_decisions])
+        out[name] = r
+    os.environ.pop(SIM_ENV, None)
+    return out

@@ -75,11 +75,12 @@ def test_pipeline_module_refuses_what_its_compression_does_not_serve():
     deepspeed.init_distributed(dist_backend="gloo")
     try:
         pipe = PipelineModule(layers=[torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)], num_stages=1)
-        # Compression serves the pipeline engine's DP reduction (test_deepspeed_pipeline.py), not auto.
-        with pytest.raises(UnsupportedError, match=r"pipeline engine does not support compression.codec = 'auto'"):
+        # Compression serves the pipeline engine's DP reduction (test_deepspeed_pipeline.py), not
+        # overlapped with backward (the pipeline reduces at the batch's end).
+        with pytest.raises(UnsupportedError, match=r"pipeline engine does not support compression.overlap = true"):
             deepspeed.initialize(model=pipe, optimizer=torch.optim.SGD(pipe.parameters(), lr=0.1),
                                  config={**BASE, "zero_allow_untested_optimizer": True,
-                                         "robust_plugins": {"compression": {"codec": "auto"}}})
+                                         "robust_plugins": {"compression": {"codec": "int8", "overlap": True}}})
     finally:
         dist.destroy_process_group()
 

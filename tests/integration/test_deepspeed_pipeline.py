@@ -6,7 +6,11 @@ unchanged; a restart (fresh engine, other seed) restores each stage's own snapsh
 bitwise; with every snapshot gone it loads the verified pipeline checkpoint (DeepSpeed's per-layer
 files) and continues bitwise. Each stage's data-parallel gradient reduction with codec ``none`` is
 bitwise vanilla; with ``int8`` it goes through the compressed collective (bytes counted on the
-stage's data-parallel group) and the loss stays within 2 % of vanilla's.
+stage's data-parallel group) and the loss stays within 2 % of vanilla's. With
+``topology.hierarchical`` (simulated layouts) each stage's DP group is mapped onto the node and
+rail groups: ``none`` bitwise vanilla, ``int8`` across nodes within its bound of vanilla's update
+after one SGD(lr=1) step with the bytes by hand, nothing quantized inside a node, ``auto`` told a
+slow link sends int8.
 """
 
 from __future__ import annotations
@@ -113,3 +117,63 @@ def test_pipeline_telemetry_reports_the_last_stages_loss_and_each_stages_dp_byte
         n = r["codec_int8"]["grad_numel"]
         chunk = math.ceil(n / 512) * 256
         assert by_rank[rank] == 2 * (chunk + 4 * (chunk // 256)), (rank, by_rank)
+
+
+def test_hierarchy_maps_each_stages_dp_group_onto_the_topology(ranks):
+    """Stage-major grid: DP pairs {0,1} and {2,3}. On "2x2" a pair is one node (node group = the
+    pair, no rail); on "4x1" a pair spans two nodes (node group = the rank, rail = the pair)."""
+    for rank, r in enumerate(ranks):
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        h = r["hier"]
+        for name in ("hier_none_4x1", "hier_int8_4x1", "auto_4x1"):
+            assert h[name]["planned"] and (h[name]["intra"], h[name]["rail"]) == ([rank], pair), (name, h[name])
+        for name in ("hier_none_2x2", "hier_int8_2x2"):
+            assert h[name]["planned"] and (h[name]["intra"], h[name]["rail"]) == (pair, [rank]), (name, h[name])
+        for name in ("hier_none_4x1", "hier_none_2x2", "hier_int8_4x1", "hier_int8_2x2"):
+            codec = name.split("_")[1]
+            # Every element of the step went through the hierarchy, with the configured codec.
+            assert h[name]["hier"] == h[name]["numel"] and h[name]["by_codec"] == {codec: h[name]["numel"]}, h[name]
+
+
+def test_hierarchical_none_is_bitwise_the_vanilla_pipeline_engine(ranks):
+    import torch
+
+    for r in ranks:
+        h = r["hier"]
+        for name in ("hier_none_4x1", "hier_none_2x2"):
+            assert torch.equal(h[name]["update"], h["vanilla"]["update"]), name  # a sum of two, either order
+
+
+def test_hierarchical_int8_across_nodes_within_its_bound_and_bytes_by_hand(ranks):
+    """One SGD(lr=1) step: the update is the stage's reduced gradient, vanilla's is the oracle.
+    Each DP rank's local gradient (at most ``absmax``) is quantized once to the rail peer (half an
+    int8 step: absmax / 254 a sender, two senders), the reduced sum (at most 2 x absmax) once
+    more for the all-gather, and DeepSpeed divides by 2: at most absmax / 127 an element."""
+    import math
+
+    import torch
+
+    for rank, r in enumerate(ranks):
+        h = r["hier"]
+        van = h["vanilla"]["update"]
+        pair = (rank - rank % 2, rank - rank % 2 + 1)
+        bound = max(ranks[x]["hier"]["vanilla"]["absmax"] for x in pair) / 127
+        for name in ("hier_int8_4x1", "auto_4x1"):
+            err = float((h[name]["update"] - van).abs().max())
+            assert 0 < err <= bound * (1 + 1e-5), (name, err, bound)
+            rel = float((h[name]["update"] - van).norm() / van.norm())
+            assert 1e-4 < rel < 3e-2, (name, rel)
+        # Across nodes: one int8 row to the rail peer in the all-to-all and one in the all-gather
+        # (chunk = the gradient padded to 2 x 256, halved; a 4-byte scale per 256); the node
+        # group is the rank alone.
+        n = h["hier_int8_4x1"]["numel"]
+        chunk = math.ceil(n / 512) * 256
+        assert h["hier_int8_4x1"]["bytes"] == {"rail": 2 * (chunk + 4 * (chunk // 256)), "intra": 0}
+        # Told a slow link, auto sends int8 across it too (flat: on a pair with one rank a node the
+        # hierarchy's route carries the same bytes).
+        assert {c for _, c in h["auto_4x1"]["decisions"]} == {"int8"}, h["auto_4x1"]["decisions"]
+        # Inside a node nothing is quantized: the pair's sum in fp32, as vanilla's.
+        assert torch.equal(h["hier_int8_2x2"]["update"], van)
+        assert h["hier_int8_2x2"]["bytes"]["rail"] == 0
+    decisions = [r["hier"]["auto_4x1"]["decisions"] for r in ranks]
+    assert decisions[0] == decisions[1] and decisions[2] == decisions[3], decisions  # a DP pair agrees

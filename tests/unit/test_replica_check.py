@@ -97,6 +97,7 @@ def test_the_check_runs_only_where_it_can_act():
     assert "not under robust run" in off_reason(True, False, 100, 4)
     assert "sdc_every_steps=0" in off_reason(True, True, 0, 4)
     assert "no data-parallel replica" in off_reason(True, True, 100, 1)
+    assert off_reason(True, True, 100, 1, alone="ZeRO-3 has none") == "ZeRO-3 has none"
 
 
 def test_the_monitor_rolls_a_snapshot_mismatch_back_to_the_snapshot_before(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from robust_plugins.checkpoint.elastic import plan_reshard
 from robust_plugins.config import PluginConfig
@@ -64,10 +65,9 @@ def test_resharding_zero3_goes_through_the_universal_checkpoint():
 
 
 @pytest.mark.parametrize("block,needle", [
-    ({"compression": {"codec": "auto"}}, "compression.codec = 'auto'; allowed there: none, bf16, int8, int4, sign"),
     ({"compression": {"codec": "int8", "overlap": True}}, "compression.overlap = true; allowed there: false"),
-    ({"compression": {"codec": "int8"}, "topology": {"hierarchical": True}},
-     "topology.hierarchical = true; allowed there: false"),
+    ({"compression": {"codec": "sign", "sign_mode": "momentum", "freeze_steps": 2}},
+     "compression.sign_mode = 'momentum'; allowed there: 'gradient'"),
 ])
 def test_pipeline_compression_refuses_what_was_not_verified(block, needle):
     from robust_plugins.patches.deepspeed_refuse import _refuse_pipeline
@@ -75,7 +75,9 @@ def test_pipeline_compression_refuses_what_was_not_verified(block, needle):
     with pytest.raises(UnsupportedError) as info:
         _refuse_pipeline(PluginConfig.from_ds_config({"robust_plugins": block}))
     assert needle in str(info.value) and "pipeline engine" in str(info.value)
-    _refuse_pipeline(PluginConfig.from_ds_config({"robust_plugins": {"compression": {"codec": "int8"}}}))
+    for served in ({"compression": {"codec": "int8"}}, {"compression": {"codec": "auto"}},
+                   {"compression": {"codec": "int8"}, "topology": {"hierarchical": True}}):
+        _refuse_pipeline(PluginConfig.from_ds_config({"robust_plugins": served}))  # test_deepspeed_pipeline.py
 
 
 @pytest.mark.parametrize("block,zero,needle", [
@@ -111,3 +113,41 @@ def test_zero3_serves_auto_and_the_hierarchy(block):
     from robust_plugins.patches.deepspeed_zero3_reduce import unsupported_reason
 
     assert unsupported_reason(_engine(), NS(config=PluginConfig.from_ds_config({"robust_plugins": block}))) is None
+
+
+def test_zero3_refuses_an_explicit_replica_check_and_names_why():
+    pytest.importorskip("deepspeed")
+    from robust_plugins.patches import deepspeed_zero3
+
+    asked = PluginConfig.from_ds_config({"robust_plugins": {"checkpoint": {"memory_every": 1,
+                                                                           "verify_replicas": True}}})
+    with pytest.raises(UnsupportedError) as info:
+        deepspeed_zero3.refuse_sdc(asked.checkpoint)
+    msg = str(info.value)
+    assert "checkpoint.verify_replicas = true with ZeRO-3" in msg and "no rank holds a replica" in msg, msg
+    assert "Allowed with ZeRO-3: false or unset" in msg, msg
+    for block in ({"memory_every": 1}, {"memory_every": 1, "verify_replicas": False}):  # default or off: accepted
+        deepspeed_zero3.refuse_sdc(PluginConfig.from_ds_config({"robust_plugins": {"checkpoint": block}}).checkpoint)
+
+
+
+def test_zero3_refuses_parameter_fault_injections_and_check_params():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    from robust_plugins.patches.deepspeed_watchdog import _refuse_sdc_on_zero3
+    from robust_plugins.watchdog.inject import parse_one
+
+    zero3 = SimpleNamespace(optimizer=DeepSpeedZeroOptimizer_Stage3.__new__(DeepSpeedZeroOptimizer_Stage3))
+    client = SimpleNamespace(params_refused=None, injections=SimpleNamespace(params=[]))
+    _refuse_sdc_on_zero3(zero3, client)  # no parameter fault armed: accepted, check_params refused
+    assert "no rank holds a replica" in client.params_refused
+    client.injections.params = [parse_one("bitflip:rank=0,step=3")]
+    with pytest.raises(UnsupportedError) as info:
+        _refuse_sdc_on_zero3(zero3, client)
+    msg = str(info.value)
+    assert "--inject bitflip:rank=0,step=3" in msg and "silent data corruption is not detected on ZeRO-3" in msg, msg
+    assert "Allowed on ZeRO-3: kill, hang, nan, spike, slow, badbatch." in msg, msg
+    other = SimpleNamespace(params_refused=None, injections=client.injections)
+    _refuse_sdc_on_zero3(SimpleNamespace(optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1)), other)
+    assert other.params_refused is None  # not ZeRO-3: the replica checks serve it
