@@ -25,7 +25,9 @@ Set by ``robust run`` for its ranks (named in ``robust_plugins.watchdog.protocol
 step rings), ``ROBUST_RUN_DIR``, ``ROBUST_INJECT``, ``ROBUST_INCARNATION``,
 ``ROBUST_SDC_EVERY``, ``ROBUST_ROLLBACK_MAX_STEP`` (newest step a rollback's ranks may restore
 from memory), ``ROBUST_STRAGGLER`` (1: time collectives for the straggler detector),
-``ROBUST_SKIP_STEPS`` (steps whose batch spiked twice: ``watchdog.skip_batch``),
+``ROBUST_SKIP_STEPS`` (steps whose batch spiked twice: ``watchdog.skip_batch``), ``ROBUST_SPIKE``
+(the spike rule a rank holds by), ``ROBUST_SPIKE_WINDOWS`` (the monitor's spike windows a restarted
+rank starts from),
 ``ROBUST_LAUNCH_WORLD_SIZE`` (world size of the job's first incarnation: ``watchdog.grad_accumulation``
 says how accumulation changed after a ``--nnodes MIN:MAX`` shrink), ``ROBUST_EMERGENCY_TIMEOUT_S``
 (bound of a rank's emergency save: ``watchdog.on_emergency``).

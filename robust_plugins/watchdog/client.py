@@ -52,6 +52,7 @@ from robust_plugins.watchdog.protocol import (
     ENV_SKIP,
     ENV_SOCKET,
     ENV_SPIKE,
+    ENV_SPIKE_WINDOWS,
     ENV_STRAGGLER,
     MSG_BAD,
     MSG_COMM,
@@ -105,7 +106,8 @@ class _Client:
         self.skip_steps = parse_skip_steps(os.environ.get(ENV_SKIP, ""))
         self.injections = _inject_rank.RankInjections(
             self.rank, os.environ.get(ENV_INJECT) or None, self.skip_steps, self.send)
-        self.spikes = _hold.SpikeWatch(os.environ.get(ENV_SPIKE, ""))
+        self.spikes = _hold.SpikeWatch(os.environ.get(ENV_SPIKE, ""), os.environ.get(ENV_SPIKE_WINDOWS, ""),
+                                       self.rank, self.incarnation)
         self.step_times: list[float] = []
         """This rank's latest step times (the learned hang timeout's input), for checkpoints."""
         self.intervals = 0

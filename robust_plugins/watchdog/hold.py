@@ -17,6 +17,7 @@ rank of the node reported the step without one (``nan_check`` off), after which 
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -38,11 +39,14 @@ HOLD_MAX_S = 120.0
 class SpikeWatch:
     """The monitor's spike rule (:class:`~robust_plugins.watchdog.detect.RunningMedian`, same
     factor, window and warm-up) on this rank's own values, so that the rank holds at the step the
-    monitor will judge a spike. The monitor's windows live across incarnations, this one starts
-    empty in each: for the first ``warmup`` steps after a restart a spike is not held (the ranks
-    may then run on and evict the step before it, and the rollback falls back to disk)."""
+    monitor will judge a spike. The monitor's windows live across incarnations; a restarted rank
+    takes them over from ``windows_path`` (``ENV_SPIKE_WINDOWS``, written by the monitor just
+    before the start), so it holds at a spike in its first steps too. Without that file (unset,
+    unreadable, another incarnation's) its window starts empty, said in a warning: then a spike
+    in its first ``warmup`` steps is not held (the ranks may run on, or finish the job, and evict
+    the step before it from memory; the rollback then falls back to disk)."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, windows_path: str = "", rank: int = 0, incarnation: int = 0) -> None:
         from robust_plugins.watchdog.detect import RunningMedian
 
         try:
@@ -51,6 +55,24 @@ class SpikeWatch:
             self.medians = {w: RunningMedian(int(window)) for w in ("loss", "grad_norm")} if self.factor > 0 else {}
         except ValueError:  # unset (outside robust run) or spikes off
             self.factor, self.warmup, self.medians = 0.0, 0, {}
+        if self.medians and windows_path:
+            self._seed(windows_path, rank, incarnation)
+
+    def _seed(self, path: str, rank: int, incarnation: int) -> None:
+        try:
+            with open(path) as f:
+                record = json.loads(f.read())
+            if record.get("incarnation") != incarnation:
+                raise ValueError(f"written for incarnation {record.get('incarnation')}, this is {incarnation}")
+            for what, values in record["ranks"].get(str(rank), {}).items():
+                if what in self.medians:
+                    self.medians[what].values.extend(float(v) for v in values)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            for m in self.medians.values():
+                m.values.clear()
+            log.warning("robust watchdog: rank %d cannot take over the monitor's spike windows from %s (%r); "
+                        "its window starts empty, so a spike in its first %d steps does not hold it (the "
+                        "rollback may then find only later snapshots in memory).", rank, path, exc, self.warmup)
 
     def seen(self, loss: float | None, grad_norm: float | None) -> bool:
         hits = [m.spike(v, self.factor, self.warmup) is not None

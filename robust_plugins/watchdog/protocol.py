@@ -32,6 +32,9 @@ ENV_STRAGGLER = "ROBUST_STRAGGLER"
 ENV_SKIP = "ROBUST_SKIP_STEPS"
 #: The rank's spike detector: ``"<factor>,<window>,<warmup steps>"`` (:class:`.hold.SpikeWatch`).
 ENV_SPIKE = "ROBUST_SPIKE"
+#: The file holding the monitor's spike windows for this node's ranks at their start
+#: (:func:`spike_windows_record`), with which each rank seeds its own rule; empty: none.
+ENV_SPIKE_WINDOWS = "ROBUST_SPIKE_WINDOWS"
 #: Seconds a rank may spend in its emergency save (``emergency_save_timeout_s``).
 ENV_EMERGENCY_TIMEOUT = "ROBUST_EMERGENCY_TIMEOUT_S"
 #: The world size of the job's first incarnation on this node's agent (what the job was planned
@@ -86,3 +89,14 @@ def format_skip_steps(steps: Iterable[int]) -> str:
 def parse_skip_steps(text: str) -> frozenset[int]:
     """``"25,40"`` -> ``{25, 40}``; blanks and empty items are ignored."""
     return frozenset(int(x) for x in text.split(",") if x.strip())
+
+
+#: Name of the spike-window file in the run directory (``ENV_SPIKE_WINDOWS``).
+SPIKE_WINDOWS_FILE = "spike_windows.json"
+
+
+def spike_windows_record(incarnation: int, windows: dict[int, dict[str, list[float]]]) -> dict:
+    """The ``ENV_SPIKE_WINDOWS`` file's content: the incarnation about to start and, per global
+    rank, the values of each metric (``loss``, ``grad_norm``) in the monitor's running window,
+    oldest first."""
+    return {"incarnation": incarnation, "ranks": {str(r): w for r, w in windows.items()}}

@@ -25,7 +25,6 @@ from robust_plugins.checkpoint import memory
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 
 SCRIPT = str(Path(__file__).with_name("ds_zero3_train.py"))
-STEPS = 21
 #: A hang is declared after 3 s without progress once 3 steps were timed (ZeRO-3 steps here take
 #: well under 0.3 s, so the learned timeout is the floor); before that, 60 s (start-up, restores).
 WATCH = ["--watchdog", "hang_warmup_steps=3", "--watchdog", "hang_min_timeout_s=3",
@@ -40,21 +39,24 @@ def jobs(tmp_path_factory):
     env = os.environ.get("ROBUST_TEST_SEED")
     seed = int(env) if env else random.SystemRandom().randrange(2**32)
     draw = random.Random(seed)
-    # Each fault leaves the restarted incarnation at least 3 timed steps before the next one (the
-    # hang timeout's warm-up) and 4 values before the spike: a rank's own spike rule starts empty
-    # in each incarnation and needs spike_warmup_steps of them to hold the rank at the spike (else
-    # it could finish the job before the monitor's rollback).
+    # The kill leaves the restarted incarnation at least 3 timed steps before the hang (the hang
+    # timeout's warm-up). The spike comes at the NaN rollback's second or third step, before the
+    # restarted ranks reported spike_warmup_steps values, and is the third-to-last step: a rank
+    # holds there only with the monitor's spike windows (hold.py); with an empty window of its own
+    # it trained on, the ranks could finish the job before the monitor's rollback, and the step
+    # before the spike was evicted from memory (3 slots), so no restore came from memory.
     kill = draw.randrange(3, 5)
     hang = kill + 6 + draw.randrange(2)
     nan = hang + 2 + draw.randrange(2)
-    spike = nan + 4 + draw.randrange(2)
+    spike = nan + 1 + draw.randrange(2)
+    steps = spike + 2
     hang_rank, spike_rank = draw.randrange(2), draw.randrange(2)
     faults = {"kill": (1, kill), "hang": (hang_rank, hang), "nan": (0, nan), "spike": (spike_rank, spike)}
     where = (f"({', '.join(f'{k}:rank={r},step={s}' for k, (r, s) in faults.items())}, "
              f"ROBUST_TEST_SEED={seed})")
     print(where)
     root = tmp_path_factory.mktemp("zero3_faults")
-    args = [SCRIPT, "--steps", str(STEPS)]
+    args = [SCRIPT, "--steps", str(steps)]
     clean = robust_run(root / "clean", 2, "--max-restarts", "0", timeout_s=120, script=args)
     injects = [x for k, (r, s) in faults.items() for x in ("--inject", f"{k}:rank={r},step={s}")]
     job = robust_run(root / "faults", 2, "--max-restarts", "4", *injects, *WATCH, timeout_s=240, script=args)
@@ -96,6 +98,18 @@ def test_kill_hang_nan_and_spike_are_recovered_from_memory_with_at_most_one_step
         low, high = (at - 1, at) if kind in ("kill", "hang") else (at - 1, at - 1)
         assert low <= step <= high, (where, inc, rs)
         assert job.faults[inc - 1]["resumed_at_step"] == step + 1, (where, job.faults[inc - 1], rs)
+
+
+def test_restarted_ranks_judge_spikes_with_the_monitors_windows(jobs):
+    """The spike came before the restarted ranks had reported spike_warmup_steps values: each rank
+    of the last incarnation started its spike rule from the monitor's windows (with the values of
+    every incarnation before it), so it could hold at the spike (hold.py)."""
+    _, job, _, where = jobs
+    windows = json.loads((job.run_dir / "spike_windows.json").read_text())
+    assert windows["incarnation"] == 4 and sorted(windows["ranks"]) == ["0", "1"], (where, windows)
+    # Steps 1..spike-1 of the earlier incarnations, less the NaN: far beyond the warm-up of 3.
+    assert all(len(w["loss"]) >= 8 for w in windows["ranks"].values()), (where, windows)
+    assert "cannot take over the monitor's spike windows" not in job.output, where
 
 
 def test_recovered_zero3_job_ends_bitwise_equal_to_the_fault_free_one(jobs):

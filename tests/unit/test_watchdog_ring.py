@@ -4,6 +4,7 @@ wraparound, exact counts of lapped entries, torn records, the heartbeat, file cl
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import random
@@ -11,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
+from pathlib import Path
 
 import pytest
 
@@ -271,6 +274,54 @@ def test_a_ranks_spike_holds_it_until_stopped_and_a_later_question_is_answered_a
         assert (found[0].kind, found[0].step, found[0].suspect_ranks) == ("spike", 5, [0])  # (agent: stops here)
         t1 = time.monotonic()
         assert clients[1].ask(5, 5.0) is False and time.monotonic() - t1 < 1.0
+
+
+def test_a_restarted_rank_takes_over_the_monitors_spike_window_and_holds_at_its_first_step(
+        tmp_path, ring_env, monkeypatch):
+    """The monitor's spike windows live across incarnations; a restarted rank starts its own from
+    them (spike_windows.json), so a spike at its first step after the restart holds it as a later
+    one would. With an empty window it trained on: with fast steps, or at the end of a job, the
+    ranks then took snapshots until the step before the spike was evicted from memory."""
+    cfg = WatchdogConfig(spike_factor=5, spike_window=8, spike_warmup_steps=3)
+    mon = Monitor(cfg, tmp_path, host="h")
+    monkeypatch.setattr(hold, "HOLD_MAX_S", 0.3)
+    clients: dict = {}
+
+    def start():
+        env = mon.worker_env([0, 1])
+        mon.begin_incarnation({0: os.getpid(), 1: os.getpid()})
+        for var in (protocol.ENV_RING, protocol.ENV_SPIKE, protocol.ENV_SPIKE_WINDOWS, protocol.ENV_INCARNATION):
+            monkeypatch.setenv(var, env[var])
+        for c in clients.values():
+            c.sock.close()
+        for r in (0, 1):
+            monkeypatch.setenv("RANK", str(r))
+            clients[r] = client._Client(mon.address)
+        return env
+
+    start()
+    with _agent(mon, clients) as found:
+        for step in range(1, 5):
+            for r in (0, 1):
+                clients[r].step_end(step, 2.0 + 0.1 * r, 1.0)
+        env = start()  # a restart that resumes at step 2 (the values of 3 and 4 stay in the windows)
+        windows = json.loads(Path(env[protocol.ENV_SPIKE_WINDOWS]).read_text())
+        assert windows == {"incarnation": 1, "ranks": {"0": {"loss": [2.0] * 4, "grad_norm": [1.0] * 4},
+                                                       "1": {"loss": [2.1] * 4, "grad_norm": [1.0] * 4}}}
+        assert clients[0].spikes.medians["loss"].values == deque([2.0] * 4, maxlen=8)
+        clients[1].step_end(3, 2.1, 1.0)
+        with pytest.raises(RobustPluginsError, match="rank 0: the node monitor found the spike of step 3"):
+            clients[0].step_end(3, 50.0, 1.0)  # 25x the median, at the first step of the incarnation
+        assert (found[-1].kind, found[-1].step, found[-1].suspect_ranks) == ("spike", 3, [0])
+
+
+def test_a_rank_without_its_spike_windows_says_so_and_starts_empty(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="robust_plugins"):
+        watch = hold.SpikeWatch("5,8,3", str(tmp_path / "missing.json"), rank=0, incarnation=1)
+        assert watch.medians["loss"].values == deque() and "cannot take over the monitor's spike windows" in caplog.text
+        (tmp_path / "old.json").write_text(json.dumps({"incarnation": 0, "ranks": {"0": {"loss": [1.0]}}}))
+        watch = hold.SpikeWatch("5,8,3", str(tmp_path / "old.json"), rank=0, incarnation=1)
+    assert watch.medians["loss"].values == deque() and "written for incarnation 0, this is 1" in caplog.text
 
 
 def test_a_rank_warns_once_when_the_monitor_stops_reading(tmp_path, ring_env, monkeypatch, caplog):

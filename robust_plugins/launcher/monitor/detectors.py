@@ -8,7 +8,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from robust_plugins._logging import get_logger
 from robust_plugins.config import WatchdogConfig
@@ -77,6 +77,13 @@ class Detectors:
     def relearn(self) -> None:
         """Compute the learned hang timeout anew at the next check (new ranks or new history)."""
         self._learned = None
+
+    def spike_windows(self, ranks: Iterable[int]) -> dict[int, dict[str, list[float]]]:
+        """The values in the running windows of ``ranks`` (global ranks), per metric, oldest first:
+        the spike rule's state, which the restarted ranks take over (:class:`~robust_plugins.
+        watchdog.hold.SpikeWatch`). Under ``lock``."""
+        return {r: {what: list(med.values) for (rank, what), med in self._medians.items() if rank == r}
+                for r in ranks}
 
     def on_step(self, st: _RankState, rank: int, step: int, loss: float | None,
                 grad_norm: float | None, wall_s: float | None, comm_s: float | None,

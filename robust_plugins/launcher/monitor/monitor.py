@@ -99,7 +99,9 @@ class Monitor:
         """Variables the next incarnation's ranks need (set by the agent before starting them).
 
         With ``ranks`` (the global ranks about to start on this node) it also creates their step
-        rings; without, the ranks send a datagram a step."""
+        rings and writes their spike windows (:meth:`_write_spike_windows`); without, the ranks
+        send a datagram a step and start their spike windows empty."""
+        ranks = None if ranks is None else [int(r) for r in ranks]
         return {
             _protocol.ENV_SOCKET: self.transport.address,
             _protocol.ENV_RING: self.transport.create_rings(ranks) if ranks is not None else "",
@@ -113,9 +115,38 @@ class Monitor:
             _protocol.ENV_ROLLBACK_MAX_STEP: self.book.rollback_max_step(),
             _protocol.ENV_SPIKE: (f"{self.cfg.spike_factor:g},{self.cfg.spike_window},"
                                   f"{self.cfg.spike_warmup_steps}"),
+            _protocol.ENV_SPIKE_WINDOWS: self._write_spike_windows(ranks) if ranks is not None else "",
             # The flight recorder records nothing by default; the hang verdict on NCCL needs it.
             **_flight.recorder_env(os.environ),
         }
+
+    def _write_spike_windows(self, ranks: list[int]) -> str:
+        """Write the spike windows of ``ranks`` (about to start) to the run directory; returns the
+        file's path, or "" (said in a warning) when it cannot be written.
+
+        Why: a rank holds at a spike by the monitor's rule applied to its own values (hold.py).
+        Started with an empty window, a restarted rank would not judge its first
+        ``spike_warmup_steps`` values, although the monitor (whose windows live across
+        incarnations) does: a spike there let the ranks train on, or finish the job, and take
+        newer snapshots until the step before the spike was evicted from memory, so that the
+        rollback fell back to disk or to step 0. Seeded with the monitor's windows, the rank holds
+        wherever the monitor judges a spike."""
+        if self.cfg.spike_factor <= 0:
+            return ""
+        # The stopped ranks' last records (those since the last poll) join the windows first.
+        self.transport.drain()
+        with self._lock:
+            record = _protocol.spike_windows_record(self.incarnation + 1, self.detectors.spike_windows(ranks))
+        path = self.run_dir / _protocol.SPIKE_WINDOWS_FILE
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(record) + "\n")
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("robust watchdog: cannot write %s (%r); the ranks start their spike windows empty and "
+                        "do not hold at a spike in their first %d steps.", path, exc, self.cfg.spike_warmup_steps)
+            return ""
+        return str(path)
 
     def begin_incarnation(self, pids: dict[int, int]) -> None:
         """New ranks ``{global_rank: pid}`` started; forget the previous incarnation's state."""
