@@ -4,10 +4,11 @@
 through megatron's 1F1B schedule) with ``MegatronCheckpointer`` + ``memory_every: 1`` +
 ``peer_backup``:
 
-* a rank SIGKILLed at a random step: every rank of every stage restores from shared memory (its
-  own slot or a peer's copy), at most one step is lost, and every rank's parameters end bitwise
-  equal to a run that never failed (each snapshot holds only its rank's shard of the distributed
-  optimizer: fp32 main parameters, moments, steps);
+* a rank SIGKILLed at a random step of an interleaved job (``--vpp 2``: two model chunks a
+  stage): every rank of every stage restores from shared memory (its own slot or a peer's copy),
+  at most one step is lost, and every rank's parameters end bitwise equal to a run that never
+  failed (each snapshot holds only its rank's shard of the distributed optimizer: fp32 main
+  parameters, moments, steps, for every chunk);
 * a NaN loss reported by one rank, then a bit flipped in another rank's bf16 parameters (in the
   same job): each rolls the whole job (both stages) back one snapshot from memory, and it ends
   bitwise equal. The flip is found by the replica check of its snapshot, which compares each rank
@@ -33,6 +34,7 @@ pytestmark = [pytest.mark.fault]
 STEPS = 10
 SCRIPT = [str(Path(__file__).with_name("mcore_rng_train.py")), "--noise", "all", "--preset", "cpu-3d",
           "--codec", "int8", "--steps", str(STEPS), "--log-every", "0", "--memory-every", "1", "--peer-backup"]
+SCRIPT_VPP = [*SCRIPT, "--vpp", "2"]  # 4 layers: 2 virtual stages of 1 layer on each of the 2 stages
 
 
 def _restores(job) -> list[dict]:
@@ -44,24 +46,36 @@ def _shm_files(job) -> list[str]:
     return memory.job_files(memory.job_key(str(job.run_dir.resolve())))
 
 
-@pytest.fixture(scope="module")
-def clean(tmp_path_factory):
-    job = robust_run(tmp_path_factory.mktemp("mcore3d_clean"), 4, "--max-restarts", "0", timeout_s=200,
-                     script=SCRIPT)
+def _clean(run_dir, script: list[str], vpp: int | None):
+    job = robust_run(run_dir, 4, "--max-restarts", "0", timeout_s=200, script=script)
     assert job.returncode == 0 and job.faults == [], job.output[-3000:]
     r = job.result
-    assert (r["pp"], r["dp"], r["bf16"], r["distopt"], r["optimizer"]) == (2, 2, True, True, "megatron"), r
+    assert (r["pp"], r["vpp"], r["dp"], r["bf16"], r["distopt"], r["optimizer"]) == \
+        (2, vpp, 2, True, True, "megatron"), r
     # every snapshot checked against its stage's other data-parallel replica (and found equal)
     assert "checked against its 2 data-parallel replicas" in job.output, job.output[-3000:]
     return job
 
 
-@pytest.mark.timeout(180)
-def test_random_sigkill_in_3d_resumes_from_memory_bitwise(tmp_path, clean, draw):
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The fault-free run, 1F1B (one model chunk a stage)."""
+    return _clean(tmp_path_factory.mktemp("mcore3d_clean"), SCRIPT, None)
+
+
+@pytest.fixture(scope="module")
+def clean_vpp(tmp_path_factory):
+    """The fault-free run, interleaved 1F1B (two model chunks a stage)."""
+    return _clean(tmp_path_factory.mktemp("mcore3d_vpp_clean"), SCRIPT_VPP, 2)
+
+
+@pytest.mark.timeout(240)
+def test_random_sigkill_in_3d_with_virtual_stages_resumes_from_memory_bitwise(tmp_path, clean_vpp, draw):
+    clean = clean_vpp
     rank, step = draw.randrange(4), draw.randrange(3, STEPS)
     where = f"(kill:rank={rank},step={step}, ROBUST_TEST_SEED={draw.seed_value})"
     job = robust_run(tmp_path / "kill", 4, "--max-restarts", "1", "--inject", f"kill:rank={rank},step={step}",
-                     timeout_s=200, script=SCRIPT)
+                     timeout_s=200, script=SCRIPT_VPP)
     assert job.returncode == 0, f"{where}\n{job.output[-3000:]}"
     (fault,) = job.faults
     assert (fault["kind"], fault["suspect_ranks"], fault["step"]) == ("crash", [rank], step), where
