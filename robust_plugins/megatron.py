@@ -54,6 +54,15 @@ def disable(ddp) -> None:
     patch.disable(ddp)
 
 
+def name_pipeline_stage() -> None:
+    """Have ``robust run``'s straggler detector compare this rank with the ranks of its pipeline
+    stage only, for a loop with neither :func:`enable` nor :class:`MegatronCheckpointer` (both do
+    it); see :func:`robust_plugins.patches.megatron.name_pipeline_stage`."""
+    from robust_plugins.patches import megatron as patch
+
+    patch.name_pipeline_stage()
+
+
 def shutdown() -> None:
     """End of a megatron-core job: destroy megatron's groups and the default group, and free them
     now, while the interpreter is alive (call it once, last, on every rank).
@@ -257,9 +266,10 @@ class MegatronCheckpointer:
         import torch.distributed as dist
 
         from robust_plugins.checkpoint import DiskCheckpointer
-        from robust_plugins.patches.megatron import check_megatron_version, megatron_version
+        from robust_plugins.patches.megatron import check_megatron_version, megatron_version, name_pipeline_stage
 
         check_megatron_version()
+        name_pipeline_stage()  # robust run's straggler detector compares each stage with itself
         from megatron.core import parallel_state as ps
 
         from robust_plugins.patches import megatron_optim

@@ -231,6 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parts = build(preset, tp=tp, seed=args.seed, codec=args.codec, overlap=args.overlap_grad_reduce,
                   distopt=args.distributed_optimizer, block=plugin_block(args.codec, args.plugin_json),
                   pp=args.pp, vpp=args.vpp, bf16=args.bf16, optimizer=args.optimizer)
+    rpm.name_pipeline_stage()  # robust run's straggler detector: each stage against itself
     corpus = load_corpus()
     ckpt = None
     start = 0
