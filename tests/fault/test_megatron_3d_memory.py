@@ -100,7 +100,7 @@ def test_nan_then_a_bit_flip_each_roll_every_stage_back_one_snapshot_bitwise(tmp
     flip_rank, flip_step = draw.randrange(4), draw.randrange(step + 2, STEPS - 1)
     specs = f"nan:rank={rank},step={step};bitflip:rank={flip_rank},step={flip_step}"
     where = f"({specs}, ROBUST_TEST_SEED={draw.seed_value})"
-    job = robust_run(tmp_path / "nan", 4, "--max-restarts", "2", "--inject", specs, timeout_s=300, script=SCRIPT)
+    job = robust_run(tmp_path / "nan", 4, "--max-restarts", "2", "--inject", specs, timeout_s=200, script=SCRIPT)
     assert job.returncode == 0, f"{where}\n{job.output[-3000:]}"
     nan, sdc = job.faults
     assert (nan["kind"], nan["step"], nan["action"]) == ("nan", step, "rollback"), (where, nan)
