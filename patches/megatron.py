@@ -288,6 +288,7 @@ def enable(ddp, config: Any = None) -> MegatronPlugin:
     if cfg.telemetry is not None:
         _attach_telemetry(ddp, plugin)
     ddp.robust_plugins = plugin
+    name_pipeline_stage()
     _guard.bind_instance(ddp, "finish_grad_sync", _ddp_finish_grad_sync(ddp, plugin))
     if plugin.sync is not None:
         for name, group in plugin.groups:
@@ -476,6 +477,19 @@ def _start_grad_sync(group, name: str, plugin: MegatronPlugin):
         group.grad_reduce_handle = plugin.thread.submit(name, work, tensors)
 
     return start_grad_sync
+
+
+def name_pipeline_stage() -> None:
+    """Name this rank's pipeline stage (``pp<rank>``) to ``robust run``'s straggler detector,
+    which then compares the ranks of one stage only (stages do different work: the last computes
+    the output layer and the loss). Nothing without pipeline parallelism, before megatron's
+    groups exist, or outside ``robust run``."""
+    from megatron.core import parallel_state as ps
+
+    from robust_plugins import watchdog
+
+    if ps.model_parallel_is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+        watchdog.straggler_group(f"pp{ps.get_pipeline_model_parallel_rank()}")
 
 
 def destroy_parallel_state() -> list[str]:

@@ -55,6 +55,15 @@ def disable(ddp) -> None:
     patch.disable(ddp)
 
 
+def name_pipeline_stage() -> None:
+    """Have ``robust run``'s straggler detector compare this rank with the ranks of its pipeline
+    stage only, for a loop with neither :func:`enable` nor :class:`MegatronCheckpointer` (both do
+    it); see :func:`robust_plugins.patches.megatron.name_pipeline_stage`."""
+    from robust_plugins.patches import megatron as patch
+
+    patch.name_pipeline_stage()
+
+
 def shutdown() -> None:
     """End of a megatron-core job: destroy megatron's groups and the default group, and free them
     now, while the interpreter is alive (call it once, last, on every rank).
@@ -239,9 +248,10 @@ class MegatronCheckpointer:
         import torch.distributed as dist
 
         from robust_plugins.checkpoint import DiskCheckpointer
-        from robust_plugins.patches.megatron import check_megatron_version, megatron_version
+        from robust_plugins.patches.megatron import check_megatron_version, megatron_version, name_pipeline_stage
 
         check_megatron_version()
+        name_pipeline_stage()  # robust run's straggler detector compares each stage with itself
         self.chunks = _chunks(ddp, mcore.virtual_pipeline_size())
         """The model chunks saved (one DDP each; several with virtual pipeline stages)."""
         self.plugins = _chunk_plugins(self.chunks, plugin)

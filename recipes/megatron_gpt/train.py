@@ -231,6 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     parts = build(preset, tp=tp, seed=args.seed, codec=args.codec, overlap=args.overlap_grad_reduce,
                   distopt=args.distributed_optimizer, block=plugin_block(args.codec, args.plugin_json),
                   pp=args.pp, vpp=args.vpp, bf16=args.bf16, optimizer=args.optimizer)
+    rpm.name_pipeline_stage()  # robust run's straggler detector: each stage against itself
     corpus = load_corpus()
     ckpt = None
     start = 0
@@ -277,6 +278,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tp_launcher = [order[r] for r in dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())]
     digests: list = [None] * dist.get_world_size()
     dist.all_gather_object(digests, param_digest(parts["model"]))
+    # each rank's data-parallel replicas (context-parallel included): what its weights must equal
+    dp_groups: list = [None] * dist.get_world_size()
+    dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+    dist.all_gather_object(dp_groups, dist.get_process_group_ranks(dp_group))
     # gradient elements this rank's data-parallel sync reduces (bucket sizes, padding included)
     grad_elements: list = [None] * dist.get_world_size()
     dist.all_gather_object(grad_elements, sum(b.grad_data.numel() for m in parts["model"]
@@ -286,7 +291,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tp_group_launcher_ranks": tp_launcher, "steps": args.steps, "losses": losses,
             "train_s": time.perf_counter() - t0, "step_s": step_s,
             "snapshot_blocking_s": list(memory.blocking_s) if memory is not None else None, "digest": digests[dist.get_rank()], "digests": digests,
-            "grad_elements_by_rank": grad_elements,
+            "grad_elements_by_rank": grad_elements, "dp_group_by_rank": dp_groups,
             "param_sums": [float(p.detach().double().sum()) for p in parts["ddp"].parameters()],
             **parts["layout"].as_dict()}
 
@@ -309,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         timeout=datetime.timedelta(seconds=600))
         result = run(args)
         if dist.get_rank() == 0:
-            long = ("losses", "global_losses", "param_sums", "digests", "grad_elements_by_rank", "step_s",
-                    "snapshot_blocking_s")
+            long = ("losses", "global_losses", "param_sums", "digests", "grad_elements_by_rank", "dp_group_by_rank",
+                    "step_s", "snapshot_blocking_s")
             line = json.dumps({k: v for k, v in result.items() if k not in long} |
                               {"first_loss": result["losses"][:1], "last_loss": result["losses"][-1:]})
             print(line, flush=True)

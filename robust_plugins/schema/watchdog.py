@@ -90,8 +90,10 @@ class WatchdogConfig(Section):
     straggler_factor: _Factor = 2.0
     """A rank whose median compute time per step (step time minus time inside torch.distributed
     collectives) over the last ``straggler_window`` steps exceeds this many times the median of
-    its peers' is a straggler: one ``faults.jsonl`` row per episode, written when it ends (its
-    duration, slow steps and ratio; action ``report``: no restart). 0 turns the detector off."""
+    its peers' (the node's other ranks; of its group only when ranks name one with
+    ``watchdog.straggler_group``, as megatron-core's pipeline stages do) is a straggler: one
+    ``faults.jsonl`` row per episode, written when it ends (its duration, slow steps and ratio;
+    action ``report``: no restart). 0 turns the detector off."""
 
     straggler_window: Annotated[int, Field(ge=3), Hint(why="(a median of fewer steps is one slow step)")] = 20
     """Steps per rank in the straggler medians; nothing is judged before every rank has this many.

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from robust_plugins._logging import get_logger, warn_once
-from robust_plugins.errors import UnsupportedError
+from robust_plugins.errors import ConfigError, UnsupportedError
 from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import hold as _hold
 from robust_plugins.watchdog import inject_rank as _inject_rank
@@ -58,6 +58,7 @@ from robust_plugins.watchdog.protocol import (
     MSG_COMM,
     MSG_END,
     MSG_EXIT,
+    MSG_GROUP,
     MSG_HELLO,
     MSG_HISTORY,
     MSG_QUERY,
@@ -425,6 +426,20 @@ def step_end(step: int, loss: Any = None, grad_norm: Any = None) -> None:
     client.step_end(int(step), _as_float(loss), _as_float(grad_norm))
 
 
+def straggler_group(name: str) -> None:
+    """Have the straggler detector compare this rank's compute time with the ranks that said the
+    same ``name`` only (by default every rank of its node is compared with all the others). For
+    ranks that do different work: each pipeline stage is a group (megatron-core's front doors say
+    so themselves). Call it once, on every rank, before training; outside ``robust run`` it does
+    nothing."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"watchdog.straggler_group(name={name!r}): the name must be a non-empty string "
+                          f"(a pipeline stage: e.g. 'pp0').")
+    client = get_client()
+    if client is not None:
+        client.send({"k": MSG_GROUP, "g": name}, wait=True)  # once: worth waiting for room
+
+
 def check_params(step: int, params: Any, group: Any = None) -> bool:
     """Compare a 64-bit hash of this rank's parameters with every other replica's (silent data
     corruption); returns False when some replica differs (do not save a checkpoint then).
@@ -499,8 +514,6 @@ def grad_accumulation(global_batch: int, micro_batch: int, world_size: int | Non
     is not a multiple of ``micro_batch`` x the world size: then no accumulation keeps it, and
     silently changing the global batch would change the training.
     """
-    from robust_plugins.errors import ConfigError
-
     world = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1"))
     for name, value in (("global_batch", global_batch), ("micro_batch", micro_batch), ("world size", world)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -128,18 +128,35 @@ class Straggler:
     compute_s: float
     """The rank's median compute time over the window (step time minus collective time)."""
     peers_s: float
-    """The median of the other ranks' window medians."""
+    """The median of its peers' window medians (the other ranks of its group)."""
     ratio: float
 
 
-def stragglers(compute: Mapping[int, Sequence[float]], factor: float, window: int) -> list[Straggler]:
+def peer_median(medians: Mapping[int, float], rank: int,
+                groups: Mapping[int, Any] | None = None) -> float | None:
+    """The median of the ``medians`` of ``rank``'s peers, or None when it has none.
+
+    Peers: the other ranks of its group, ``groups[r]`` (ranks that do the same work: the ranks of
+    one pipeline stage); a rank ``groups`` leaves out, or every rank when ``groups`` is None, is in
+    the group ``None``."""
+    key = groups.get(rank) if groups else None
+    peers = [m for q, m in medians.items() if q != rank and (groups.get(q) if groups else None) == key]
+    return statistics.median(peers) if peers else None
+
+
+def stragglers(compute: Mapping[int, Sequence[float]], factor: float, window: int,
+               groups: Mapping[int, Any] | None = None) -> list[Straggler]:
     """Ranks whose median compute time over their last ``window`` steps exceeds ``factor`` times
-    the median of the other ranks' medians; ``[]`` until every rank has ``window`` values.
+    the median of their peers' medians (:func:`peer_median`: the other ranks of the same
+    ``groups`` key); ``[]`` until every rank has ``window`` values. A rank alone in its group has
+    no peers and is not judged.
 
     Compute time, not step time: ranks of a data-parallel job wait for each other in every
     collective, so their step times are equal and only the time *outside* collectives tells the
-    slow rank from those waiting for it. Medians (over steps, then over peers) keep one slow step
-    (garbage collection, a checkpoint save) or one slow peer from deciding. Needs two ranks.
+    slow rank from those waiting for it. Groups, because pipeline stages do different work (the
+    first holds the embedding, the last the output layer and the loss): a stage is compared with
+    itself only. Medians (over steps, then over peers) keep
+    one slow step (garbage collection, a checkpoint save) or one slow peer from deciding.
     """
     if factor <= 0 or len(compute) < 2:
         return []
@@ -148,8 +165,8 @@ def stragglers(compute: Mapping[int, Sequence[float]], factor: float, window: in
     medians = {r: statistics.median(list(v)[-window:]) for r, v in compute.items()}
     out = []
     for r, mine in sorted(medians.items()):
-        peers = statistics.median(m for q, m in medians.items() if q != r)
-        if peers > 0 and mine > factor * peers:
+        peers = peer_median(medians, r, groups)
+        if peers is not None and peers > 0 and mine > factor * peers:
             out.append(Straggler(r, mine, peers, mine / peers))
     return out
 
@@ -179,6 +196,8 @@ class StragglerEpisode:
     ratios: list[float] = field(default_factory=list)
     """Each slow step's compute over its peers' median."""
     peers: list[float] = field(default_factory=list)
+    group: Any = None
+    """The group it is compared within (:func:`stragglers`' ``groups``; None: every rank)."""
 
     def observe(self, step: int, compute_s: float, peers_s: float, factor: float, wall: float) -> None:
         """Judge one step of the rank (steps already judged are ignored)."""
@@ -203,7 +222,7 @@ class StragglerEpisode:
                 "duration_s": round(max(0.0, self.last_slow_wall - self.onset_wall), 3),
                 "slow_steps": len(self.slow), "compute_s": round(med, 4), "peers_compute_s": round(peers, 4),
                 "ratio": round(statistics.median(self.ratios), 2) if self.ratios else 0.0,
-                "ratio_max": round(max(self.ratios), 2) if self.ratios else 0.0}
+                "ratio_max": round(max(self.ratios), 2) if self.ratios else 0.0, "group": self.group}
 
 
 def is_bad_number(value: float | None) -> bool:

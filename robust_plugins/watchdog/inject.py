@@ -15,6 +15,7 @@ several ``--inject`` flags. A fault fires once per job: when rank ``R`` reports 
 ``spike:rank=1,step=40``   rank 1 reports 1000 x its loss (or ``what=grad_norm``) for step 40
 ``bitflip:rank=2,step=30`` rank 2 flips bit 20 (``bit=N``) of its first parameter's first element
                            in the first ``check_params`` at or after step 30: real corruption
+                           (bits of a float32 word; a bfloat16 parameter holds bits 16 to 31)
 ``stuckbit:rank=2,step=30`` as ``bitflip``, but in every incarnation that replays that check: a
                            persistent fault (hardware that corrupts the same step again)
 ``slow:rank=1,step=10``    from step 10 on, rank 1 sleeps 0.5 s (``seconds=X``) outside any

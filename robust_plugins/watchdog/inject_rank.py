@@ -97,14 +97,22 @@ class RankInjections:
 
 
 def _flip_bit(param: Any, bit: int) -> None:
+    """Flip ``bit`` of ``param``'s first element. Bits are numbered as in a float32 word: a
+    bfloat16 parameter (bf16 training) holds float32's bits 16 to 31, so ``bit`` 16 + k flips its
+    bit k (the default 20 is a mantissa bit of both)."""
     import torch
 
     with torch.no_grad():
         flat = param.data.reshape(-1)
-        raw = flat[:1].view(torch.int32) if flat.element_size() == 4 else None
-        if raw is None:
-            raise RuntimeError(f"bitflip injection needs a 4-byte parameter, got {param.dtype}")
-        raw ^= (1 << bit) if bit < 31 else -(1 << 31)
+        if flat.element_size() == 4:
+            flat[:1].view(torch.int32).bitwise_xor_(-(1 << 31) if bit == 31 else 1 << bit)
+        elif flat.dtype == torch.bfloat16:
+            if bit < 16:
+                raise RuntimeError(f"bitflip injection bit={bit} is not held by a bfloat16 parameter, which "
+                                   f"keeps a float32's bits 16 to 31: choose bit=16..31")
+            flat[:1].view(torch.int16).bitwise_xor_(-(1 << 15) if bit == 31 else 1 << (bit - 16))
+        else:
+            raise RuntimeError(f"bitflip injection needs a 4-byte or bfloat16 parameter, got {param.dtype}")
 
 
 def _hang_in_python(max_s: float) -> None:

@@ -68,6 +68,9 @@ MSG_HASH = "hash"
 MSG_EMERGENCY = "emerg"
 #: The rank's interpreter exits: the monitor stops expecting its steps.
 MSG_EXIT = "exit"
+#: The ranks the straggler detector compares this rank with: those that sent the same ``g``
+#: (:func:`.client.straggler_group`; a pipeline stage).
+MSG_GROUP = "group"
 
 # -- datagrams, node monitor -> rank ----------------------------------------------------------------
 #: The answer to a :data:`MSG_QUERY`: ``s``, ``ok``.

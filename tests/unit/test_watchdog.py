@@ -431,6 +431,22 @@ def test_bitflip_changes_the_parameter_hash_and_one_bit_only():
     assert torch.equal(copy[1], params[1])
 
 
+def test_bitflip_in_a_bfloat16_parameter_flips_the_same_float32_bit():
+    """bf16 training's parameters are bfloat16: float32's upper half, so bit 16 + k is their bit k."""
+    import torch
+
+    p = torch.linspace(-1, 1, 9, dtype=torch.bfloat16)
+    for bit in (20, 31):
+        q = p.clone()
+        inject_rank._flip_bit(q, bit)
+        wide = (q.float().view(torch.int32) ^ p.float().view(torch.int32)).tolist()
+        assert wide[0] == (1 << bit if bit < 31 else -(1 << 31)) and not any(wide[1:])
+    with pytest.raises(RuntimeError, match="bit=3 .*choose bit=16..31"):
+        inject_rank._flip_bit(p.clone(), 3)
+    with pytest.raises(RuntimeError, match="4-byte or bfloat16 parameter, got torch.float16"):
+        inject_rank._flip_bit(p.half(), 20)
+
+
 def test_injections_fired_after_a_detected_fault_are_armed_again(tmp_path):
     """Ranks run on for a few steps before they are stopped; a fault they inject in that time is
     replayed by the restarted job, so it must fire there again."""

@@ -38,6 +38,42 @@ def test_detector_at_scale_names_exactly_the_slow_ranks():
     assert [s.rank for s in detect.stragglers(compute, 2.0, 30)] == [17, 900]
 
 
+def test_pipeline_stages_are_compared_within_themselves():
+    """Stage 1 computes 2.5 x stage 0 (the output layer and the loss): no rank of it straggles
+    against its own stage; without groups, every stage-1 rank would be named."""
+    compute = {0: [0.10] * 10, 1: [0.11] * 10, 2: [0.25] * 10, 3: [0.26] * 10}
+    stage = {0: "pp0", 1: "pp0", 2: "pp1", 3: "pp1"}
+    assert [s.rank for s in detect.stragglers(compute, 2.0, 10)] == [2, 3]  # the unfair verdict
+    assert detect.stragglers(compute, 2.0, 10, stage) == []
+    compute[2] = [0.6] * 10  # a slow rank of the heavy stage: against its stage peer only
+    (s,) = detect.stragglers(compute, 2.0, 10, stage)
+    assert (s.rank, s.peers_s) == (2, pytest.approx(0.26)) and s.ratio == pytest.approx(0.6 / 0.26)
+    compute[0] = [0.19] * 10  # 1.9 x its stage peer: not over the bar, though over stage 1's median
+    assert [s.rank for s in detect.stragglers(compute, 2.0, 10, stage)] == [2]
+
+
+def test_a_rank_alone_in_its_group_is_not_judged_and_ungrouped_ranks_compare_among_themselves():
+    compute = {0: [1.0] * 5, 1: [0.1] * 5, 2: [0.1] * 5, 3: [0.4] * 5}
+    (s,) = detect.stragglers(compute, 2.0, 5, {0: "pp0"})  # rank 0, 10 x the others, has no peer
+    assert s.rank == 3 and s.peers_s == pytest.approx(0.1)  # ranks 1-3 have no group: one group
+    medians = {r: v[0] for r, v in compute.items()}
+    assert detect.peer_median(medians, 0, {0: "pp0"}) is None
+    assert detect.peer_median(medians, 1, None) == pytest.approx(0.4)  # median of 1.0, 0.1, 0.4
+
+
+def test_stage_grouping_at_scale_names_exactly_the_slow_ranks():
+    """64 stages x 16 ranks, each stage's cost its own (the last one 3 x the first): the slow
+    ranks of light and heavy stages alike are named, nobody else."""
+    compute, groups = {}, {}
+    for r in range(1024):
+        stage = r // 16
+        compute[r] = [(0.05 + 0.1 * (stage == 63)) * (1 + 0.01 * (r % 5))] * 30
+        groups[r] = f"pp{stage}"
+    for r in (3, 1010):
+        compute[r] = [x * 2.5 for x in compute[r]]
+    assert [s.rank for s in detect.stragglers(compute, 2.0, 30, groups)] == [3, 1010]
+
+
 @pytest.mark.parametrize("block, bad", [
     ({"straggler_factor": 1.0}, "straggler_factor = 1.0 must be 0 (off) or a finite number > 1"),
     ({"straggler_factor": "2"}, "straggler_factor must be a number"),
@@ -174,6 +210,49 @@ def test_monitor_reports_a_straggler_once_without_stopping_the_ranks(tmp_path):
     assert line["detail"]["ratio"] == pytest.approx(6.0)
     assert "rank 2 computes 300 ms" in line["detail"]["reason"]
     assert mon.all_faults == [] and len(mon.reports) == 1
+
+
+def test_client_names_its_straggler_group_once_and_refuses_an_empty_name(tmp_path, monkeypatch):
+    srv = _client_with_server(tmp_path, monkeypatch)
+    try:
+        client.straggler_group("pp1")
+        msgs = [json.loads(srv.recv(65536)) for _ in range(2)]
+    finally:
+        srv.close()
+    assert [(m["k"], m.get("g")) for m in msgs] == [("hello", None), ("group", "pp1")]
+    with pytest.raises(ConfigError, match="straggler_group.*non-empty string"):
+        client.straggler_group("")
+
+
+def test_monitor_compares_each_pipeline_stage_with_itself(tmp_path):
+    """Ranks 2 and 3 (stage pp1) compute 2.5 x ranks 0 and 1 (pp0) every step: no report. Rank 1
+    computes 3 x its stage peer from step 4: reported, against rank 0 alone."""
+    from robust_plugins.launcher.monitor import Monitor
+
+    cfg = WatchdogConfig(straggler_factor=2.0, straggler_window=5)
+    mon = Monitor(cfg, tmp_path, host="node7")
+    try:
+        mon.begin_incarnation({0: 100, 1: 101, 2: 102, 3: 103})
+        tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        now = time.time()
+        for r in range(4):
+            tx.sendto(json.dumps({"k": "group", "r": r, "i": 0, "t": now, "g": f"pp{r // 2}"}).encode(),
+                      mon.address)
+        for step in range(1, 12):
+            for r in range(4):
+                compute = {0: 0.05, 1: 0.15 if step >= 4 else 0.05, 2: 0.125, 3: 0.125}[r]
+                tx.sendto(json.dumps({"k": "end", "r": r, "i": 0, "s": step, "t": now + step, "l": 1.0,
+                                      "w": 0.4, "c": 0.4 - compute}).encode(), mon.address)
+        assert _wait_for(lambda: all(mon.ranks[r].progress.last_step == 11 for r in range(4)))
+        assert mon.ranks[3].straggler_group == "pp1"
+        assert mon.check(will_restart=True) is None
+        tx.close()
+    finally:
+        mon.close()
+    (line,) = read_faults(tmp_path / "faults.jsonl")
+    assert (line["kind"], line["suspect_ranks"], line["step"]) == ("straggler", [1], 4)
+    assert line["detail"]["group"] == "pp0" and line["detail"]["ratio"] == pytest.approx(3.0)
+    assert "group 'pp0'" in line["detail"]["reason"]
 
 
 @pytest.mark.timeout(60)

@@ -24,6 +24,7 @@ from robust_plugins.watchdog.detect import (
     learned_timeout,
     localize,
     localize_by_sequence,
+    peer_median,
     stalled_ranks,
     stragglers,
 )
@@ -250,7 +251,9 @@ class Detectors:
             live = {r: st for r, st in ranks.items() if st.registered and not st.finished}
             compute = {r: [st.compute[i][1] for i in range(-min(window, len(st.compute)), 0)]
                        for r, st in live.items()}
-            found = {s.rank: s for s in stragglers(compute, factor, window)}
+            # Each rank against the ranks of its group only (a pipeline stage, when said).
+            groups = {r: st.straggler_group for r, st in live.items()}
+            found = {s.rank: s for s in stragglers(compute, factor, window, groups)}
             if len(compute) >= 2 and all(len(v) >= window for v in compute.values()):
                 medians = {r: statistics.median(v[-window:]) for r, v in compute.items()}
             else:
@@ -259,9 +262,9 @@ class Detectors:
                 ep = st.straggling
                 if ep is None and r in found:
                     ep = st.straggling = self._episode_start(r, st, found[r], now_wall)
-                if ep is None or not medians:
+                peers = peer_median(medians, r, groups) if ep is not None else None
+                if peers is None:
                     continue
-                peers = statistics.median(m for q, m in medians.items() if q != r)
                 for step, c, t in st.compute:
                     if step > ep.seen_step:  # from the slow run's first step, once each
                         ep.observe(step, c, peers, factor, t)
@@ -279,11 +282,12 @@ class Detectors:
                 break
             onset, step = t, st_step
         ep = StragglerEpisode(rank=rank, first_step=step, onset_wall=onset, detected_wall=now_wall,
-                              last_slow_step=step, last_slow_wall=onset, seen_step=step - 1)
+                              last_slow_step=step, last_slow_wall=onset, seen_step=step - 1,
+                              group=st.straggler_group)
         log.warning("robust watchdog: straggler rank %d on %s from step %d: it computes %.0f ms a step, "
-                    "%.1f x its peers' median %.0f ms (time in collectives excluded); reported in "
+                    "%.1f x its peers' median %.0f ms (%s; time in collectives excluded); reported in "
                     "faults.jsonl when it ends", rank, self.host, step, s.compute_s * 1e3, s.ratio,
-                    s.peers_s * 1e3)
+                    s.peers_s * 1e3, _peers_of(st.straggler_group))
         return ep
 
     def _write_episode(self, ep: StragglerEpisode, why: str, incarnation: int) -> None:
@@ -299,8 +303,8 @@ class Detectors:
                     "reason": f"rank {ep.rank} computes {sm['compute_s'] * 1e3:.0f} ms a step over "
                               f"{sm['slow_steps']} slow steps from step {ep.first_step} to "
                               f"{ep.last_slow_step} ({sm['duration_s']:.1f} s), {sm['ratio']:.1f} x its "
-                              f"peers' median {sm['peers_compute_s'] * 1e3:.0f} ms (at most "
-                              f"{sm['ratio_max']:.1f} x; time in collectives excluded); {why}"},
+                              f"peers' median {sm['peers_compute_s'] * 1e3:.0f} ms ({_peers_of(ep.group)}; "
+                              f"at most {sm['ratio_max']:.1f} x; time in collectives excluded); {why}"},
         )
         with self._lock:
             self.reports.append(fault)
@@ -414,3 +418,8 @@ class Detectors:
                      if r in ranks and ranks[r].progress.last_step is not None]
         if steps:
             fault.step = min(steps) + 1
+
+
+def _peers_of(group) -> str:
+    """Who a straggler was compared with, for its log line and report."""
+    return "the other ranks of the node" if group is None else f"the node's other ranks of group {group!r}"

@@ -38,6 +38,7 @@ from robust_plugins.watchdog.protocol import (
     MSG_EMERGENCY,
     MSG_END,
     MSG_EXIT,
+    MSG_GROUP,
     MSG_HASH,
     MSG_HELLO,
     MSG_HISTORY,
@@ -373,6 +374,8 @@ class Monitor:
                 st.finished = True
             elif kind == MSG_COMM:
                 st.device_type = msg.get("dev")
+            elif kind == MSG_GROUP:
+                st.straggler_group = str(msg.get("g"))
             elif kind == MSG_HISTORY:
                 # Step times a rank loaded from its checkpoint: only a launcher that has learned
                 # nothing yet uses them (its own measurements are newer), once per rank.

@@ -32,6 +32,8 @@ class _RankState:
     straggling: Any = None
     """Its open straggler episode (:class:`~robust_plugins.watchdog.detect.StragglerEpisode`), None
     when it is not straggling."""
+    straggler_group: str | None = None
+    """The ranks its compute time is compared with: those of the same group (``watchdog.straggler_group``)."""
     device_type: str | None = None
     """What its default group's collectives move (``cpu``: gloo, ``cuda``: NCCL), said at its first step."""
     emergency: dict[str, Any] | None = None
