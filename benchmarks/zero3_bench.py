@@ -66,7 +66,8 @@ def _worker(args) -> None:
     corpus = load_corpus(max_bytes=400_000)
     spans = _spans_nodes(int(os.environ.get("LOCAL_WORLD_SIZE", "2")))
     out = {}
-    for name, block in VARIANTS.items():
+    for name in args.variants.split(","):
+        block = VARIANTS[name]
         model = build_gpt(shape, seed=1)
         cfg = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
                "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7, "stage3_prefetch_bucket_size": 5e7}}
@@ -118,9 +119,14 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)")
     p.add_argument("--out", required=True)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    unknown = sorted(set(args.variants.split(",")) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; allowed: {', '.join(VARIANTS)}")
     if args.worker:
         _worker(args)
         return 0
@@ -128,12 +134,12 @@ def main() -> int:
 
     args.out = os.path.abspath(args.out)
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--rate", args.rate, "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--width", str(args.width), "--layers", str(args.layers), "--out", args.out]
+            "--warmup", str(args.warmup), "--width", str(args.width), "--layers", str(args.layers), "--variants", args.variants, "--out", args.out]
     with SimCluster(2, 2, args.rate) as cluster:
         cluster.run(argv, timeout_s=1200, env={"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
     with open(args.out) as f:
         res = json.load(f)
-    for name in VARIANTS:
+    for name in args.variants.split(","):
         r = res[name]
         blocking = (f"  snapshot blocking {r['snapshot_blocking_s'] * 1e3:.1f} ms"
                     if "snapshot_blocking_s" in r else "")
