@@ -154,6 +154,15 @@ def overwritable(slots: list[Slot], keep: int | None) -> list[int]:
     return [i for i in range(len(slots)) if i not in kept] or kept[1:]
 
 
+def retire_after(slots: list[Slot], max_step: int) -> list[Slot]:
+    """Uncommit every slot holding a committed step newer than ``max_step`` (a rollback's last
+    good step: those snapshots hold the bad state); returns the slots retired."""
+    gone = [s for s in slots if committed_step_of(s) > max_step]
+    for s in gone:
+        s.set_committed(False)
+    return gone
+
+
 def retire_duplicates(slots: list[Slot], newest: Slot, step: int) -> None:
     """Uncommit every slot but ``newest`` that holds a committed ``step``: a second snapshot of
     a step (``replace_newest``) written into another slot supersedes the first once committed."""
@@ -443,7 +452,8 @@ class SnapshotStore:
                 slot.busy.clear()
 
     def _pick(self, replace_newest: bool, timeout_s: float) -> int:
-        """The slot a save writes: the oldest, never the one of :attr:`keep_step`; with
+        """The slot a save writes: one holding no committed snapshot (none written yet, torn,
+        retired), else the oldest; never the one of :attr:`keep_step`; with
         ``replace_newest`` the newest, unless it is the one kept (then the oldest, and the
         commit retires the kept slot's copy of the same step). A chosen slot still being handed
         off (peer send, disk save) is waited for, and the choice made again: the hand-off may
@@ -454,7 +464,10 @@ class SnapshotStore:
         while True:
             free = overwritable(self.slots, self.keep_step)
             newest = max(range(len(self.slots)), key=lambda i: self._stamp[i])
-            index = newest if replace_newest and newest in free else min(free, key=lambda i: self._stamp[i])
+            # A slot without a committed snapshot (never written, torn, retired as a duplicate or
+            # as newer than a rollback's bound) goes before any that holds one.
+            index = newest if replace_newest and newest in free else min(
+                free, key=lambda i: (committed_step_of(self.slots[i]) >= 0, self._stamp[i]))
             if not self.slots[index].busy.is_set():
                 self._raise_if_failed()
                 self._writes += 1

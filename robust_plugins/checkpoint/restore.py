@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 
 from robust_plugins._logging import get_logger
 from robust_plugins.checkpoint import coord
-from robust_plugins.checkpoint.memory import SnapshotStore
+from robust_plugins.checkpoint.memory import SnapshotStore, retire_after
 from robust_plugins.checkpoint.peer import PeerBackup, recv_slot, send_slot
 from robust_plugins.errors import CheckpointError
 
@@ -129,12 +129,30 @@ def restore_from_memory(store: SnapshotStore, peers: PeerBackup | None, timeout_
     ``source`` is ``memory`` or ``peer:<holder>``. ``device``: of the agreement's tensors (None:
     what the default group's backend moves). Returns None (every rank alike) when memory
     cannot serve; the reason is logged once on rank 0, and each rank logs why its own slots
-    were unusable.
+    were unusable. With ``max_step``, every own and held snapshot newer than it is retired
+    (uncommitted) first, whatever the outcome: it holds a rollback's bad state.
     """
     rank, world = store.rank, store.world_size
+    retired: set[str] = set()
+    if max_step is not None:
+        # Snapshots newer than a rollback's bound hold the bad state: retired here, before the
+        # gather, so that once any rank is past it none is left for a later restore to pick
+        # (the monitor bounds a rollback of a later incarnation by that fault's step only).
+        for slots, whose in ((store.slots, "own"), (peers.held if peers is not None else [], "held")):
+            for s in slots:
+                if s.header() is None:
+                    s.open_existing()
+            gone = retire_after(slots, max_step)
+            if gone:
+                retired.update(s.path for s in gone)
+                log.warning("robust_plugins: [rank %d] retired %s snapshot(s) of step(s) %s: newer than the "
+                            "rollback's last good step %d", rank, whose, sorted(s.header().step for s in gone),
+                            max_step)
     why: dict[str, str] = {}
     own = store.own_snapshots(why)
     held = peers.held_snapshots(world, why) if peers is not None else []
+    for path in retired:
+        why.pop(path, None)
     for path, problem in why.items():
         log.warning("robust_plugins: [rank %d] snapshot %s skipped: %s", rank, path, problem)
     report = {"own": [[s.step, s.slot] for s in own],

@@ -490,3 +490,50 @@ def test_memory_copy_mode_is_validated():
     assert CheckpointConfig(memory_every=1, memory_copy="in_step").memory_copy == "in_step"
     with pytest.raises(ConfigError, match=r"memory_copy = 'instep' is not allowed.*in_step.*Allowed: background, in_step"):
         CheckpointConfig(memory_every=1, memory_copy="instep")
+
+
+def test_a_slot_without_a_committed_snapshot_is_overwritten_before_an_older_step(tmp_path):
+    """After a rollback the new incarnation snapshots again a step an earlier one held: the
+    earlier copy is retired, and the next save goes into that empty slot, not into the slot of
+    the step restored from (which stays until a newer one is committed)."""
+    old = memory.SnapshotStore("order", 0, 1, root=str(tmp_path), n_slots=3)
+    for step in (10, 11, 12):
+        old.save(step, {"x": torch.full((3,), float(step))})
+    old.flush()
+    old.close()
+    st = memory.SnapshotStore("order", 0, 1, root=str(tmp_path), n_slots=3)
+    try:
+        st.save(12, {"x": torch.full((3,), -12.0)})  # restored 11; the old 12 goes once this commits
+        assert _steps(st) == [11, 12]
+        st.save(13, {"x": torch.full((3,), 13.0)})
+        assert _steps(st) == [11, 12, 13]
+    finally:
+        st.close(remove=True)
+
+
+def test_a_rollback_restore_retires_the_snapshots_after_its_bound(tmp_path):
+    """The snapshots newer than a rollback's last good step hold the bad state: the restore
+    retires them, so a later restore with a looser bound (the next rollback) cannot pick one,
+    even when the new snapshot of that step was never committed."""
+    from robust_plugins.checkpoint.restore import restore_from_memory
+
+    old = memory.SnapshotStore("bound", 0, 1, root=str(tmp_path), n_slots=3)
+    for step in (10, 11, 12):
+        old.save(step, {"x": torch.full((3,), float(step))})
+    old.flush()
+    old.close()
+    st = memory.SnapshotStore("bound", 0, 1, root=str(tmp_path), n_slots=3)
+    try:
+        step, state, source = restore_from_memory(st, None, 30.0, max_step=11)
+        assert (step, source, state["x"].tolist()) == (11, "memory", [11.0] * 3)
+        assert _steps(st) == [10, 11]
+    finally:
+        st.close()
+    # This incarnation died before its own snapshot of step 12 committed; the next rollback
+    # allows step 12, which memory no longer holds.
+    again = memory.SnapshotStore("bound", 0, 1, root=str(tmp_path), n_slots=3)
+    try:
+        step, state, _ = restore_from_memory(again, None, 30.0, max_step=12)
+        assert (step, state["x"].tolist()) == (11, [11.0] * 3)
+    finally:
+        again.close(remove=True)

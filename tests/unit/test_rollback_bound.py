@@ -87,6 +87,31 @@ def test_steps_the_faulty_ranks_report_after_the_fault_extend_the_bad_range(tmp_
         mon.close()
 
 
+def test_a_rollback_in_a_later_incarnation_is_bounded_by_its_own_step_only(tmp_path):
+    """A NaN at step 12, then, after the restore of 11, a second one at step 13: the restarted
+    incarnation snapshotted 12 anew (its restore retired the bad ones), so 12 is the bound, not
+    the first rollback's 11; the first one's bad steps still keep the bound until run past."""
+    mon = Monitor(WatchdogConfig(), tmp_path, host="h")
+    tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        mon.begin_incarnation({0: 100, 1: 101})
+        _run(mon, tx, 0, 1, 12, nan_at=12)
+        assert mon.check(will_restart=True).step == 12
+        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "11"
+        mon.begin_incarnation({0: 200, 1: 201})
+        _run(mon, tx, 1, 12, 13, nan_at=13)
+        assert mon.check(will_restart=True).step == 13
+        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "12"
+        mon.begin_incarnation({0: 300, 1: 301})
+        _run(mon, tx, 2, 13, 14)
+        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "12"
+        _run(mon, tx, 2, 15, 15)
+        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
+    finally:
+        tx.close()
+        mon.close()
+
+
 def test_choose_passes_over_checkpoints_after_the_rollback_bound(tmp_path):
     for seq, step in enumerate((12, 14, 16), start=1):
         make_ckpt(tmp_path, f"global_step{step}", step, seq)

@@ -198,7 +198,12 @@ class FaultBook:
             # job has run past it again (each of those steps was then snapshotted anew).
             reached = max(fault.step, max_step or fault.step)
             if self.rollback_limit is not None:
-                newest = min(newest, self.rollback_limit[0])
+                # A later incarnation restored at most the earlier bound and snapshotted every
+                # step after it anew up to the fault's (and its restore retired the stale ones
+                # above that bound: restore_from_memory), so only a fault of the same incarnation
+                # keeps the earlier bound; the stale steps past this fault still count in reached.
+                if incarnation <= self.rollback_limit[1]:
+                    newest = min(newest, self.rollback_limit[0])
                 reached = max(reached, self.rollback_limit[2])
             self.rollback_limit = [newest, incarnation, reached]
         if fault.action in ("restart", "rollback"):
