@@ -492,16 +492,21 @@ def test_memory_copy_mode_is_validated():
         CheckpointConfig(memory_every=1, memory_copy="instep")
 
 
+def _store_after_an_earlier_run(tmp_path, job: str, steps) -> memory.SnapshotStore:
+    """A new 3-slot store of rank 0 whose slots hold ``steps`` committed by an earlier process."""
+    old = memory.SnapshotStore(job, 0, 1, root=str(tmp_path), n_slots=3)
+    for step in steps:
+        old.save(step, {"x": torch.full((3,), float(step))})
+    old.flush()
+    old.close()
+    return memory.SnapshotStore(job, 0, 1, root=str(tmp_path), n_slots=3)
+
+
 def test_a_slot_without_a_committed_snapshot_is_overwritten_before_an_older_step(tmp_path):
     """After a rollback the new incarnation snapshots again a step an earlier one held: the
     earlier copy is retired, and the next save goes into that empty slot, not into the slot of
     the step restored from (which stays until a newer one is committed)."""
-    old = memory.SnapshotStore("order", 0, 1, root=str(tmp_path), n_slots=3)
-    for step in (10, 11, 12):
-        old.save(step, {"x": torch.full((3,), float(step))})
-    old.flush()
-    old.close()
-    st = memory.SnapshotStore("order", 0, 1, root=str(tmp_path), n_slots=3)
+    st = _store_after_an_earlier_run(tmp_path, "order", steps=(10, 11, 12))
     try:
         st.save(12, {"x": torch.full((3,), -12.0)})  # restored 11; the old 12 goes once this commits
         assert _steps(st) == [11, 12]
@@ -517,12 +522,7 @@ def test_a_rollback_restore_retires_the_snapshots_after_its_bound(tmp_path):
     even when the new snapshot of that step was never committed."""
     from robust_plugins.checkpoint.restore import restore_from_memory
 
-    old = memory.SnapshotStore("bound", 0, 1, root=str(tmp_path), n_slots=3)
-    for step in (10, 11, 12):
-        old.save(step, {"x": torch.full((3,), float(step))})
-    old.flush()
-    old.close()
-    st = memory.SnapshotStore("bound", 0, 1, root=str(tmp_path), n_slots=3)
+    st = _store_after_an_earlier_run(tmp_path, "bound", steps=(10, 11, 12))
     try:
         step, state, source = restore_from_memory(st, None, 30.0, max_step=11)
         assert (step, source, state["x"].tolist()) == (11, "memory", [11.0] * 3)

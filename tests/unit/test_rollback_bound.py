@@ -10,6 +10,8 @@ import socket
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from robust_plugins.checkpoint import store
 from robust_plugins.config import WatchdogConfig
 from robust_plugins.watchdog import protocol
@@ -39,77 +41,74 @@ def _run(mon, tx, incarnation: int, first: int, last: int, nan_at: int | None = 
     assert _wait_for(lambda: all(mon.ranks[r].progress.last_step == last for r in (0, 1)))
 
 
-def test_the_bound_holds_when_the_nan_is_seen_after_the_last_step_and_across_a_crash(tmp_path):
+@pytest.fixture
+def monitor(tmp_path):
+    """A node monitor with default settings and a socket that sends it ranks' datagrams."""
     mon = Monitor(WatchdogConfig(), tmp_path, host="h")
     tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
-        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
-        mon.begin_incarnation({0: 100, 1: 101})
-        # NaN at the second-to-last step; both ranks finish and exit before the monitor looks.
-        _run(mon, tx, 0, 1, 16, nan_at=15, exit_=True)
-        fault = mon.check(will_restart=True)
-        assert (fault.kind, fault.step, fault.action) == ("nan", 15, "rollback")
-        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
-        # The restarted ranks crash before reporting a step: the crash replaces the pending
-        # fault, but memory still holds the snapshots of steps 15 and 16.
-        mon.begin_incarnation({0: 200, 1: 201})
-        crash = mon.on_crash({1: SimpleNamespace(exitcode=1, timestamp=0)}, will_restart=True)
-        assert crash.kind == "crash"
-        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
-        # The next incarnation restores 14 and runs on: up to one step past the faulty ranks'
-        # newest (a stopped rank may have snapshotted it without reporting) the bound stays.
-        mon.begin_incarnation({0: 300, 1: 301})
-        _run(mon, tx, 2, 15, 17)
-        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
-        _run(mon, tx, 2, 18, 18)
-        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
+        yield mon, tx
     finally:
         tx.close()
         mon.close()
 
 
-def test_steps_the_faulty_ranks_report_after_the_fault_extend_the_bad_range(tmp_path):
-    mon = Monitor(WatchdogConfig(), tmp_path, host="h")
-    tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        mon.begin_incarnation({0: 100, 1: 101})
-        _run(mon, tx, 0, 1, 6, nan_at=5)
-        assert mon.check(will_restart=True).step == 5
-        _run(mon, tx, 0, 7, 9)  # not yet stopped: their snapshots of 7..9 hold the bad state too
-        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "4"
-        mon.begin_incarnation({0: 200, 1: 201})
-        _run(mon, tx, 1, 5, 10)
-        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "4"
-        _run(mon, tx, 1, 11, 11)
-        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
-    finally:
-        tx.close()
-        mon.close()
+def test_the_bound_holds_when_the_nan_is_seen_after_the_last_step_and_across_a_crash(monitor):
+    mon, tx = monitor
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
+    mon.begin_incarnation({0: 100, 1: 101})
+    # NaN at the second-to-last step; both ranks finish and exit before the monitor looks.
+    _run(mon, tx, 0, 1, 16, nan_at=15, exit_=True)
+    fault = mon.check(will_restart=True)
+    assert (fault.kind, fault.step, fault.action) == ("nan", 15, "rollback")
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
+    # The restarted ranks crash before reporting a step: the crash replaces the pending
+    # fault, but memory still holds the snapshots of steps 15 and 16.
+    mon.begin_incarnation({0: 200, 1: 201})
+    crash = mon.on_crash({1: SimpleNamespace(exitcode=1, timestamp=0)}, will_restart=True)
+    assert crash.kind == "crash"
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
+    # The next incarnation restores 14 and runs on: up to one step past the faulty ranks'
+    # newest (a stopped rank may have snapshotted it without reporting) the bound stays.
+    mon.begin_incarnation({0: 300, 1: 301})
+    _run(mon, tx, 2, 15, 17)
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
+    _run(mon, tx, 2, 18, 18)
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
 
 
-def test_a_rollback_in_a_later_incarnation_is_bounded_by_its_own_step_only(tmp_path):
+def test_steps_the_faulty_ranks_report_after_the_fault_extend_the_bad_range(monitor):
+    mon, tx = monitor
+    mon.begin_incarnation({0: 100, 1: 101})
+    _run(mon, tx, 0, 1, 6, nan_at=5)
+    assert mon.check(will_restart=True).step == 5
+    _run(mon, tx, 0, 7, 9)  # not yet stopped: their snapshots of 7..9 hold the bad state too
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "4"
+    mon.begin_incarnation({0: 200, 1: 201})
+    _run(mon, tx, 1, 5, 10)
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "4"
+    _run(mon, tx, 1, 11, 11)
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
+
+
+def test_a_rollback_in_a_later_incarnation_is_bounded_by_its_own_step_only(monitor):
     """A NaN at step 12, then, after the restore of 11, a second one at step 13: the restarted
     incarnation snapshotted 12 anew (its restore retired the bad ones), so 12 is the bound, not
     the first rollback's 11; the first one's bad steps still keep the bound until run past."""
-    mon = Monitor(WatchdogConfig(), tmp_path, host="h")
-    tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    try:
-        mon.begin_incarnation({0: 100, 1: 101})
-        _run(mon, tx, 0, 1, 12, nan_at=12)
-        assert mon.check(will_restart=True).step == 12
-        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "11"
-        mon.begin_incarnation({0: 200, 1: 201})
-        _run(mon, tx, 1, 12, 13, nan_at=13)
-        assert mon.check(will_restart=True).step == 13
-        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "12"
-        mon.begin_incarnation({0: 300, 1: 301})
-        _run(mon, tx, 2, 13, 14)
-        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "12"
-        _run(mon, tx, 2, 15, 15)
-        assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
-    finally:
-        tx.close()
-        mon.close()
+    mon, tx = monitor
+    mon.begin_incarnation({0: 100, 1: 101})
+    _run(mon, tx, 0, 1, 12, nan_at=12)
+    assert mon.check(will_restart=True).step == 12
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "11"
+    mon.begin_incarnation({0: 200, 1: 201})
+    _run(mon, tx, 1, 12, 13, nan_at=13)
+    assert mon.check(will_restart=True).step == 13
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "12"
+    mon.begin_incarnation({0: 300, 1: 301})
+    _run(mon, tx, 2, 13, 14)
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "12"
+    _run(mon, tx, 2, 15, 15)
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
 
 
 def test_choose_passes_over_checkpoints_after_the_rollback_bound(tmp_path):
