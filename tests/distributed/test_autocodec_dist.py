@@ -73,14 +73,18 @@ def test_auto_chooses_flat_or_hierarchical_from_agreed_trial_runs():
     assert all(o["decisions"][0]["route"] == d["route"] and o["decisions"][0]["measured_s"] == d["measured_s"]
                for o in out)
     # An exact baseline was always run, and the pick is the measured fastest (exact unless a lossy
-    # route was at least min_gain = 10 % faster).
+    # route was at least min_gain = 10 % faster; of the exact routes, hier none only where it was
+    # at least 10 % faster than flat none, else flat none).
     measured = d["measured_s"]
     assert any(r.endswith(" none") for r in measured) and d["route"] in measured
-    best_exact = min(t for r, t in measured.items() if r.endswith(" none"))
+    exact = {r: t for r, t in measured.items() if r.endswith(" none")}
+    base = min(exact, key=exact.get)
+    if base == "hier none" and "flat none" in exact and exact["hier none"] > 0.9 * exact["flat none"]:
+        base = "flat none"
     if d["codec"] == "none":
-        assert measured[d["route"]] == best_exact
+        assert d["route"] == base, (d["route"], measured)
     else:
-        assert measured[d["route"]] <= 0.9 * best_exact
+        assert measured[d["route"]] <= 0.9 * exact[base], measured
     assert set(d["predicted_s"]) >= set(measured) and {"flat none", "hier none"} <= set(d["predicted_s"])
     for o in out:
         assert o["by_route"] == {d["route"]: 2 << 16}

@@ -5,7 +5,7 @@ Asserted: the hierarchy really runs (groups {0,1},{2,3} inside nodes and rails {
 intra-node reduce-scatter and all-gather and the rail all-reduce carry the bytes); codec none
 through the hierarchy equals DeepSpeed's flat fp32 gradient up to summation order; int8 across
 nodes sends about a quarter of the rail bytes of fp32 with ~1 % error; ``auto`` told a slow link
-picks hierarchical int8 (and says why), told a fast link picks the flat uncompressed all-reduce;
+picks hierarchical int8 (and says why), told a fast link picks an exact route (flat unless the hierarchy is clearly faster);
 every rank agrees; ZeRO-1 training with the hierarchy keeps replicas identical and tracks vanilla.
 ZeRO-3 (the same launch): the gradient reduce-scatter goes node first, int8 within its bound of
 vanilla's partition update, the bytes by hand, ``auto`` told a slow link picks hierarchical int8,
@@ -87,11 +87,19 @@ def test_auto_picks_int8_on_a_slow_link_and_none_on_a_fast_one(results, stage):
     # the same collectives, and the two rails agree too.
     same = [[{k: v for k, v in d.items() if k != "group"} for d in s["auto_decisions"]] for s in slow]
     assert all(x == same[0] for x in same), same
+    fast_same = [[{k: v for k, v in d.items() if k != "group"} for d in s["auto_decisions"]] for s in fast]
+    assert all(x == fast_same[0] for x in fast_same), fast_same
     for s in fast:
-        # On a fast link the node's fp32 steps cost more than the halved inter-node bytes save:
-        # the plain flat all-reduce, nothing through the hierarchy.
-        assert s["by_codec"] == {"none": n} and {d["route"] for d in s["auto_decisions"]} == {"flat none"}
-        assert s["by_route"] == {"flat none": n} and s["hierarchical_elements"] == 0
+        # On a fast link no lossy code pays: exact everywhere. Which exact route is a matter of
+        # latencies measured on shared cores (three collectives of 2 ranks against one of 4), so
+        # the hierarchy is taken only where predicted at least min_gain = 10 % faster.
+        assert s["by_codec"] == {"none": n}, s["by_codec"]
+        for d in s["auto_decisions"]:
+            p = d["predicted_s"]
+            want = "hier none" if p["hier none"] <= 0.9 * p["flat none"] else "flat none"
+            assert d["route"] == want and not d["measured_s"], d
+        assert set(s["by_route"]) == {d["route"] for d in s["auto_decisions"]} and sum(s["by_route"].values()) == n
+        assert s["hierarchical_elements"] == s["by_route"].get("hier none", 0), s
     assert r["auto_fast"]["rel_error"] < 1e-5  # DeepSpeed's fp32 gradient up to summation order
     assert 1e-3 < r["auto_slow"]["rel_error"] < 3e-2
 
