@@ -349,8 +349,12 @@ class RobustAgent(LocalElasticAgent):
             return self._held(result)
         will_restart = self._remaining_restarts > 0
         try:
+            fault = None
             if result.state == WorkerState.FAILED:
-                self._blame(self.monitor.on_crash(result.failures, will_restart, seen=seen))
+                # A NaN, spike or SDC the ranks reported before they exited comes back instead
+                # of the crash: its rollback bound holds for the restart.
+                fault = self.monitor.on_crash(result.failures, will_restart, seen=seen)
+                self._blame(fault)
             elif result.state in (WorkerState.HEALTHY, WorkerState.SUCCEEDED):
                 # Also when every rank exited 0: a NaN, spike or SDC report of the last steps
                 # may still be queued, and the job must then roll back, not end.
@@ -360,10 +364,10 @@ class RobustAgent(LocalElasticAgent):
                     if self._hold_for_peer(fault):
                         return result
                     result = RunResult(state=WorkerState.FAILED)
-                    if fault.action == "evict" and self.registry is None:
-                        # A persistent SDC on a single-node job: every restart would corrupt
-                        # the same step again. (Multi-node: the node's blames exclude it.)
-                        self._remaining_restarts = 0
+            if fault is not None and fault.action == "evict" and self.registry is None:
+                # A persistent SDC on a single-node job: every restart would corrupt the same
+                # step again. (Multi-node: the node's blames exclude it.)
+                self._remaining_restarts = 0
         except Exception:
             self._monitor_failed()
         return result

@@ -77,6 +77,24 @@ def test_the_bound_holds_when_the_nan_is_seen_after_the_last_step_and_across_a_c
     assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
 
 
+def test_a_crash_after_a_reported_nan_restarts_below_the_nan(monitor):
+    """Rank 1 reports a NaN at step 15, then rank 0 is killed before the monitor's next look: the
+    restart must not restore the newest snapshots (15, 16 hold the bad state). The NaN comes back
+    as the fault, its bound 14, the crash in its detail; written once the ranks resume."""
+    mon, tx = monitor
+    mon.begin_incarnation({0: 100, 1: 101})
+    _run(mon, tx, 0, 1, 16, nan_at=15)
+    fault = mon.on_crash({0: SimpleNamespace(exitcode=-9, timestamp=0)}, will_restart=True)
+    assert (fault.kind, fault.step, fault.action, fault.suspect_ranks) == ("nan", 15, "rollback", [1])
+    assert fault.detail["crash"]["exitcodes"] == {"0": -9} and fault.detail["crash"]["signal"] == "SIGKILL"
+    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
+    mon.begin_incarnation({0: 200, 1: 201})
+    _run(mon, tx, 1, 15, 15)
+    written = [json.loads(x) for x in (mon.run_dir / "faults.jsonl").read_text().splitlines()]
+    assert [(f["kind"], f["resumed_at_step"]) for f in written] == [("nan", 15)]
+    assert written[0]["detail"]["crash"]["suspect_ranks"] == [0]
+
+
 def test_steps_the_faulty_ranks_report_after_the_fault_extend_the_bad_range(monitor):
     mon, tx = monitor
     mon.begin_incarnation({0: 100, 1: 101})

@@ -8,7 +8,7 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from robust_plugins._logging import get_logger
 from robust_plugins.config import WatchdogConfig
@@ -123,7 +123,6 @@ class Detectors:
         and reported, never returned."""
         now_wall = time.time()
         with self._lock:
-            bad = {r: st.bad_number for r, st in ranks.items() if st.bad_number}
             progress = {r: st.progress for r, st in ranks.items() if st.registered}
             finished = [r for r, st in ranks.items() if st.finished]
             silent = sorted(r for r, st in ranks.items() if not st.registered)
@@ -134,6 +133,29 @@ class Detectors:
             log.warning("robust watchdog: ranks %s sent no step signal within %.0f s, so they are "
                         "not watched for hangs. Call robust_plugins.watchdog.step_end(step, ...) "
                         "after each optimizer step.", silent, self.cfg.hang_initial_timeout_s)
+        fault = self.check_numbers(ranks, incarnation, will_restart)
+        if fault is not None:
+            return fault
+        self._check_stragglers(ranks, incarnation, now_wall)
+        if self._learned is None or now - self._learned[0] >= _LEARN_EVERY_S:
+            self._learned = (now, learned_timeout(self.cfg, progress, history))
+        stalled, timeout = stalled_ranks(self.cfg, progress, now, finished, history,
+                                         learned=self._learned[1])
+        if not stalled:
+            return None
+        return self._hang(ranks, incarnation, stalled, timeout, will_restart, now)
+
+    def check_numbers(self, ranks: dict[int, _RankState], incarnation: int, will_restart: bool,
+                      crash: dict[str, Any] | None = None) -> Fault | None:
+        """The detectors of what the ranks computed (NaN/Inf, SDC, spike, in that order) on what
+        the monitor has read; returns the recorded fault, else None. ``crash``: the ranks also
+        exited badly (:meth:`Monitor.on_crash`): that detail goes into the fault as
+        ``detail.crash``, for the fault's rollback bound must hold for the restart all the same
+        (the newest snapshots may hold the bad step)."""
+        now_wall = time.time()
+        extra = {} if crash is None else {"crash": crash}
+        with self._lock:
+            bad = {r: st.bad_number for r, st in ranks.items() if st.bad_number}
         if bad:
             step = min(b[0] for b in bad.values())
             suspects = sorted(r for r, b in bad.items() if b[0] == step)
@@ -143,7 +165,7 @@ class Detectors:
                 detected_after_s=round(max(0.0, now_wall - first[3]), 3),
                 action="rollback" if will_restart else "report",
                 detail={"what": first[1], "value": str(first[2]),
-                        "reason": f"{first[1]} = {first[2]} at step {step}"},
+                        "reason": f"{first[1]} = {first[2]} at step {step}", **extra},
             ))
         with self._lock:
             sdc = sorted((st.sdc for st in ranks.values() if st.sdc), key=lambda x: x[0])
@@ -181,13 +203,13 @@ class Detectors:
                     evidence=list(first.evidence),
                     detail={"reason": f"{reason}; the replay of step {step} from the checkpoint "
                                       f"corrupted the same ranks again: persistent",
-                            **checked, "replay": first.detail["replay"]},
+                            **checked, "replay": first.detail["replay"], **extra},
                 ))
             action = "rollback" if will_restart else "report"
             fault = Fault(
                 kind="sdc", step=step, suspect_ranks=minority, suspect_hosts=[self.host],
                 detected_after_s=round(max(0.0, now_wall - t), 3), action=action,
-                detail={"reason": reason, **checked},
+                detail={"reason": reason, **checked, **extra},
             )
             if action == "rollback" and self.cfg.sdc_replay:
                 fault.detail["replay"] = {"verdict": "pending"}
@@ -215,16 +237,9 @@ class Detectors:
                         "reason": f"{what} = {value:.4g} is {value / median:.1f} x its running "
                                   f"median {median:.4g} at step {step}"
                                   + ("; it spiked before the rollback too: the restarted ranks skip "
-                                     "its batch" if skip else "")},
+                                     "its batch" if skip else ""), **extra},
             ))
-        self._check_stragglers(ranks, incarnation, now_wall)
-        if self._learned is None or now - self._learned[0] >= _LEARN_EVERY_S:
-            self._learned = (now, learned_timeout(self.cfg, progress, history))
-        stalled, timeout = stalled_ranks(self.cfg, progress, now, finished, history,
-                                         learned=self._learned[1])
-        if not stalled:
-            return None
-        return self._hang(ranks, incarnation, stalled, timeout, will_restart, now)
+        return None
 
     def _note_spike(self, step: int) -> bool:
         """Count a spike at ``step``; True when its batch is to be skipped from now on."""

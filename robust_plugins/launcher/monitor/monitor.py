@@ -229,6 +229,16 @@ class Monitor:
         held = self.emergency.take_hold_s()
         if held is not None:  # part of stop_s: the stop waited for the saves
             fault.detail["emergency_hold_s"] = held
+        if self.transport.alive():
+            # A NaN, SDC or spike the ranks reported before they exited is the fault to recover
+            # from: restarting from the newest snapshot would restore its bad step.
+            numeric = self.detectors.check_numbers(
+                self.ranks, self.incarnation, will_restart,
+                crash={"step": step, "suspect_ranks": suspects, **fault.detail})
+            if numeric is not None:
+                log.warning("robust watchdog: ranks %s also exited (%s); the %s fault at step %s "
+                            "bounds the rollback", suspects, fault.detail["reason"], numeric.kind, numeric.step)
+                return numeric
         return self._record(fault, detected_at=None if seen is None else seen[1])
 
     def check(self, will_restart: bool) -> Fault | None:
