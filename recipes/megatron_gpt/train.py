@@ -293,6 +293,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "snapshot_blocking_s": list(memory.blocking_s) if memory is not None else None, "digest": digests[dist.get_rank()], "digests": digests,
             "grad_elements_by_rank": grad_elements, "dp_group_by_rank": dp_groups,
             "param_sums": [float(p.detach().double().sum()) for p in parts["ddp"].parameters()],
+            "param_abs_sums": [float(p.detach().double().abs().sum()) for p in parts["ddp"].parameters()],
+            "param_numels": [p.numel() for p in parts["ddp"].parameters()],
             **parts["layout"].as_dict()}
 
 
@@ -314,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         timeout=datetime.timedelta(seconds=600))
         result = run(args)
         if dist.get_rank() == 0:
-            long = ("losses", "global_losses", "param_sums", "digests", "grad_elements_by_rank", "dp_group_by_rank",
+            long = ("losses", "global_losses", "param_sums", "param_abs_sums", "param_numels", "digests",
+                    "grad_elements_by_rank", "dp_group_by_rank",
                     "step_s", "snapshot_blocking_s")
             line = json.dumps({k: v for k, v in result.items() if k not in long} |
                               {"first_loss": result["losses"][:1], "last_loss": result["losses"][-1:]})

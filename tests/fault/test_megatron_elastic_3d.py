@@ -6,7 +6,7 @@ The distributed optimizer's ``fully_reshardable`` checkpoint (fp32 main paramete
 moments per parameter) is resharded on load. The first resumed step's global loss is bitwise the
 uninterrupted run's (same weights, same samples, slice losses added in one order); later ones
 differ in the last bits (accumulation on one rank sums micro-batch gradients in another order than
-the reduce-scatter), held to 1e-4 relative, parameter sums to 1e-3 (bf16 parameters).
+the reduce-scatter), held to 1e-4 relative, parameter sums to one bf16 step per element.
 Resuming without the distributed optimizer (the recipe's default at DP 1) is refused, naming the
 optimizers.
 """
@@ -50,8 +50,11 @@ def test_pp2_dp2_checkpoint_resumes_at_dp1_keeping_the_global_batch(chain):
     assert len(got) == 4 and got[0] == want[0]
     for a, b in zip(want, got):
         assert abs(a - b) <= 1e-4 * abs(a), (want, got)
-    for a, b in zip(ref["param_sums"], res["param_sums"]):
-        assert abs(a - b) <= 1e-3 * max(1.0, abs(a)), (a, b)
+    # bf16 parameters: each element within one bf16 step (2^-7 relative at most) of the reference,
+    # so a tensor's sum within 2^-7 of its sum of |p|. (Small tensors such as the QKV bias, 192
+    # elements near zero, come to ~3e-3 of it on some CPUs; the weights to ~1e-5.)
+    for a, b, s in zip(ref["param_sums"], res["param_sums"], ref["param_abs_sums"]):
+        assert abs(a - b) <= 2 ** -7 * s, (a, b, s)
 
 
 @pytest.mark.timeout(300)
