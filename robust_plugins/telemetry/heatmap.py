@@ -3,10 +3,10 @@
 The schedule is a pure planner (:func:`pair_rounds`): a round-robin tournament, so every pair of
 ranks meets in exactly one round and each rank is in at most one pair a round; pairs of a round run
 at the same time (W-1 rounds for an even world, W for an odd one). Inside a pair the lower rank
-first measures latency (``LATENCY_ITERS`` ping-pongs of 4 bytes, fastest round trip / 2), then each
-side in turn sends ``nbytes`` and waits for a 4-byte ack: bandwidth ``nbytes / time`` (best of
-``BW_ITERS``; it includes one small-message latency, which at 1 MiB is below 1 % of the time on
-any link slower than 100 Gbit/s). ``bw[a][b]`` is a -> b.
+first measures latency (``LATENCY_ITERS`` ping-pongs of 4 bytes before the bandwidth runs and as many
+after, fastest round trip / 2), then each side in turn sends ``nbytes`` and waits for a 4-byte
+ack: bandwidth ``nbytes / time`` (best of ``BW_ITERS``; it includes one small-message latency,
+which at 1 MiB is below 1 % of the time on any link slower than 100 Gbit/s). ``bw[a][b]`` is a -> b.
 
 :func:`find_outliers` (pure) compares each link with the links of its class: links inside one
 host with each other, links between hosts with each other (a loopback link is not a fair reference
@@ -154,10 +154,6 @@ def probe(nbytes: int = 1 << 20, group: Any = None, hosts: Sequence[str] | None 
 
             ping(me_first)  # gloo connects a pair lazily: the first message pays for it
             rtts = [ping(me_first) for _ in range(LATENCY_ITERS)]
-            if me_first:
-                row_lat[b] = min(rtts) / 2
-            else:
-                row_lat[a] = min(rtts) / 2
             for sender_is_me in (me_first, not me_first):
                 best = math.inf
                 for _ in range(BW_ITERS):
@@ -173,6 +169,10 @@ def probe(nbytes: int = 1 << 20, group: Any = None, hosts: Sequence[str] | None 
                         synchronize(device)
                 if sender_is_me:
                     row_bw[b if me_first else a] = big.numel() * 4 / best
+            # A second latency pass after the bandwidth runs: a scheduling stall of a few ms on
+            # shared cores covers one pass's round trips, not both.
+            rtts += [ping(me_first) for _ in range(LATENCY_ITERS)]
+            row_lat[b if me_first else a] = min(rtts) / 2
     mine = torch.tensor([row_bw, row_lat], dtype=torch.float64, device=collective_device(group))
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
