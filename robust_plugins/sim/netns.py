@@ -138,13 +138,19 @@ def list_namespaces() -> list[str]:
 
 
 def _pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a dead creator whose parent has not reaped it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return True  # no /proc: kill(0) is all there is
+    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def _kill_namespace_processes(ns: str) -> None:
