@@ -137,7 +137,7 @@ def list_namespaces() -> list[str]:
     return [n for n in names if _NAME_RE.match(n)]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
     """The process exists and is not a zombie (a dead creator whose parent has not reaped it)."""
     try:
         os.kill(pid, 0)
@@ -176,7 +176,7 @@ def cleanup_leftovers(*, everything: bool = False) -> list[str]:
     deleted = []
     for ns in list_namespaces():
         creator = int(_NAME_RE.match(ns).group(1))
-        if everything or (creator != os.getpid() and not _pid_alive(creator)):
+        if everything or (creator != os.getpid() and not pid_running(creator)):
             _delete_namespace(ns)
             deleted.append(ns)
     if deleted:

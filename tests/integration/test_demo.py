@@ -22,7 +22,7 @@ from _browser import load  # noqa: E402
 from _netns import need_netns  # noqa: E402
 from _wandb_offline import read_run  # noqa: E402
 
-from robust_plugins.sim.netns import list_namespaces, netns_unavailable_reason  # noqa: E402
+from robust_plugins.sim.netns import list_namespaces, netns_unavailable_reason, pid_running  # noqa: E402
 from robust_plugins.watchdog.faults import fault_view_path  # noqa: E402
 
 pytest.importorskip("deepspeed")
@@ -33,15 +33,6 @@ def _demo(out: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "robust_plugins.cli.main", "demo", "--nproc", "2",
                              "--out-dir", str(out), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-
-
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def _namespaces_of(pid: int) -> list[str]:
@@ -133,6 +124,6 @@ def test_demo_stopped_during_the_fault_job_leaves_no_namespace_and_no_rank(tmp_p
     # A rank killed after its agent is a zombie of PID 1 until that reaps it (seconds, in these
     # containers): dead, not running. Running ones would still be running after the wait.
     deadline = time.monotonic() + 10
-    while (alive := [pid for pid in pids if _running(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in pids if pid_running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive, f"ranks left running: {alive}"

@@ -41,6 +41,11 @@ def _run(mon, tx, incarnation: int, first: int, last: int, nan_at: int | None = 
     assert _wait_for(lambda: all(mon.ranks[r].progress.last_step == last for r in (0, 1)))
 
 
+def _bound(mon) -> str:
+    """The newest step the monitor lets the next ranks restore ("" when none)."""
+    return mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP]
+
+
 @pytest.fixture
 def monitor(tmp_path):
     """A node monitor with default settings and a socket that sends it ranks' datagrams."""
@@ -55,26 +60,26 @@ def monitor(tmp_path):
 
 def test_the_bound_holds_when_the_nan_is_seen_after_the_last_step_and_across_a_crash(monitor):
     mon, tx = monitor
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
+    assert _bound(mon) == ""
     mon.begin_incarnation({0: 100, 1: 101})
     # NaN at the second-to-last step; both ranks finish and exit before the monitor looks.
     _run(mon, tx, 0, 1, 16, nan_at=15, exit_=True)
     fault = mon.check(will_restart=True)
     assert (fault.kind, fault.step, fault.action) == ("nan", 15, "rollback")
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
+    assert _bound(mon) == "14"
     # The restarted ranks crash before reporting a step: the crash replaces the pending
     # fault, but memory still holds the snapshots of steps 15 and 16.
     mon.begin_incarnation({0: 200, 1: 201})
     crash = mon.on_crash({1: SimpleNamespace(exitcode=1, timestamp=0)}, will_restart=True)
     assert crash.kind == "crash"
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
+    assert _bound(mon) == "14"
     # The next incarnation restores 14 and runs on: up to one step past the faulty ranks'
     # newest (a stopped rank may have snapshotted it without reporting) the bound stays.
     mon.begin_incarnation({0: 300, 1: 301})
     _run(mon, tx, 2, 15, 17)
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
+    assert _bound(mon) == "14"
     _run(mon, tx, 2, 18, 18)
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
+    assert _bound(mon) == ""
 
 
 def test_a_crash_after_a_reported_nan_restarts_below_the_nan(monitor):
@@ -87,7 +92,7 @@ def test_a_crash_after_a_reported_nan_restarts_below_the_nan(monitor):
     fault = mon.on_crash({0: SimpleNamespace(exitcode=-9, timestamp=0)}, will_restart=True)
     assert (fault.kind, fault.step, fault.action, fault.suspect_ranks) == ("nan", 15, "rollback", [1])
     assert fault.detail["crash"]["exitcodes"] == {"0": -9} and fault.detail["crash"]["signal"] == "SIGKILL"
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "14"
+    assert _bound(mon) == "14"
     mon.begin_incarnation({0: 200, 1: 201})
     _run(mon, tx, 1, 15, 15)
     written = [json.loads(x) for x in (mon.run_dir / "faults.jsonl").read_text().splitlines()]
@@ -101,12 +106,12 @@ def test_steps_the_faulty_ranks_report_after_the_fault_extend_the_bad_range(moni
     _run(mon, tx, 0, 1, 6, nan_at=5)
     assert mon.check(will_restart=True).step == 5
     _run(mon, tx, 0, 7, 9)  # not yet stopped: their snapshots of 7..9 hold the bad state too
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "4"
+    assert _bound(mon) == "4"
     mon.begin_incarnation({0: 200, 1: 201})
     _run(mon, tx, 1, 5, 10)
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "4"
+    assert _bound(mon) == "4"
     _run(mon, tx, 1, 11, 11)
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
+    assert _bound(mon) == ""
 
 
 def test_a_rollback_in_a_later_incarnation_is_bounded_by_its_own_step_only(monitor):
@@ -117,16 +122,16 @@ def test_a_rollback_in_a_later_incarnation_is_bounded_by_its_own_step_only(monit
     mon.begin_incarnation({0: 100, 1: 101})
     _run(mon, tx, 0, 1, 12, nan_at=12)
     assert mon.check(will_restart=True).step == 12
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "11"
+    assert _bound(mon) == "11"
     mon.begin_incarnation({0: 200, 1: 201})
     _run(mon, tx, 1, 12, 13, nan_at=13)
     assert mon.check(will_restart=True).step == 13
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "12"
+    assert _bound(mon) == "12"
     mon.begin_incarnation({0: 300, 1: 301})
     _run(mon, tx, 2, 13, 14)
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == "12"
+    assert _bound(mon) == "12"
     _run(mon, tx, 2, 15, 15)
-    assert mon.worker_env()[protocol.ENV_ROLLBACK_MAX_STEP] == ""
+    assert _bound(mon) == ""
 
 
 def test_choose_passes_over_checkpoints_after_the_rollback_bound(tmp_path):
