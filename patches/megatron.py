@@ -179,14 +179,16 @@ class MegatronPlugin:
         return (self.sync is not None and self.ddp.ddp_config.overlap_grad_reduce
                 and (self.sync.config.compresses or self.sync.hierarchical))
 
+    def process_groups(self) -> list:
+        """The distinct process groups the bucket groups reduce over, dense first (the
+        data-parallel group, or the distributed optimizer's instance group) then expert (the
+        expert-data-parallel group), in the same order on every rank."""
+        return list({id(pg): pg for pg in (_group_pg(g) for _, g in self.groups)}.values())
+
     def _start_thread(self) -> None:
         """Clone the process groups the bucket groups reduce over and start the sync thread
         (collective: every rank calls it from :func:`enable`)."""
-        use_distopt = self.ddp.ddp_config.use_distributed_optimizer
-        pgs = [g.intra_distributed_optimizer_instance_group if use_distopt else g.data_parallel_group
-               for _, g in self.groups]
-        unique = list({id(g): g for g in pgs}.values())
-        self.clones = clone_groups(unique)
+        self.clones = clone_groups(self.process_groups())
         device = self.groups[0][1].buckets[0].grad_data.device if self.groups else None
         self.thread = SyncThread("robust-mcore-grad-sync", "megatron bucket group", self._emit, device=device)
 
@@ -276,13 +278,11 @@ def enable(ddp, config: Any = None) -> MegatronPlugin:
     if cfg.compression is not None:
         _refuse(ddp)
     plugin = MegatronPlugin(ddp, cfg)
-    if plugin.sync is not None and plugin.sync.hierarchical:
-        # Build the node and rail groups now, on every rank (a collective), rather than at the
-        # first bucket, which may run on the sync thread; refuses a DP group smaller than the job.
-        first = ddp.bucket_groups[0] if ddp.bucket_groups else None
-        pg = None if first is None else (first.intra_distributed_optimizer_instance_group
-                                         if ddp.ddp_config.use_distributed_optimizer else first.data_parallel_group)
-        plugin.sync._hierarchy(pg)
+    if plugin.sync is not None:
+        # Build every group's node and rail groups now, on every rank (a collective, in the same
+        # order everywhere: dense then expert groups), rather than at the first bucket, which may
+        # run on the sync thread; each group's hierarchy is planned inside its own ranks.
+        plugin.sync.prepare(plugin.process_groups())
     if plugin.uses_thread:
         plugin._start_thread()
     if cfg.telemetry is not None:
@@ -384,6 +384,13 @@ def _ddp_finish_grad_sync(ddp, plugin: MegatronPlugin):
     return finish_grad_sync
 
 
+def _group_pg(group):
+    """The process group a megatron bucket group reduces over (megatron's own choice in
+    ``start_grad_sync``): for expert bucket groups, the expert-data-parallel group."""
+    cfg = group.ddp_config
+    return group.intra_distributed_optimizer_instance_group if cfg.use_distributed_optimizer else group.data_parallel_group
+
+
 def _reduce_buckets(plugin: MegatronPlugin, buckets: list, keys: list, locals_: list, pg, op: str, reduce_op) -> None:
     """The collectives of one bucket group (training thread, or the sync thread with cloned ``pg``).
 
@@ -429,7 +436,10 @@ def _start_grad_sync(group, name: str, plugin: MegatronPlugin):
     def start_grad_sync(force_all_reduce=False):
         if group.is_first_batch and group.grad_reduce_handle is not None:
             return  # megatron: already dispatched during the first batch
-        keys = [plugin.sync.compress_key(f"mcore.{name}.b{i}", b.grad_data.numel()) for i, b in enumerate(group.buckets)]
+        pg = _group_pg(group)
+        size = torch.distributed.get_world_size(pg)  # 1: megatron's own sync, which sends nothing
+        keys = [plugin.sync.compress_key(f"mcore.{name}.b{i}", b.grad_data.numel(), size)
+                for i, b in enumerate(group.buckets)]
         threaded = plugin.thread is not None and cfg.overlap_grad_reduce
         if not threaded and all(k is None for k in keys):
             return original(force_all_reduce=force_all_reduce)
@@ -448,7 +458,6 @@ def _start_grad_sync(group, name: str, plugin: MegatronPlugin):
         op = "avg" if cfg.average_in_collective else "sum"
         reduce_op = torch.distributed.ReduceOp.AVG if cfg.average_in_collective else torch.distributed.ReduceOp.SUM
         scatter = cfg.use_distributed_optimizer and not force_all_reduce
-        pg = group.intra_distributed_optimizer_instance_group if cfg.use_distributed_optimizer else group.data_parallel_group
         locals_ = []
         for idx, bucket in enumerate(group.buckets):
             if not scatter:
