@@ -9,6 +9,8 @@ counters.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -60,6 +62,7 @@ def moe_variants(rank: int, world: int, variants: list, steps: int = 1, moe: dic
     moe = {"experts": 4, "ep": 2, "topk": 2, **(moe or {})}
     out = {}
     for name, block, kw in variants:
+        t0 = time.perf_counter()
         kw = {"overlap": False, "distopt": False, "optimizer": "torch-adamw", "bf16": False, **kw}
         parts = build(preset, tp=1, seed=0, codec=None, block=block, **moe, **kw)
         absmax = _absmax_hook(parts)
@@ -76,7 +79,8 @@ def moe_variants(rank: int, world: int, variants: list, steps: int = 1, moe: dic
             st = plugin.sync.stats if plugin.sync is not None else None
             if st is not None:
                 res.update(by_codec=dict(st.by_codec), by_route=dict(st.by_route), hier=st.hierarchical_elements,
-                           decisions=list(st.auto_decisions))
+                           by_reason=dict(st.by_reason), decisions=list(st.auto_decisions))
             plugin.close()
+        res["seconds"] = time.perf_counter() - t0
         out[name] = res
     return out
