@@ -274,6 +274,7 @@ def enable(ddp, config: Any = None) -> MegatronPlugin:
             "save through robust_plugins.megatron.MegatronCheckpointer.save(step) (see README)."
         )
     _refuse_pipeline(ddp)
+    refuse_moe(getattr(ddp, "config", None), "robust_plugins.megatron.enable")
     _refuse_config(cfg, ddp)
     if cfg.compression is not None:
         _refuse(ddp)
@@ -325,6 +326,38 @@ def _refuse_pipeline(ddp) -> None:
             f"pipeline_model_parallel_size = 2 and batch_p2p_comm = True trains silently wrong over gloo (two "
             f"sends to one peer in one batch are matched in posting order). Set batch_p2p_comm = False with "
             f"overlap_p2p_comm = True (Megatron-LM's default with virtual stages), or use NCCL.")
+
+
+#: megatron token dispatchers served with mixture of experts (``flex`` needs DeepEP on CUDA and was never run).
+MOE_DISPATCHERS = ("alltoall", "allgather")
+
+
+def refuse_moe(config, where: str) -> None:
+    """Mixture-of-experts layouts robust_plugins serves (``config``: the model's
+    ``TransformerConfig``; nothing without ``num_moe_experts``): the alltoall or allgather token
+    dispatcher, expert MLPs without grouped GEMM, no tensor or expert-tensor parallelism and no
+    pipeline parallelism (the layouts the MoE tests run: EP 2 on 2 ranks, DP 2 x EP 2 on 4).
+    Anything else raises UnsupportedError naming ``where``, the key, its value and what is allowed."""
+    if config is None or not getattr(config, "num_moe_experts", None):
+        return
+    checks = (
+        ("moe_token_dispatcher_type", getattr(config, "moe_token_dispatcher_type", "allgather"),
+         lambda v: v in MOE_DISPATCHERS, f"one of {', '.join(MOE_DISPATCHERS)}"),
+        ("moe_grouped_gemm", getattr(config, "moe_grouped_gemm", False), lambda v: not v,
+         "False (the sequential expert MLPs)"),
+        ("tensor_model_parallel_size", getattr(config, "tensor_model_parallel_size", 1), lambda v: v == 1,
+         "1 with experts"),
+        ("expert_tensor_parallel_size", getattr(config, "expert_tensor_parallel_size", 1),
+         lambda v: v in (None, 1), "1"),
+        ("pipeline_model_parallel_size", getattr(config, "pipeline_model_parallel_size", 1), lambda v: v == 1,
+         "1 with experts"),
+    )
+    for key, value, ok, allowed in checks:
+        if not ok(value):
+            raise UnsupportedError(
+                f"{where}: a mixture-of-experts model with {key} = {value!r} is not served by robust_plugins "
+                f"(allowed: {allowed}; tested: expert parallelism with data parallelism, alltoall and allgather "
+                f"dispatchers). Change {key}, or run without robust_plugins.")
 
 
 def _refuse_config(cfg: PluginConfig, ddp) -> None:
