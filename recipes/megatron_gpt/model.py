@@ -270,10 +270,12 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep)
+                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=1 if experts else None)
+    # Expert MLPs are not tensor-parallel (megatron allows biases, which the local spec has, only then).
     moe = None if experts is None else dict(
         num_moe_experts=experts, moe_router_topk=topk, moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False,
-        expert_model_parallel_size=ep)
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     dp = ps.get_data_parallel_world_size()
     if distopt is None:
         distopt = dp > 1 and optimizer != "torch-adamw"

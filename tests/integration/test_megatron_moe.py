@@ -50,10 +50,21 @@ EP2 = [("vanilla", None, {}), ("none", NONE, {}), ("int8", INT8, {}), ("hier_int
        ("hier_auto", AUTO_HINT, {}), ("vanilla_d", None, D), ("int8_d", INT8, D)]
 
 
-def _moe(rank, world, variants, moe):
+def _moe(rank, world, variants, moe, refusal=False):
     from mcore_moe_worker import moe_variants
 
-    return moe_variants(rank, world, variants, 2, moe)
+    out = moe_variants(rank, world, variants, 2, moe)
+    if refusal:  # experts with TP 2 (not served): enable refuses at once, on the real model
+        from robust_plugins.errors import UnsupportedError
+        from robust_plugins.recipes.megatron_gpt.train import PRESETS, build
+
+        try:
+            build(PRESETS["cpu-moe"], tp=2, seed=0, codec=None, overlap=False, distopt=False, optimizer="torch-adamw",
+                  bf16=False, block=INT8, experts=4, ep=1)
+            out["refusal"] = None
+        except UnsupportedError as exc:
+            out["refusal"] = str(exc)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +79,7 @@ def allgather():
 
 @pytest.fixture(scope="module")
 def ep2():
-    return run_ranks(_moe, 2, 120, EP2, {"dispatcher": "alltoall"}, env={"ROBUST_TOPOLOGY_SIM": "2x1"})
+    return run_ranks(_moe, 2, 120, EP2, {"dispatcher": "alltoall"}, True, env={"ROBUST_TOPOLOGY_SIM": "2x1"})
 
 
 def _baseline(name: str) -> str:
@@ -144,3 +155,9 @@ def test_one_rank_expert_group_sends_and_quantizes_nothing(ep2):
             assert torch.equal(r[name]["expert"], ref["expert"]), (rank, name)  # exactly vanilla's
             assert r[name]["by_reason"].get("one rank", 0) > 0, (rank, name, r[name]["by_reason"])
     _check(ep2, ["none", "int8", "hier_int8", "hier_auto", "int8_d"], kinds=("dense",))
+
+
+@pytest.mark.timeout(150)
+def test_enable_refuses_experts_with_tensor_parallelism(ep2):
+    for r in ep2:
+        assert r["refusal"] is not None and "tensor_model_parallel_size = 2" in r["refusal"], r["refusal"]
