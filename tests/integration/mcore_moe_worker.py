@@ -71,6 +71,8 @@ def moe_variants(rank: int, world: int, variants: list, steps: int = 1, moe: dic
         for s in range(1, steps + 1):
             hook = (lambda: grads.append({k: reduced(parts, k) for k in ("dense", "expert")})) if s == 1 else None
             losses.append(train_step(parts, preset, corpus, 0, s, before_step=hook))
+            if (block or {}).get("telemetry") is not None:
+                parts["plugin"].step_end(s, loss=losses[-1])
         res = {"losses": losses, **grads[0], "absmax": absmax[0], "digest": param_digest(parts["model"]),
                "expert_dp": dist.get_process_group_ranks(ps.get_expert_data_parallel_group()),
                "dp": dist.get_process_group_ranks(ps.get_data_parallel_group())}
@@ -81,6 +83,16 @@ def moe_variants(rank: int, world: int, variants: list, steps: int = 1, moe: dic
                 res.update(by_codec=dict(st.by_codec), by_route=dict(st.by_route), hier=st.hierarchical_elements,
                            by_reason=dict(st.by_reason), decisions=list(st.auto_decisions))
             plugin.close()
+        tel = (block or {}).get("telemetry")
+        if tel is not None and rank == 0:  # rank 0 writes the records
+            import json
+            import pathlib
+
+            lines = (pathlib.Path(tel["dir"]) / "metrics.jsonl").read_text().splitlines()
+            res["telemetry"] = [r for r in map(json.loads, lines) if r.get("kind") == "step"]
+        res["numel"] = {k: sum(b.grad_data.numel() for m in parts["model"]
+                               for g in (m.bucket_groups if k == "dense" else m.expert_parallel_bucket_groups)
+                               for b in g.buckets) for k in ("dense", "expert")}
         res["seconds"] = time.perf_counter() - t0
         out[name] = res
     return out

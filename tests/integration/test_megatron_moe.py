@@ -68,8 +68,10 @@ def _moe(rank, world, variants, moe, refusal=False):
 
 
 @pytest.fixture(scope="module")
-def dp2_ep2():
-    return run_ranks(_moe, 4, 150, DP2_EP2, {"dispatcher": "alltoall"}, env={"ROBUST_TOPOLOGY_SIM": "2x2"})
+def dp2_ep2(tmp_path_factory):
+    tel = {**NONE, "telemetry": {"dir": str(tmp_path_factory.mktemp("moe_tel")), "log_every": 1}}
+    return run_ranks(_moe, 4, 150, [*DP2_EP2, ("telemetry_d", tel, D)], {"dispatcher": "alltoall"},
+                     env={"ROBUST_TOPOLOGY_SIM": "2x2"})
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +163,14 @@ def test_one_rank_expert_group_sends_and_quantizes_nothing(ep2):
 def test_enable_refuses_experts_with_tensor_parallelism(ep2):
     for r in ep2:
         assert r["refusal"] is not None and "tensor_model_parallel_size = 2" in r["refusal"], r["refusal"]
+
+
+@pytest.mark.timeout(180)
+def test_telemetry_counts_expert_bytes_apart_and_not_the_dispatchers_traffic(dp2_ep2):
+    r = dp2_ep2[0]["telemetry_d"]
+    numel, (first, second) = r["numel"], r["telemetry"]
+    # rank 0's reduce-scatters: dense over 4 ranks, expert over its 2 expert-data-parallel ranks
+    # (fp32 buffers); the token dispatcher's all-to-all in backward is not gradient traffic.
+    assert second["grad_bytes_per_step_rank0"] == 4 * (numel["dense"] * 3 // 4 + numel["expert"] // 2), second
+    assert second["grad_bytes_by_kind"] == {"dense": 2 * 4 * numel["dense"], "expert": 2 * 4 * numel["expert"]}
+    assert first["grad_bytes_by_kind"] == {"dense": 4 * numel["dense"], "expert": 4 * numel["expert"]}
