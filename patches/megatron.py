@@ -25,6 +25,13 @@ local shard. With ``topology.hierarchical`` or ``codec: auto`` both go through
 node first in fp32, then compressed across nodes, in megatron's shard layout). A bucket group whose buckets all go uncompressed (codec ``none``, warm-up, below
 ``min_numel``) runs megatron's own method, bitwise identical to vanilla.
 
+Mixture of experts: expert bucket groups reduce over the expert-data-parallel group (the group
+megatron gives them), every route included: :meth:`GradientSync.prepare
+<robust_plugins.comm.gradient_sync.GradientSync.prepare>` builds each group's own hierarchy at
+:func:`enable` (dense first, then expert, on every rank), ``auto`` decides per group, and a group
+of one rank runs megatron's own method (nothing sent or quantized). Layouts not served are
+refused (:func:`refuse_moe`).
+
 With ``overlap_grad_reduce`` the compressed sync overlaps backward as megatron's own does: when a
 bucket group's last gradient is ready, its dispatch (on the training thread, inside backward) runs
 megatron's preamble and hands the group's collectives to one background thread, and the handle
