@@ -84,6 +84,11 @@ class _Run:
         self.scheduler = None
         self.flops = 0.0
         self._after: dict[str, Any] = {}
+        self.rng_at_restore: tuple | None = None
+        """RNG states right after a memory restore, set again before the first step: Megatron-LM
+        builds its data iterators after ``load_checkpoint``, and each ``DataLoader`` iterator draws
+        its base seed from the global torch generator (one draw that the uninterrupted run made
+        before step 1), so the dropout masks of the next step would differ."""
 
     # ---------------------------------------------------------------- megatron state of a step
     def _loop_state(self) -> dict:
@@ -156,6 +161,11 @@ def _restore_first(original):
         if _run.memory is not None:
             step = _run.memory.restore(disk_step=_disk_iteration(root))
             if step is not None:
+                from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+                from robust_plugins.checkpoint.binding import rng_state
+
+                _run.rng_at_restore = (rng_state(), get_cuda_rng_tracker().get_states())
                 return step, _run.flops
         iteration, flops = original(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)
         _run.flops = float(flops or 0.0)
@@ -221,6 +231,15 @@ def _save_plugin_state(original):
 def _signal_steps(original):
     def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                    forward_backward_func, iteration=None):
+        if _run.rng_at_restore is not None:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            from robust_plugins.checkpoint.binding import set_rng_state
+
+            rng, tracker = _run.rng_at_restore
+            _run.rng_at_restore = None
+            set_rng_state(rng)
+            get_cuda_rng_tracker().set_states(tracker)
         out = original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                        forward_backward_func, iteration=iteration)
         if iteration is None or list(model) != _run.chunks:
