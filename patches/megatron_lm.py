@@ -85,7 +85,7 @@ class _Run:
         self.flops = 0.0
         self._after: dict[str, Any] = {}
         self.rng_at_restore: tuple | None = None
-        """RNG states right after a memory restore, set again before the first step: Megatron-LM
+        """RNG states right after a restore (memory or disk), set again before the first step: Megatron-LM
         builds its data iterators after ``load_checkpoint``, and each ``DataLoader`` iterator draws
         its base seed from the global torch generator (one draw that the uninterrupted run made
         before step 1), so the dropout masks of the next step would differ."""
@@ -101,6 +101,7 @@ class _Run:
         args = get_args()
         args.consumed_train_samples = int(value["consumed_train_samples"])
         args.skipped_train_samples = int(value["skipped_train_samples"])
+        args.consumed_valid_samples = int(value["consumed_valid_samples"])
         update_num_microbatches(consumed_samples=args.consumed_train_samples, verbose=True)
         if self.scheduler is not None and value["scheduler"] is not None:
             self.scheduler.load_state_dict(value["scheduler"])
@@ -108,6 +109,11 @@ class _Run:
 
 
 _run: _Run | None = None
+
+
+def _chunks(model) -> list:
+    """Megatron-LM's model (a list of chunks, or one module) as a list."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
 def _enable_chunks(original):
@@ -126,7 +132,7 @@ def _enable_chunks(original):
         why = ft_refusal(args)
         if why is not None:
             raise ConfigError(why)
-        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        chunks = _chunks(model)
         for chunk in chunks:
             if not isinstance(chunk, DistributedDataParallel):
                 raise UnsupportedError(
@@ -148,7 +154,7 @@ def _restore_first(original):
 
         from robust_plugins.patches import megatron_memory
 
-        mine = list(ddp_model) == _run.chunks and load_arg == "load"
+        mine = _chunks(ddp_model) == _run.chunks and load_arg == "load"
         if not mine:
             return original(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)
         megatron_args = get_args()
@@ -161,20 +167,25 @@ def _restore_first(original):
         if _run.memory is not None:
             step = _run.memory.restore(disk_step=_disk_iteration(root))
             if step is not None:
-                from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-                from robust_plugins.checkpoint.binding import rng_state
-
-                _run.rng_at_restore = (rng_state(), get_cuda_rng_tracker().get_states())
+                _run.rng_at_restore = _rng_states()
                 return step, _run.flops
         iteration, flops = original(ddp_model, optimizer, opt_param_scheduler, load_arg, *args, **kwargs)
         _run.flops = float(flops or 0.0)
         if iteration:
+            _run.rng_at_restore = _rng_states()  # Megatron-LM's own resume: the same DataLoader draw
             _load_plugin_state(root, iteration)
             if _run.memory is not None:
                 _run.memory.restored_from_disk(int(iteration), f"iter_{iteration:07d}", 0.0)
         return iteration, flops
     return load_checkpoint
+
+
+def _rng_states() -> tuple:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from robust_plugins.checkpoint.binding import rng_state
+
+    return rng_state(), get_cuda_rng_tracker().get_states()
 
 
 def _disk_iteration(root: str | None) -> int | None:
@@ -218,7 +229,7 @@ def _save_plugin_state(original):
 
         out = original(iteration, model, optimizer, opt_param_scheduler, *args, **kwargs)
         megatron_args = get_args()
-        if list(model) == _run.chunks and not kwargs.get("non_persistent_ckpt", False) and megatron_args.save:
+        if _chunks(model) == _run.chunks and not kwargs.get("non_persistent_ckpt", False) and megatron_args.save:
             folder = os.path.join(megatron_args.save, f"iter_{int(iteration):07d}")
             os.makedirs(folder, exist_ok=True)
             torch.save({"format": 1, "world_size": dist.get_world_size(), "step": int(iteration),
@@ -242,7 +253,7 @@ def _signal_steps(original):
             get_cuda_rng_tracker().set_states(tracker)
         out = original(forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, config,
                        forward_backward_func, iteration=iteration)
-        if iteration is None or list(model) != _run.chunks:
+        if iteration is None or _chunks(model) != _run.chunks:
             return out
         step = int(iteration) + 1  # the loop counts the step after train_step returns
         loss_dict, grad_norm = out[0], out[5]
@@ -268,6 +279,8 @@ def _after_step_state(scheduler) -> dict:
     _run.flops += num_floating_point_operations(args, batch)
     return {"consumed_train_samples": args.consumed_train_samples + batch,
             "skipped_train_samples": args.skipped_train_samples, "flops": _run.flops,
+            # before this step's evaluation (the loop runs it after train_step returns)
+            "consumed_valid_samples": args.consumed_valid_samples,
             "scheduler": scheduler.state_dict() if scheduler is not None else None}
 
 
