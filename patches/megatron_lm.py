@@ -61,6 +61,23 @@ def ft_refusal(flags: Any) -> str | None:
     return None
 
 
+#: ``checkpoint`` keys served under Megatron-LM (its own ``--save``/``--load`` do the disk part).
+CHECKPOINT_KEYS = ("memory_every", "peer_backup", "verify_replicas", "memory_copy", "timeout_s")
+
+
+def checkpoint_refusal(config: PluginConfig) -> str | None:
+    """Why ``config``'s ``checkpoint`` sub-block cannot serve Megatron-LM's loop (a key set that
+    only robust_plugins' own disk checkpoints read); None when it can."""
+    if config.checkpoint is None:
+        return None
+    extra = sorted(set(config.checkpoint.model_fields_set) - set(CHECKPOINT_KEYS))
+    if not extra:
+        return None
+    return (f"robust_plugins.megatron_lm: checkpoint.{', checkpoint.'.join(extra)} is not used under Megatron-LM, "
+            f"which writes and picks its own disk checkpoints (--save, --save-interval, --load); remove "
+            f"{'it' if len(extra) == 1 else 'them'}. Allowed here: {', '.join(CHECKPOINT_KEYS)}.")
+
+
 def installed_megatron_core() -> str:
     """The installed megatron-core's version (imported before the checkout joins ``sys.path``)."""
     from robust_plugins.patches.megatron import megatron_version
@@ -312,7 +329,11 @@ def install(block: Mapping[str, Any] | None, cpu: bool) -> None:
         return
     _guard.check_signature("Megatron-LM", training.train_step, _TRAIN_STEP, SUPPORTED)
     _guard.check_signature("Megatron-LM", training.get_model, _GET_MODEL, SUPPORTED)
-    _run = _Run(PluginConfig.from_dict(block))
+    config = PluginConfig.from_dict(block)
+    why = checkpoint_refusal(config)
+    if why is not None:
+        raise ConfigError(why)
+    _run = _Run(config)
     if cpu:
         from robust_plugins.patches import megatron_lm_cpu
 

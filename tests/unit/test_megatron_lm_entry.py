@@ -68,6 +68,15 @@ def test_megatron_lm_fault_tolerance_is_refused_naming_the_flag():
     assert "--non-persistent-ckpt-type local" in why and "allowed: global" in why
 
 
+def test_checkpoint_keys_megatron_lm_does_itself_are_refused():
+    from robust_plugins.config import PluginConfig
+
+    ok = PluginConfig.from_dict({"checkpoint": {"memory_every": 1, "peer_backup": True}})
+    assert hooks.checkpoint_refusal(ok) is None and hooks.checkpoint_refusal(PluginConfig()) is None
+    why = hooks.checkpoint_refusal(PluginConfig.from_dict({"checkpoint": {"dir": "ckpt", "memory_every": 1}}))
+    assert "checkpoint.dir is not used" in why and "--save" in why and "Allowed here: memory_every" in why
+
+
 def test_main_refuses_ft_package_before_running_anything(tmp_path):
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("raise SystemExit('must not run')\n")
