@@ -38,10 +38,17 @@ def gpt_args(steps: int) -> list[str]:
             "--split 100,0,0 --num-workers 0 --ckpt-format torch").split()
 
 
+def saved_states(folder: Path, step: int) -> dict[str, dict]:
+    """Megatron-LM's torch-format checkpoint of ``step`` (model, optimizer, RNG), one per saved
+    shard folder (``mp_rank_00``; ``mp_rank_00_000``, ``mp_rank_00_001``... with expert parallelism)."""
+    return {p.parent.name: torch.load(p, map_location="cpu", weights_only=False)
+            for p in sorted((folder / f"iter_{step:07d}").glob("mp_rank_*/model_optim_rng.pt"))}
+
+
 def saved_state(folder: Path, step: int) -> dict:
-    """Megatron-LM's torch-format checkpoint of ``step`` (model, optimizer, RNG) for rank 0's shard."""
-    path = folder / f"iter_{step:07d}" / "mp_rank_00" / "model_optim_rng.pt"
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """:func:`saved_states` of a job without expert parallelism (its one shard folder)."""
+    (state,) = saved_states(folder, step).values()
+    return state
 
 
 def tensors(value, prefix: str = "") -> dict[str, torch.Tensor]:
