@@ -39,7 +39,9 @@ def main() -> None:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--static-buckets", action="store_true",
                    help="DDP keeps its construction-order gradient buckets (find_unused_parameters=True)")
-    p.add_argument("--ckpt-dir", help="unused (the fault tests' launcher passes it)")
+    p.add_argument("--persist-every", type=int, help="background disk saves into --ckpt-dir every N steps")
+    p.add_argument("--peer-backup", action="store_true", help="checkpoint.peer_backup")
+    p.add_argument("--ckpt-dir", help="checkpoint.dir (with --persist-every)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -69,7 +71,10 @@ def main() -> None:
     np.random.seed(rank)
     random.seed(rank)
     data = {"pos": 0}
-    snap = robust_plugins.Snapshotter(model, optimizer, {"memory_every": args.memory_every}, lr_scheduler=sched)
+    cfg = {"memory_every": args.memory_every, "peer_backup": args.peer_backup}
+    if args.persist_every:
+        cfg.update(persist_every=args.persist_every, dir=args.ckpt_dir)
+    snap = robust_plugins.Snapshotter(model, optimizer, cfg, lr_scheduler=sched)
     snap.register("data", lambda: dict(data), data.update)
     start = (snap.restore() or 0) + 1
     losses = {}

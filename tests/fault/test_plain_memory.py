@@ -14,7 +14,7 @@ from conftest import robust_run
 
 from robust_plugins.checkpoint import memory
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
 
 SCRIPT = str(Path(__file__).with_name("plain_memory_train.py"))
 STEPS = 12
@@ -71,3 +71,26 @@ def test_a_killed_rank_resumes_the_plain_loop_from_memory_bitwise(tmp_path, mode
     assert job.result["hashes"] == clean.result["hashes"], where
     assert job.result["pos"] == clean.result["pos"] == STEPS
     assert memory.job_files(memory.job_key(str(job.run_dir.resolve()))) == []
+
+
+def test_a_relaunch_restores_the_background_disk_save_bitwise(tmp_path, clean_run):
+    """A new ``robust run`` (another job id: nothing in memory) resumes from the newest disk
+    checkpoint the snapshot thread wrote (``persist_every``), with peer copies on, and ends bitwise
+    equal to the fault-free run."""
+    clean = clean_run("ddp", 2)
+    args = ["--mode", "ddp", "--persist-every", "4", "--peer-backup"]
+    first = robust_run(tmp_path / "first", 2, "--max-restarts", "0", timeout_s=120,
+                       script=[SCRIPT, *args, "--steps", "9"])
+    assert first.returncode == 0, first.output[-3000:]
+    assert sorted(p.name for p in (first.run_dir / "ckpt").iterdir() if p.name.startswith("global_step")) == \
+        ["global_step4", "global_step8"]
+    second_dir = tmp_path / "second"
+    second_dir.mkdir()
+    (first.run_dir / "ckpt").rename(second_dir / "ckpt")  # the relaunch's --ckpt-dir
+    second = robust_run(second_dir, 2, "--max-restarts", "0", timeout_s=120,
+                        script=[SCRIPT, *args, "--steps", str(STEPS)])
+    assert second.returncode == 0, second.output[-3000:]
+    assert second.result["restored"]["source"] == "disk:global_step8" and second.result["started_at"] == 9
+    for s, loss in second.result["losses"].items():
+        assert loss == clean.result["losses"][s], s
+    assert second.result["hashes"] == clean.result["hashes"]
