@@ -27,9 +27,10 @@ def test_the_parts_add_up_to_the_overhead_of_the_defaults():
 
 
 def test_the_table_prints_each_part_and_the_ratio_to_the_host():
-    rows = {s: [{"step_ms": v, "blocking_ms": b}, {"step_ms": v + 2, "blocking_ms": b}]
+    rows = {s: [{"step_ms": v, "blocking_ms": b, "cpu_ms": 2 * v}, {"step_ms": v + 2, "blocking_ms": b, "cpu_ms": 2 * v}]
             for s, v, b in (("host", 10.0, 0.0), ("monitor", 11.0, 0.0), ("copy", 14.0, 1.0), ("check", 15.0, 1.5))}
     text = snapshot_cost.table("ds", rows)
-    assert "| copy | 15.00 ms | +3.00 ms | 1.00 ms | 1.364 |" in text  # medians: 15 vs 11 (host)
-    assert "| check | 16.00 ms | +1.00 ms | 1.50 ms | 1.455 |" in text
-    assert "| host | 11.00 ms |  | 0.00 ms | 1.000 |" in text
+    # medians: 15 vs 11 (host); CPU 28 vs 20
+    assert "| copy | 15.00 ms | +3.00 ms | 1.00 ms | 1.364 | 28.00 ms | +6.00 ms | 1.400 |" in text
+    assert "| check | 16.00 ms | +1.00 ms | 1.50 ms | 1.455 | 30.00 ms | +2.00 ms | 1.500 |" in text
+    assert "| host | 11.00 ms |  | 0.00 ms | 1.000 | 20.00 ms |  | 1.000 |" in text
