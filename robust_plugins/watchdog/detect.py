@@ -177,9 +177,11 @@ class StragglerEpisode:
 
     The detector (:func:`stragglers`) names a rank once its window's median compute time crosses
     the bar; from then on every step of the rank is judged on its own (``compute > factor x
-    peers``), and the episode ends once ``window`` of its steps in a row were not slow. A rank
-    that slows down again within that stays in the same episode: a load that moves now and then
-    makes one report, not one per move.
+    peers``), and the episode ends once ``window`` of its steps in a row were not slow *and* the
+    rank's clock moved ``gap_s`` past its last slow step (:meth:`over`). A rank that slows down
+    again within that stays in the same episode: a load that moves now and then makes one report,
+    not one per move. An episode the detector stops naming before it :meth:`lasted` a minimum
+    duration is a blip of a shared machine, not a straggler; the caller drops it.
     """
 
     rank: int
@@ -191,6 +193,8 @@ class StragglerEpisode:
     last_slow_wall: float
     seen_step: int
     """The newest step judged."""
+    seen_wall: float = 0.0
+    """The rank's wall time at the end of the newest step judged."""
     slow: list[float] = field(default_factory=list)
     """Compute seconds of each slow step."""
     ratios: list[float] = field(default_factory=list)
@@ -198,21 +202,30 @@ class StragglerEpisode:
     peers: list[float] = field(default_factory=list)
     group: Any = None
     """The group it is compared within (:func:`stragglers`' ``groups``; None: every rank)."""
+    announced: bool = False
+    """Its warning was logged (once, when it first :meth:`lasted` the minimum duration)."""
 
     def observe(self, step: int, compute_s: float, peers_s: float, factor: float, wall: float) -> None:
         """Judge one step of the rank (steps already judged are ignored)."""
         if step <= self.seen_step:
             return
-        self.seen_step = step
+        self.seen_step, self.seen_wall = step, wall
         if peers_s > 0 and compute_s > factor * peers_s:
             self.slow.append(compute_s)
             self.ratios.append(compute_s / peers_s)
             self.peers.append(peers_s)
             self.last_slow_step, self.last_slow_wall = step, wall
 
-    def over(self, window: int) -> bool:
-        """``window`` steps in a row judged not slow: the episode has ended."""
-        return self.seen_step - self.last_slow_step >= window
+    def over(self, window: int, gap_s: float = 0.0) -> bool:
+        """The episode has ended: ``window`` steps in a row judged not slow, spanning at least
+        ``gap_s`` seconds of the rank's clock since its last slow step (the hysteresis that keeps
+        a rank hovering at the bar in one episode)."""
+        return (self.seen_step - self.last_slow_step >= window
+                and self.seen_wall - self.last_slow_wall >= gap_s)
+
+    def lasted(self, min_s: float) -> bool:
+        """The slow run spanned at least ``min_s`` seconds from its onset to its last slow step."""
+        return self.last_slow_wall - self.onset_wall >= min_s
 
     def summary(self) -> dict[str, Any]:
         """The report's numbers: duration, count of slow steps, median and highest ratio."""
