@@ -371,6 +371,7 @@ class Detectors:
             injected = {r: st.injected for r, st in ranks.items() if st.injected}
             oldest = min(ranks[r].progress.last_progress for r in stalled)
             kinds = [st.device_type for st in ranks.values()]
+            named = {str(r): st.straggler_group for r, st in ranks.items() if st.straggler_group}
         t0 = time.monotonic()
         tag = f"hang-inc{incarnation}"
         # The flight recorder first: on NCCL a healthy rank's stack does not show that it waits
@@ -410,7 +411,9 @@ class Detectors:
                     "collectives_block_host": block_host,
                     # Per rank, per process group: progress from its flight recorder (None: unreadable).
                     "flight_recorder": {str(r): v for r, v in views.items()},
-                    "verdict": hang_verdict(where, block_host)},
+                    "verdict": hang_verdict(where, block_host),
+                    # Per rank that named one: its straggler group (a pipeline stage, ``pp<rank>``).
+                    "straggler_groups": named},
         )
         return self._record(fault)
 
