@@ -11,31 +11,31 @@ import pytest
 
 from robust_plugins.config import PluginConfig, WatchdogConfig
 from robust_plugins.errors import ConfigError
-from robust_plugins.watchdog import client, detect, inject, protocol
+from robust_plugins.watchdog import client, inject, protocol, straggler
 from robust_plugins.watchdog.faults import read_faults
 from _wait import wait_for as _wait_for
 
 
 def test_detector_names_the_rank_whose_median_compute_exceeds_factor_times_its_peers():
     compute = {0: [0.10] * 20, 1: [0.10] * 19 + [0.9], 2: [0.35] * 20, 3: [0.11] * 20}
-    (s,) = detect.stragglers(compute, factor=2.0, window=20)
+    (s,) = straggler.stragglers(compute, factor=2.0, window=20)
     assert s.rank == 2 and s.compute_s == pytest.approx(0.35)
     assert s.peers_s == pytest.approx(0.10) and s.ratio == pytest.approx(3.5)
 
 
 def test_detector_waits_for_a_full_window_and_ignores_isolated_slow_steps():
-    assert detect.stragglers({0: [0.1] * 5, 1: [1.0] * 4}, 2.0, 5) == []  # rank 1 lacks a window
+    assert straggler.stragglers({0: [0.1] * 5, 1: [1.0] * 4}, 2.0, 5) == []  # rank 1 lacks a window
     noisy = {0: [0.1, 0.1, 0.9, 0.1, 0.1], 1: [0.1] * 5}  # one garbage-collection pause
-    assert detect.stragglers(noisy, 2.0, 5) == []
-    assert detect.stragglers({0: [0.1] * 5, 1: [1.0] * 5}, 0, 5) == []  # factor 0: off
-    assert detect.stragglers({0: [1.0] * 5}, 2.0, 5) == []  # one rank has no peers
+    assert straggler.stragglers(noisy, 2.0, 5) == []
+    assert straggler.stragglers({0: [0.1] * 5, 1: [1.0] * 5}, 0, 5) == []  # factor 0: off
+    assert straggler.stragglers({0: [1.0] * 5}, 2.0, 5) == []  # one rank has no peers
 
 
 def test_detector_at_scale_names_exactly_the_slow_ranks():
     compute = {r: [0.05 + 0.001 * (r % 7)] * 30 for r in range(1024)}
     for r in (17, 900):
         compute[r] = [0.2] * 30
-    assert [s.rank for s in detect.stragglers(compute, 2.0, 30)] == [17, 900]
+    assert [s.rank for s in straggler.stragglers(compute, 2.0, 30)] == [17, 900]
 
 
 def test_pipeline_stages_are_compared_within_themselves():
@@ -43,22 +43,22 @@ def test_pipeline_stages_are_compared_within_themselves():
     against its own stage; without groups, every stage-1 rank would be named."""
     compute = {0: [0.10] * 10, 1: [0.11] * 10, 2: [0.25] * 10, 3: [0.26] * 10}
     stage = {0: "pp0", 1: "pp0", 2: "pp1", 3: "pp1"}
-    assert [s.rank for s in detect.stragglers(compute, 2.0, 10)] == [2, 3]  # the unfair verdict
-    assert detect.stragglers(compute, 2.0, 10, stage) == []
+    assert [s.rank for s in straggler.stragglers(compute, 2.0, 10)] == [2, 3]  # the unfair verdict
+    assert straggler.stragglers(compute, 2.0, 10, stage) == []
     compute[2] = [0.6] * 10  # a slow rank of the heavy stage: against its stage peer only
-    (s,) = detect.stragglers(compute, 2.0, 10, stage)
+    (s,) = straggler.stragglers(compute, 2.0, 10, stage)
     assert (s.rank, s.peers_s) == (2, pytest.approx(0.26)) and s.ratio == pytest.approx(0.6 / 0.26)
     compute[0] = [0.19] * 10  # 1.9 x its stage peer: not over the bar, though over stage 1's median
-    assert [s.rank for s in detect.stragglers(compute, 2.0, 10, stage)] == [2]
+    assert [s.rank for s in straggler.stragglers(compute, 2.0, 10, stage)] == [2]
 
 
 def test_a_rank_alone_in_its_group_is_not_judged_and_ungrouped_ranks_compare_among_themselves():
     compute = {0: [1.0] * 5, 1: [0.1] * 5, 2: [0.1] * 5, 3: [0.4] * 5}
-    (s,) = detect.stragglers(compute, 2.0, 5, {0: "pp0"})  # rank 0, 10 x the others, has no peer
+    (s,) = straggler.stragglers(compute, 2.0, 5, {0: "pp0"})  # rank 0, 10 x the others, has no peer
     assert s.rank == 3 and s.peers_s == pytest.approx(0.1)  # ranks 1-3 have no group: one group
     medians = {r: v[0] for r, v in compute.items()}
-    assert detect.peer_median(medians, 0, {0: "pp0"}) is None
-    assert detect.peer_median(medians, 1, None) == pytest.approx(0.4)  # median of 1.0, 0.1, 0.4
+    assert straggler.peer_median(medians, 0, {0: "pp0"}) is None
+    assert straggler.peer_median(medians, 1, None) == pytest.approx(0.4)  # median of 1.0, 0.1, 0.4
 
 
 def test_stage_grouping_at_scale_names_exactly_the_slow_ranks():
@@ -71,7 +71,7 @@ def test_stage_grouping_at_scale_names_exactly_the_slow_ranks():
         groups[r] = f"pp{stage}"
     for r in (3, 1010):
         compute[r] = [x * 2.5 for x in compute[r]]
-    assert [s.rank for s in detect.stragglers(compute, 2.0, 30, groups)] == [3, 1010]
+    assert [s.rank for s in straggler.stragglers(compute, 2.0, 30, groups)] == [3, 1010]
 
 
 @pytest.mark.parametrize("block, bad", [
@@ -257,7 +257,7 @@ def test_monitor_compares_each_pipeline_stage_with_itself(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_an_episode_ends_only_after_a_window_of_fast_steps_and_sums_up_its_slow_ones():
-    ep = detect.StragglerEpisode(rank=2, first_step=4, onset_wall=100.0, detected_wall=103.0,
+    ep = straggler.StragglerEpisode(rank=2, first_step=4, onset_wall=100.0, detected_wall=103.0,
                                  last_slow_step=4, last_slow_wall=100.0, seen_step=3)
     walls = iter(range(100, 200))
     for step in range(4, 30):

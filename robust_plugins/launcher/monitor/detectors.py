@@ -16,7 +16,6 @@ from robust_plugins.watchdog import flight as _flight
 from robust_plugins.launcher.monitor import stacks as _stacks
 from robust_plugins.watchdog.detect import (
     RunningMedian,
-    StragglerEpisode,
     collectives_block_host,
     hang_verdict,
     in_collective,
@@ -24,10 +23,9 @@ from robust_plugins.watchdog.detect import (
     learned_timeout,
     localize,
     localize_by_sequence,
-    peer_median,
     stalled_ranks,
-    stragglers,
 )
+from robust_plugins.watchdog.straggler import StragglerEpisode, peer_median, stragglers
 from robust_plugins.watchdog.faults import Fault
 from robust_plugins.launcher.monitor.faultlog import FaultBook
 from robust_plugins.launcher.monitor.state import _RankState
@@ -257,7 +255,7 @@ class Detectors:
 
     def _check_stragglers(self, ranks: dict[int, _RankState], incarnation: int, now_wall: float) -> None:
         """Follow stragglers (ranks whose compute time stays above their peers'), never restarting
-        for one (:class:`~robust_plugins.watchdog.detect.StragglerEpisode`). Hysteresis both ways:
+        for one (:class:`~robust_plugins.watchdog.straggler.StragglerEpisode`). Hysteresis both ways:
         an episode starts when the detector names the rank and is confirmed (a warning) once the
         detector kept naming it for ``straggler_min_s`` seconds of its slow run; named for less, it
         is a blip, dropped. A confirmed episode ends after ``straggler_window`` fast steps spanning
