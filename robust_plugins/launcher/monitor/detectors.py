@@ -299,8 +299,8 @@ class Detectors:
                     ended.append((ep, "recovered"))
         for ep in confirmed:
             log.warning("robust watchdog: straggler rank %d on %s since step %d (%.1f s so far, %.1f x its "
-                        "peers' median %s; time in collectives excluded); reported in faults.jsonl when it "
-                        "ends", ep.rank, self.host, ep.first_step, ep.last_slow_wall - ep.onset_wall,
+                        "peers' median: %s; time in collectives excluded); reported in faults.jsonl when "
+                        "it ends", ep.rank, self.host, ep.first_step, ep.last_slow_wall - ep.onset_wall,
                         ep.ratios[-1] if ep.ratios else 0.0, _peers_of(ep.group))
         for ep, why in ended:
             self._write_episode(ep, why, incarnation)
