@@ -324,7 +324,8 @@ def main() -> None:
         "hang": (f"hang:rank=2,step={S}", hang),
         "nan": (f"nan:rank=1,step={S}", []),
         "spike": (f"spike:rank=3,step={S}", []),
-        "straggler": (f"slow:rank=2,step=15,seconds=0.5", ["straggler_window=10"]),
+        # a 2 s minimum: the row times detection, not the default 10 s confirmation
+        "straggler": (f"slow:rank=2,step=15,seconds=0.5", ["straggler_window=10", "straggler_min_s=2"]),
         # every 5 steps: the flip at S-2 is found in the check at S
         "sdc": (f"bitflip:rank=3,step={S - 2}", ["sdc_every_steps=5"]),
     }

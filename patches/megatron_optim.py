@@ -75,6 +75,16 @@ def check(opt, what: str) -> None:
         if getattr(part.config, "use_precision_aware_optimizer", False):
             raise UnsupportedError(f"{what}: use_precision_aware_optimizer = True keeps main parameters and "
                                    f"moments inside TE's FusedAdam, which this does not capture; set it to False.")
+        if isinstance(part, DistributedOptimizer) and getattr(part.ddp_config, "overlap_param_gather", False):
+            # After the step each rank holds only its own shard updated; the rest arrives with the
+            # next forward's all-gather. A capture between the two holds parameters that differ
+            # between the replicas (the replica check then rolls back at every snapshot) and, for
+            # the shards of others, stale ones.
+            raise UnsupportedError(
+                f"{what}: overlap_param_gather = True with megatron's DistributedOptimizer is not supported "
+                f"(allowed: False): the parameters are whole only after the next forward's all-gather, so a "
+                f"snapshot or save taken after the step captures stale shards. Set overlap_param_gather = False "
+                f"in DistributedDataParallelConfig, or drop {what}.")
         instances = getattr(getattr(part, "ddp_config", None), "num_distributed_optimizer_instances", 1)
         if instances != 1:
             raise UnsupportedError(f"{what}: num_distributed_optimizer_instances = {instances} is not supported "

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from robust_plugins.timing import Clock
+from robust_plugins.timing import CUDA_EVENTS, Clock
 
 #: The functions a :class:`WireCounter` intercepts (those this torch has). torch 2.13 deprecates
 #: ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour of the ``*_single`` names, which
@@ -178,7 +178,7 @@ def _make_wrapper(name: str, original: Callable) -> Callable:
             # async blocks; a synchronous block's end is not seen: its calls count their launch).
             pending = getattr(_tls, "coalesced", None)
             if pending is None or pending[0] is not block:  # a new block (a synchronous one left no append)
-                _tls.coalesced = (block, clock, counters, group)
+                _tls.coalesced = (block, clock, counters, group, name in _P2P)
         return result
 
     counted._robust_wire_counter = True
@@ -220,6 +220,18 @@ def _coalescing(group: Any, known: bool = True) -> list | None:
     return state.get(pg)
 
 
+#: Point-to-point calls: a coalescing block of these is ``batch_isend_irecv`` on NCCL.
+_P2P = frozenset({"send", "isend", "recv", "irecv"})
+
+
+def coalesced_future_usable(p2p: bool, clock_kind: str) -> bool:
+    """Whether a coalescing block's work may be timed off its future (pure). Not NCCL's coalesced
+    point-to-point work (``batch_isend_irecv`` on CUDA): it is not documented to carry a future,
+    and ``.then`` on a work without one may end the process in C++ rather than raise; such a
+    block is timed at its launch (``timing_path``'s ``launch``). Not checked on a GPU."""
+    return not (p2p and clock_kind == CUDA_EVENTS)
+
+
 def _time_until_done(work: Any, clock: Clock, counters: list, group: Any) -> None:
     """Count the seconds from ``clock``'s start to ``work``'s completion, without waiting for it.
 
@@ -248,8 +260,13 @@ def _append_timed(original: Callable) -> Callable:
     def append(self, work=None):
         pending = _tls.__dict__.pop("coalesced", None)
         if work and pending:
-            _, clock, counters, group = pending
-            _time_until_done(work, clock, counters, group)
+            _, clock, counters, group, p2p = pending
+            if coalesced_future_usable(p2p, clock.kind):
+                _time_until_done(work, clock, counters, group)
+            else:
+                seconds = clock.stop(wait=False)
+                for counter in counters:
+                    counter._add_seconds(group, clock if seconds is None else seconds)
         return original(self, work)
 
     append._robust_wire_counter = True

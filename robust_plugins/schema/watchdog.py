@@ -99,6 +99,18 @@ class WatchdogConfig(Section):
     """Steps per rank in the straggler medians; nothing is judged before every rank has this many.
     A straggler's episode ends after this many of its steps in a row were not slow."""
 
+    straggler_min_s: _Wait = 10.0
+    """A straggler episode is warned about and reported only if the detector kept naming the rank
+    while its slow run spanned this many seconds (onset to latest slow step); one it stops naming
+    sooner is a blip of a shared machine (another job's burst, a page-cache flush) and is dropped
+    (logged at INFO). 0 reports every episode."""
+
+    straggler_gap_s: _Wait = 60.0
+    """A straggler episode ends only after ``straggler_window`` fast steps in a row that also span
+    this many seconds since its last slow step; a rank that slows again sooner stays in the same
+    episode. With ``straggler_min_s`` this bounds the rows to one per rank per ``straggler_min_s +
+    straggler_gap_s`` seconds, however a noisy machine hovers around the bar. 0: steps alone decide."""
+
     exclude_after_blames: Annotated[int, Field(ge=0), Hint(why="(0: never exclude a node)")] = 2
     """Multi-node jobs (``--nnodes MIN:MAX`` > 1, c10d rendezvous): a node blamed for this many
     faults (a crash by a signal or an injected one, an SDC minority on its ranks, or a hang whose

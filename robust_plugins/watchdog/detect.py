@@ -120,111 +120,6 @@ class RunningMedian:
         return None
 
 
-@dataclass
-class Straggler:
-    """A rank whose compute time per step stays above ``factor`` x its peers' median."""
-
-    rank: int
-    compute_s: float
-    """The rank's median compute time over the window (step time minus collective time)."""
-    peers_s: float
-    """The median of its peers' window medians (the other ranks of its group)."""
-    ratio: float
-
-
-def peer_median(medians: Mapping[int, float], rank: int,
-                groups: Mapping[int, Any] | None = None) -> float | None:
-    """The median of the ``medians`` of ``rank``'s peers, or None when it has none.
-
-    Peers: the other ranks of its group, ``groups[r]`` (ranks that do the same work: the ranks of
-    one pipeline stage); a rank ``groups`` leaves out, or every rank when ``groups`` is None, is in
-    the group ``None``."""
-    key = groups.get(rank) if groups else None
-    peers = [m for q, m in medians.items() if q != rank and (groups.get(q) if groups else None) == key]
-    return statistics.median(peers) if peers else None
-
-
-def stragglers(compute: Mapping[int, Sequence[float]], factor: float, window: int,
-               groups: Mapping[int, Any] | None = None) -> list[Straggler]:
-    """Ranks whose median compute time over their last ``window`` steps exceeds ``factor`` times
-    the median of their peers' medians (:func:`peer_median`: the other ranks of the same
-    ``groups`` key); ``[]`` until every rank has ``window`` values. A rank alone in its group has
-    no peers and is not judged.
-
-    Compute time, not step time: ranks of a data-parallel job wait for each other in every
-    collective, so their step times are equal and only the time *outside* collectives tells the
-    slow rank from those waiting for it. Groups, because pipeline stages do different work (the
-    first holds the embedding, the last the output layer and the loss): a stage is compared with
-    itself only. Medians (over steps, then over peers) keep
-    one slow step (garbage collection, a checkpoint save) or one slow peer from deciding.
-    """
-    if factor <= 0 or len(compute) < 2:
-        return []
-    if any(len(v) < window for v in compute.values()):
-        return []
-    medians = {r: statistics.median(list(v)[-window:]) for r, v in compute.items()}
-    out = []
-    for r, mine in sorted(medians.items()):
-        peers = peer_median(medians, r, groups)
-        if peers is not None and peers > 0 and mine > factor * peers:
-            out.append(Straggler(r, mine, peers, mine / peers))
-    return out
-
-
-@dataclass
-class StragglerEpisode:
-    """One rank's straggling, from its first detection to its end: reported once, when it ends.
-
-    The detector (:func:`stragglers`) names a rank once its window's median compute time crosses
-    the bar; from then on every step of the rank is judged on its own (``compute > factor x
-    peers``), and the episode ends once ``window`` of its steps in a row were not slow. A rank
-    that slows down again within that stays in the same episode: a load that moves now and then
-    makes one report, not one per move.
-    """
-
-    rank: int
-    first_step: int
-    """The first step of the slow run that made the detector name the rank."""
-    onset_wall: float
-    detected_wall: float
-    last_slow_step: int
-    last_slow_wall: float
-    seen_step: int
-    """The newest step judged."""
-    slow: list[float] = field(default_factory=list)
-    """Compute seconds of each slow step."""
-    ratios: list[float] = field(default_factory=list)
-    """Each slow step's compute over its peers' median."""
-    peers: list[float] = field(default_factory=list)
-    group: Any = None
-    """The group it is compared within (:func:`stragglers`' ``groups``; None: every rank)."""
-
-    def observe(self, step: int, compute_s: float, peers_s: float, factor: float, wall: float) -> None:
-        """Judge one step of the rank (steps already judged are ignored)."""
-        if step <= self.seen_step:
-            return
-        self.seen_step = step
-        if peers_s > 0 and compute_s > factor * peers_s:
-            self.slow.append(compute_s)
-            self.ratios.append(compute_s / peers_s)
-            self.peers.append(peers_s)
-            self.last_slow_step, self.last_slow_wall = step, wall
-
-    def over(self, window: int) -> bool:
-        """``window`` steps in a row judged not slow: the episode has ended."""
-        return self.seen_step - self.last_slow_step >= window
-
-    def summary(self) -> dict[str, Any]:
-        """The report's numbers: duration, count of slow steps, median and highest ratio."""
-        med = statistics.median(self.slow) if self.slow else 0.0
-        peers = statistics.median(self.peers) if self.peers else 0.0
-        return {"first_step": self.first_step, "last_slow_step": self.last_slow_step,
-                "duration_s": round(max(0.0, self.last_slow_wall - self.onset_wall), 3),
-                "slow_steps": len(self.slow), "compute_s": round(med, 4), "peers_compute_s": round(peers, 4),
-                "ratio": round(statistics.median(self.ratios), 2) if self.ratios else 0.0,
-                "ratio_max": round(max(self.ratios), 2) if self.ratios else 0.0, "group": self.group}
-
-
 def is_bad_number(value: float | None) -> bool:
     """True for NaN and +-Inf; ``None`` (not reported) is fine."""
     return value is not None and not math.isfinite(value)
@@ -372,7 +267,10 @@ def group_view(dumps: Mapping[str, Mapping[str, Any]]) -> dict[str, GroupSeq]:
     then ``members`` is [] and point-to-point peers cannot be named). Sequence
     numbers come from the entries, the newest record of each group in the ring: collectives by
     ``collective_seq_id``, point-to-point operations by their peer (``nccl:send 0->1``); a group
-    with no entry left in the ring is left out (nothing comparable to say about it).
+    with no entry left in the ring is left out (nothing comparable to say about it). A batch of
+    point-to-point operations (``batch_isend_irecv``: NCCL records each op, sharing one
+    ``p2p_seq_id``, without completion events of its own, then a ``nccl:coalesced`` entry that
+    carries the batch's state) is read as one: its ops are done when that entry is.
     """
     out: dict[str, GroupSeq] = {}
     for label, dump in sorted(dumps.items()):
@@ -380,6 +278,7 @@ def group_view(dumps: Mapping[str, Mapping[str, Any]]) -> dict[str, GroupSeq]:
             continue
         members = {str(name): _ranks_of(info.get("ranks")) for name, info in (dump.get("pg_config") or {}).items()
                    if isinstance(info, Mapping)}
+        batches = _p2p_batches(dump.get("entries") or ())
         for e in dump.get("entries") or ():
             pg = e.get("process_group") or [e.get("pg_id"), ""]
             key = f"{label}:{pg[0]}"
@@ -391,6 +290,11 @@ def group_view(dumps: Mapping[str, Mapping[str, Any]]) -> dict[str, GroupSeq]:
             # gloo records no events, so its entries stay "scheduled" and only retire).
             done = state == "completed" or bool(e.get("retired"))
             if e.get("is_p2p"):
+                batch = batches.get((pg[0], e.get("p2p_seq_id")))
+                if batch is not None:
+                    if _is_coalesced(e):
+                        continue  # the batch's ops name the peers
+                    done = done or batch
                 if done:
                     continue
                 peer = _p2p_peer(e.get("profiling_name", ""))
@@ -406,6 +310,25 @@ def group_view(dumps: Mapping[str, Mapping[str, Any]]) -> dict[str, GroupSeq]:
             if done:
                 seq.completed = max(seq.completed, n)
     return out
+
+
+def _is_coalesced(entry: Mapping[str, Any]) -> bool:
+    return str(entry.get("profiling_name", "")).endswith(":coalesced")
+
+
+def _p2p_batches(entries) -> dict[tuple[Any, Any], bool]:
+    """{(group name, p2p_seq_id): done} of each batch of point-to-point ops in ``entries`` whose
+    ``coalesced`` entry and at least one op are in the ring (done: that entry completed or retired)."""
+    ends, ops = {}, set()
+    for e in entries:
+        if not e.get("is_p2p"):
+            continue
+        key = ((e.get("process_group") or [e.get("pg_id")])[0], e.get("p2p_seq_id"))
+        if _is_coalesced(e):
+            ends[key] = str(e.get("state", "")) == "completed" or bool(e.get("retired"))
+        else:
+            ops.add(key)
+    return {k: v for k, v in ends.items() if k in ops}
 
 
 def localize_by_sequence(views: Mapping[int, Mapping[str, GroupSeq] | None]) -> Localization | None:

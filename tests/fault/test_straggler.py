@@ -13,7 +13,9 @@ SLOW_S = 0.25  # the injected sleep a step, outside any collective
 
 def test_slow_rank_is_reported_as_a_straggler_and_training_is_not_disturbed(tmp_path, baseline_2):
     job = robust_run(tmp_path, 2, "--max-restarts", "0", "--inject", f"slow:rank=1,step=8,seconds={SLOW_S}",
-                     "--watchdog", "straggler_window=8", timeout_s=150, stragglers=True)
+                     "--watchdog", "straggler_window=8",
+                     # ~32 slow steps of 0.25 s+: a 2 s minimum (the default 10 s may outlast the job)
+                     "--watchdog", "straggler_min_s=2", timeout_s=150, stragglers=True)
     assert job.returncode == 0, job.output[-3000:]
     (fault,) = job.faults
     assert (fault["kind"], fault["suspect_ranks"], fault["action"]) == ("straggler", [1], "report")

@@ -224,6 +224,8 @@ HIERARCHY = (
     ("auto_4x1", "4x1", {"compression": {"codec": "auto", "auto_link_gbit": 0.01, "auto_candidates": ["int8"],
                                          "min_numel": 0, "warmup_steps": 0},
                          "topology": _HIER}),
+    # The flat (two-phase) int8 all-reduce of each stage's DP pair.
+    ("flat_int8", None, {"compression": _INT8}),
 )
 
 
@@ -268,10 +270,12 @@ def hierarchy_scenarios(corpus) -> dict:
         r = {"update": before - torch.cat([p.detach().flatten() for p in params]), "absmax": absmax[0],
              "bytes": {k: c.bytes_sent for k, c in counters.items()}, "numel": before.numel()}
         if block is not None:
-            g, st = plugin.sync._hierarchy(e.grid.get_data_parallel_group()), plugin.sync.stats
-            r.update(intra=list(g.intra_ranks), rail=list(g.rail_ranks), planned=g.plan is not None,
-                     by_codec=dict(st.by_codec), by_route=dict(st.by_route), hier=st.hierarchical_elements,
+            st = plugin.sync.stats
+            g = plugin.sync._hierarchy(e.grid.get_data_parallel_group()) if plugin.sync.hierarchical else None
+            r.update(by_codec=dict(st.by_codec), by_route=dict(st.by_route), hier=st.hierarchical_elements,
                      decisions=[(d["route"], d["codec"]) for d in st.auto_decisions])
+            if g is not None:  # hierarchical
+                r.update(intra=list(g.intra_ranks), rail=list(g.rail_ranks), planned=g.plan is not None)
         out[name] = r
     os.environ.pop(SIM_ENV, None)
     return out

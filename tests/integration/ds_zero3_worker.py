@@ -298,8 +298,8 @@ def compression_scenarios(rank: int, world: int, out: str) -> dict:
     x, y = get_batch(corpus, "train", seed=SEED, step=0, rank=rank, world_size=world, micro_batch=MICRO_BATCH,
                      seq_len=SEQ_LEN)
     sgd = {}
-    for name, block in (("vanilla", None), ("int8", {"compression": {"codec": "int8", "block_size": 256,
-                                                                      "min_numel": 0, "warmup_steps": 0}})):
+    int8_1 = {"compression": {"codec": "int8", "block_size": 256, "min_numel": 0, "warmup_steps": 0}}
+    for name, block in (("vanilla", None), ("int8", int8_1), ("bf16_vanilla", None), ("bf16_int8", int8_1)):
         import deepspeed as ds
 
         model = build_gpt("tiny", seed=SEED)
@@ -309,17 +309,29 @@ def compression_scenarios(rank: int, world: int, out: str) -> dict:
                                      "reduce_bucket_size": 5e6, "stage3_prefetch_bucket_size": 5e6}}
         if block is not None:
             cfg["robust_plugins"] = block
+        if name.startswith("bf16"):
+            cfg["bf16"] = {"enabled": True}
         e, *_ = ds.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), config=cfg)
         params = list(e.module.parameters())
         before = [p.ds_tensor.detach().float().clone() for p in params]
+        # bf16: the fp32 master partitions, where SGD(lr=1) subtracts the reduced gradient exactly
+        master = [f.detach().clone() for f in e.optimizer.fp32_partitioned_groups_flat]
         loss = e(x, y)
         with WireCounter() as wire:
             e.backward(loss)
         e.step()
+        if name.startswith("bf16"):
+            upd = torch.cat([(b - f.detach()).reshape(-1)
+                             for b, f in zip(master, e.optimizer.fp32_partitioned_groups_flat)])
+            sgd[name] = {"update": upd, "by_op": dict(wire.by_op),
+                         "compressed": e.robust_plugins.sync.stats.compressed_elements if block else 0}
+            continue
         # this rank's partition of each parameter: before - after = the reduced gradient (lr 1)
         update = [b - p.ds_tensor.detach().float() for b, p in zip(before, params)]
         sgd[name] = {"before": before, "update": update, "by_op": dict(wire.by_op),
                      "ds_ids": [p.ds_id for p in params], "numels": [p.ds_numel for p in params]}
+        if block is not None:  # the error-feedback residual the step left (one bucket)
+            sgd[name]["residual"] = [t.clone() for t in e.robust_plugins.sync.state.state_dict()["sender"].values()]
     # Telemetry on ZeRO-3 (int8): each record's all-gather and reduce-scatter bytes, by phase.
     import json
 
@@ -355,6 +367,22 @@ def compression_scenarios(rank: int, world: int, out: str) -> dict:
         padded[:shard] = x_r.abs()
         bound += padded.view(-1, block).amax(dim=1).repeat_interleave(block)[:shard] / 254
     oracle = sum(xs)
+    # This rank's error-feedback residual after its first step, by hand: what it sent to each
+    # destination (its shard of its own gradient / world) minus that row's int8 round trip.
+    mine, _ = interleave([everyone[rank][i] / world for i in bucket], world)
+    expected = []
+    for d in range(world):
+        row = torch.zeros(-(-shard // block) * block)
+        row[:shard] = mine[d * shard:(d + 1) * shard]
+        step = row.view(-1, block).abs().amax(dim=1, keepdim=True) / 127
+        decoded = torch.where(step > 0, torch.round(row.view(-1, block) / step.clamp_min(1e-30)) * step, 0.0)
+        expected.append((row.view(-1, block) - decoded).reshape(-1)[:shard])
+    (residual,) = sgd["int8"]["residual"]
+    res["sgd_residual"] = {"got": residual.tolist(), "expected": torch.cat(expected).tolist(),
+                           "half_step": torch.cat([
+                               (torch.nn.functional.pad(mine[d * shard:(d + 1) * shard], (0, -shard % block))
+                                .view(-1, block).abs().amax(dim=1) / 254).repeat_interleave(block)[:shard]
+                               for d in range(world)]).tolist()}
 
     def per_param(t):  # the shard cut back into each parameter's chunk, in bucket order
         out, offset = [], 0
@@ -366,6 +394,10 @@ def compression_scenarios(rank: int, world: int, out: str) -> dict:
     def flat(d):
         return torch.cat([d[i].reshape(-1) for i in bucket])
 
+    b_van, b_int8 = sgd["bf16_vanilla"]["update"], sgd["bf16_int8"]["update"]
+    res["sgd_bf16"] = {"vanilla_update": b_van.tolist(), "int8_update": b_int8.tolist(),
+                       "by_op": {k: sgd[k]["by_op"] for k in ("bf16_vanilla", "bf16_int8")},
+                       "compressed": sgd["bf16_int8"]["compressed"]}
     res["sgd"] = {"vanilla_minus_int8": (flat(v["update"]) - flat(sgd["int8"]["update"])).tolist(),
                   "same_start": all(torch.equal(v["before"][i], sgd["int8"]["before"][i]) for i in bucket),
                   "oracle_update": per_param(oracle).tolist(), "vanilla_update": flat(v["update"]).tolist(),

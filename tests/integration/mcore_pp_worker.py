@@ -11,17 +11,17 @@ import torch
 import torch.distributed as dist
 
 
-def _reduced_grads(parts) -> torch.Tensor:
-    """This rank's reduced gradients after the sync, in a fixed order: every parameter's
-    ``main_grad`` (all-reduce), or this rank's shard of every bucket (distributed optimizer: the
-    rest of a bucket keeps local, unreduced values)."""
+def _reduced_grads(parts) -> list[torch.Tensor]:
+    """This rank's reduced gradients after the sync, one flat tensor per model chunk, in a fixed
+    order: every parameter's ``main_grad`` (all-reduce), or this rank's shard of every bucket
+    (distributed optimizer: the rest of a bucket keeps local, unreduced values)."""
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
 
     layout = parts["layout"]
     if not layout.distopt:
-        return torch.cat([p.main_grad.detach().flatten().clone() for m in parts["model"] for p in m.parameters()])
-    return torch.cat([shard_buffer(b.grad_data, layout.dp)[layout.dp_rank].clone()
-                      for m in parts["model"] for g in m.bucket_groups for b in g.buckets])
+        return [torch.cat([p.main_grad.detach().flatten().clone() for p in m.parameters()]) for m in parts["model"]]
+    return [torch.cat([shard_buffer(b.grad_data, layout.dp)[layout.dp_rank].clone()
+                       for g in m.bucket_groups for b in g.buckets]) for m in parts["model"]]
 
 
 def _local_absmax(parts) -> list:
@@ -64,8 +64,10 @@ def _variant(scenario: dict, codec, steps: int, telemetry_dir: str | None = None
             parts["plugin"].step_end(step, loss=losses[-1])
     plugins = parts["plugins"] or []
     compressed = sum(p.sync.stats.compressed_elements for p in plugins)
-    out = {"losses": losses, "digest": param_digest(parts["model"]), "grad1": grads[0], "absmax1": absmax[0],
-           "compressed": compressed, "steps": [p.steps for p in plugins], "chunks": len(parts["model"]),
+    out = {"losses": losses, "digest": param_digest(parts["model"]), "grad1": torch.cat(grads[0]),
+           "grad1_by_chunk": grads[0], "absmax1": absmax[0], "compressed": compressed,
+           "compressed_by_chunk": [p.sync.stats.compressed_elements if p is not None else 0 for p in plugins],
+           "steps": [p.steps for p in plugins], "chunks": len(parts["model"]),
            "optimizer": type(parts["optimizer"]).__name__,
            "inner": sorted({type(o).__name__ for o in getattr(parts["optimizer"], "chained_optimizers",
                                                                  [parts["optimizer"]])}),

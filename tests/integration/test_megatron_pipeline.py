@@ -119,6 +119,15 @@ def test_int8_step1_gradients_of_every_stage_within_the_codec_bound(request, nam
             assert 0 < err <= bound * (1 + 1e-5), (name, rank, err, bound)
         rel = float((int8["grad1"].float() - vanilla["grad1"].float()).norm() / vanilla["grad1"].float().norm())
         assert 0 < rel < 0.03, (name, rank, rel)
+        # Each model chunk (two with virtual stages) on its own: its plugin compressed, and its
+        # step-1 gradient has vanilla's norm with int8's error (a chunk left uncompressed, or
+        # scaled twice, is not hidden by the other's).
+        assert len(int8["grad1_by_chunk"]) == int8["chunks"] == len(int8["compressed_by_chunk"]), (name, rank)
+        for c, (g, v, n) in enumerate(zip(int8["grad1_by_chunk"], vanilla["grad1_by_chunk"],
+                                          int8["compressed_by_chunk"])):
+            g, v = g.float(), v.float()
+            ratio, rel_c = float(g.norm() / v.norm()), float((g - v).norm() / v.norm())
+            assert n > 0 and abs(ratio - 1) < 0.02 and 0 < rel_c < 0.03, (name, rank, c, n, ratio, rel_c)
         assert int8["digest"] != vanilla["digest"]
         assert abs(int8["losses"][-1] - vanilla["losses"][-1]) / vanilla["losses"][-1] < 0.02
         stages.add(vanilla["pp_rank"])

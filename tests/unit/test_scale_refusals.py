@@ -151,3 +151,27 @@ def test_zero3_refuses_parameter_fault_injections_and_check_params():
     other = SimpleNamespace(params_refused=None, injections=client.injections)
     _refuse_sdc_on_zero3(SimpleNamespace(optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1)), other)
     assert other.params_refused is None  # not ZeRO-3: the replica checks serve it
+
+
+@pytest.mark.parametrize("what", ["checkpoint.memory_every", "MegatronCheckpointer"])
+def test_megatron_overlap_param_gather_is_refused_for_snapshots_and_saves(what):
+    """megatron's DistributedOptimizer with overlap_param_gather: after the step only the rank's own
+    shard is updated until the next forward's all-gather, so a capture then differs between the
+    replicas (a false SDC rollback at every snapshot). Refused, naming the key; False passes."""
+    pytest.importorskip("megatron.core")
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from robust_plugins.patches import megatron_optim
+
+    def distopt(overlap: bool):
+        opt = DistributedOptimizer.__new__(DistributedOptimizer)  # the fields check reads, no process group
+        opt.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+        opt.config = SimpleNamespace(use_precision_aware_optimizer=False)
+        opt.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,
+                                                       overlap_param_gather=overlap)
+        return opt
+
+    megatron_optim.check(distopt(False), what)
+    with pytest.raises(UnsupportedError, match=rf"^{what}: overlap_param_gather = True .*\(allowed: False\)"):
+        megatron_optim.check(distopt(True), what)

@@ -172,3 +172,32 @@ def test_settled_seconds_folds_finished_clocks_in_any_order_and_never_waits():
         assert counter.settled_seconds() == pytest.approx(0.5)
         late.finished = True
         assert counter.settled_seconds() == pytest.approx(2.5) and not counter._pending
+
+
+@pytest.mark.timeout(60)
+def test_coalesced_nccl_p2p_work_is_timed_at_its_launch_never_through_a_future():
+    """batch_isend_irecv on NCCL ends in one coalesced work that carries no future: the counter
+    times such a block at its launch and never calls get_future on it (``.then`` on a missing
+    future may abort the process). A coalesced collective, or any block on the CPU, keeps its
+    future's completion time. The CUDA clock is imitated (no events recorded: stop() reads 0)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    assert not wire.coalesced_future_usable(True, timing.CUDA_EVENTS)
+    assert wire.coalesced_future_usable(False, timing.CUDA_EVENTS)
+    assert wire.coalesced_future_usable(True, timing.PERF_COUNTER)
+
+    asked = []
+
+    class Work:
+        def get_future(self):
+            asked.append(self)
+            raise RuntimeError("a work without a future")
+
+    with WireCounter(timing_only=True) as counter:
+        for p2p, kind in ((True, timing.CUDA_EVENTS), (False, timing.CUDA_EVENTS), (True, timing.PERF_COUNTER)):
+            clock = timing.Clock(None)
+            clock.kind = kind  # imitates a CUDA clock whose start recorded no event
+            wire._tls.coalesced = (object(), clock, [counter], None, p2p)
+            c10d._CoalescingManager().append(Work())
+            assert getattr(wire._tls, "coalesced", None) is None
+    assert len(asked) == 2, "get_future was called on NCCL's coalesced point-to-point work"

@@ -363,6 +363,48 @@ def test_crash_is_judged_after_the_ranks_last_datagrams_even_if_the_receiver_lag
 
 
 
+@pytest.mark.parametrize("emergency_s", [0.0, 30.0], ids=["no-emergency-saves", "emergency-saves"])
+def test_a_nan_still_queued_when_a_rank_crashes_is_the_fault_even_with_the_receiver_stalled(
+        tmp_path, monkeypatch, emergency_s):
+    """The receiver thread runs but is not scheduled (a loaded node): a NaN the rank sent before
+    it died still sits in the socket when the agent judges the exit. on_crash reads it first, so
+    the NaN (a rollback past its step), not the crash, is the fault. Without emergency saves
+    nothing else on that path reads the socket."""
+    import select
+    import threading
+    from types import SimpleNamespace
+
+    from robust_plugins.launcher.monitor import Monitor
+
+    mon = Monitor(WatchdogConfig(emergency_save_timeout_s=emergency_s), tmp_path, host="h")
+    entered, release = threading.Event(), threading.Event()
+    real_select = select.select
+
+    def stalled_select(*args, **kwargs):
+        if threading.current_thread() is mon.transport._thread:
+            entered.set()
+            release.wait(30)
+        return real_select(*args, **kwargs)
+
+    monkeypatch.setattr(select, "select", stalled_select)
+    try:
+        mon.begin_incarnation({0: 100, 1: 101})
+        assert entered.wait(5)  # the receiver sits in its poll and takes nothing from now on
+        tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        for r in (0, 1):
+            tx.sendto(json.dumps({"k": "hello", "r": r, "i": 0, "t": 0.0, "pid": 100 + r, "fh": None}).encode(),
+                      mon.address)
+            tx.sendto(json.dumps({"k": "end", "r": r, "i": 0, "s": 1, "t": 0.0, "l": 2.0}).encode(), mon.address)
+        tx.sendto(json.dumps({"k": "end", "r": 1, "i": 0, "s": 2, "t": 0.0, "l": float("nan")}).encode(),
+                  mon.address)
+        tx.close()
+        assert mon.transport.alive() and mon.ranks[1].progress.last_step is None  # still queued
+        fault = mon.on_crash({1: SimpleNamespace(exitcode=-6, timestamp=0)}, will_restart=True)
+    finally:
+        release.set()
+        mon.close()
+    assert (fault.kind, fault.step, fault.suspect_ranks, fault.action) == ("nan", 2, [1], "rollback")
+
 def test_a_crash_is_timed_to_the_poll_that_found_it_and_the_slow_stop_counts_in_the_restart(tmp_path):
     """torch stops the surviving ranks inside the poll that found the exit (SIGTERM, up to a 30 s
     grace): detection is timed to that poll's start, and the stop shows in stop_s and restart_s

@@ -59,6 +59,19 @@ class Rank:
         self._entry(g, name, label, state, True)
         return self
 
+    def batch(self, name: str, ops: list[tuple[str, int]], state: str = "scheduled") -> "Rank":
+        """A ``batch_isend_irecv`` on NCCL: one entry per op, sharing one ``p2p_seq_id``, that never
+        completes (no events of its own), then the ``nccl:coalesced`` entry that carries the state."""
+        g = self.groups[name]
+        g["p2p"] += 1
+        for op, peer in ops:
+            me, other = g["ranks"].index(self.rank), g["ranks"].index(peer)
+            label = f"nccl:send {me}->{other}" if op == "send" else f"nccl:recv {me}<-{other}"
+            self._entry(g, name, label, "scheduled", True)
+            self.entries[-1].update(time_discovered_completed_ns=None, retired=False)
+        self._entry(g, name, "nccl:coalesced", state, True)
+        return self
+
     def _entry(self, g, name, label, state, p2p):
         self.entries.append({
             "record_id": len(self.entries), "pg_id": g["id"], "process_group": [name, g["desc"]],
@@ -175,6 +188,30 @@ def test_pipeline_stage_that_posted_no_recv_is_named_and_a_matched_transfer_name
     assert where.suspects == [4] and where.stuck == [4]
     assert "rank 4 posted no recv for rank 0's pending send on group nccl:5" in where.reason
     # Both posted: the transfer itself hangs (a link); nothing names a rank.
+    assert detect.localize_by_sequence(flight.from_json(stages(True))) is None
+
+
+def test_batched_p2p_is_read_by_its_coalesced_entry_so_a_stage_that_posted_no_batch_is_named():
+    # batch_isend_irecv (megatron's batch_p2p_comm=True): NCCL records each op without completion
+    # events; only the batch's "nccl:coalesced" entry completes. Read op by op, every past batch
+    # looks pending on both stages forever and matches itself: no verdict on a stalled stage.
+    def stages(stage1_posted: bool):
+        s0 = Rank(0).group("0", [0, 4]).group("5", [0, 4], "pp").coll("0", n=3)
+        s1 = Rank(4).group("0", [0, 4]).group("5", [0, 4], "pp").coll("0", n=3)
+        for _ in range(3):  # three steps of 1F1B exchanges, all done
+            s0.batch("5", [("send", 4), ("recv", 4)], state="completed")
+            s1.batch("5", [("recv", 0), ("send", 0)], state="completed")
+        s0.batch("5", [("send", 4)])  # step 4: stage 0 sends its activation ...
+        if stage1_posted:
+            s1.batch("5", [("recv", 0)])  # ... stage 1 is stuck in the transfer, or never posted it
+        return _views([s0, s1])
+
+    views = flight.from_json(stages(False))
+    assert views[4]["nccl:5"].pending_p2p == [] and not views[4]["nccl:5"].waiting
+    assert views[0]["nccl:5"].pending_p2p == [("send", 4)]
+    where = detect.localize_by_sequence(views)
+    assert where.suspects == [4] and where.stuck == [4]
+    assert "rank 4 posted no recv for rank 0's pending send on group nccl:5" in where.reason
     assert detect.localize_by_sequence(flight.from_json(stages(True))) is None
 
 

@@ -11,31 +11,31 @@ import pytest
 
 from robust_plugins.config import PluginConfig, WatchdogConfig
 from robust_plugins.errors import ConfigError
-from robust_plugins.watchdog import client, detect, inject, protocol
+from robust_plugins.watchdog import client, inject, protocol, straggler
 from robust_plugins.watchdog.faults import read_faults
 from _wait import wait_for as _wait_for
 
 
 def test_detector_names_the_rank_whose_median_compute_exceeds_factor_times_its_peers():
     compute = {0: [0.10] * 20, 1: [0.10] * 19 + [0.9], 2: [0.35] * 20, 3: [0.11] * 20}
-    (s,) = detect.stragglers(compute, factor=2.0, window=20)
+    (s,) = straggler.stragglers(compute, factor=2.0, window=20)
     assert s.rank == 2 and s.compute_s == pytest.approx(0.35)
     assert s.peers_s == pytest.approx(0.10) and s.ratio == pytest.approx(3.5)
 
 
 def test_detector_waits_for_a_full_window_and_ignores_isolated_slow_steps():
-    assert detect.stragglers({0: [0.1] * 5, 1: [1.0] * 4}, 2.0, 5) == []  # rank 1 lacks a window
+    assert straggler.stragglers({0: [0.1] * 5, 1: [1.0] * 4}, 2.0, 5) == []  # rank 1 lacks a window
     noisy = {0: [0.1, 0.1, 0.9, 0.1, 0.1], 1: [0.1] * 5}  # one garbage-collection pause
-    assert detect.stragglers(noisy, 2.0, 5) == []
-    assert detect.stragglers({0: [0.1] * 5, 1: [1.0] * 5}, 0, 5) == []  # factor 0: off
-    assert detect.stragglers({0: [1.0] * 5}, 2.0, 5) == []  # one rank has no peers
+    assert straggler.stragglers(noisy, 2.0, 5) == []
+    assert straggler.stragglers({0: [0.1] * 5, 1: [1.0] * 5}, 0, 5) == []  # factor 0: off
+    assert straggler.stragglers({0: [1.0] * 5}, 2.0, 5) == []  # one rank has no peers
 
 
 def test_detector_at_scale_names_exactly_the_slow_ranks():
     compute = {r: [0.05 + 0.001 * (r % 7)] * 30 for r in range(1024)}
     for r in (17, 900):
         compute[r] = [0.2] * 30
-    assert [s.rank for s in detect.stragglers(compute, 2.0, 30)] == [17, 900]
+    assert [s.rank for s in straggler.stragglers(compute, 2.0, 30)] == [17, 900]
 
 
 def test_pipeline_stages_are_compared_within_themselves():
@@ -43,22 +43,22 @@ def test_pipeline_stages_are_compared_within_themselves():
     against its own stage; without groups, every stage-1 rank would be named."""
     compute = {0: [0.10] * 10, 1: [0.11] * 10, 2: [0.25] * 10, 3: [0.26] * 10}
     stage = {0: "pp0", 1: "pp0", 2: "pp1", 3: "pp1"}
-    assert [s.rank for s in detect.stragglers(compute, 2.0, 10)] == [2, 3]  # the unfair verdict
-    assert detect.stragglers(compute, 2.0, 10, stage) == []
+    assert [s.rank for s in straggler.stragglers(compute, 2.0, 10)] == [2, 3]  # the unfair verdict
+    assert straggler.stragglers(compute, 2.0, 10, stage) == []
     compute[2] = [0.6] * 10  # a slow rank of the heavy stage: against its stage peer only
-    (s,) = detect.stragglers(compute, 2.0, 10, stage)
+    (s,) = straggler.stragglers(compute, 2.0, 10, stage)
     assert (s.rank, s.peers_s) == (2, pytest.approx(0.26)) and s.ratio == pytest.approx(0.6 / 0.26)
     compute[0] = [0.19] * 10  # 1.9 x its stage peer: not over the bar, though over stage 1's median
-    assert [s.rank for s in detect.stragglers(compute, 2.0, 10, stage)] == [2]
+    assert [s.rank for s in straggler.stragglers(compute, 2.0, 10, stage)] == [2]
 
 
 def test_a_rank_alone_in_its_group_is_not_judged_and_ungrouped_ranks_compare_among_themselves():
     compute = {0: [1.0] * 5, 1: [0.1] * 5, 2: [0.1] * 5, 3: [0.4] * 5}
-    (s,) = detect.stragglers(compute, 2.0, 5, {0: "pp0"})  # rank 0, 10 x the others, has no peer
+    (s,) = straggler.stragglers(compute, 2.0, 5, {0: "pp0"})  # rank 0, 10 x the others, has no peer
     assert s.rank == 3 and s.peers_s == pytest.approx(0.1)  # ranks 1-3 have no group: one group
     medians = {r: v[0] for r, v in compute.items()}
-    assert detect.peer_median(medians, 0, {0: "pp0"}) is None
-    assert detect.peer_median(medians, 1, None) == pytest.approx(0.4)  # median of 1.0, 0.1, 0.4
+    assert straggler.peer_median(medians, 0, {0: "pp0"}) is None
+    assert straggler.peer_median(medians, 1, None) == pytest.approx(0.4)  # median of 1.0, 0.1, 0.4
 
 
 def test_stage_grouping_at_scale_names_exactly_the_slow_ranks():
@@ -71,7 +71,7 @@ def test_stage_grouping_at_scale_names_exactly_the_slow_ranks():
         groups[r] = f"pp{stage}"
     for r in (3, 1010):
         compute[r] = [x * 2.5 for x in compute[r]]
-    assert [s.rank for s in detect.stragglers(compute, 2.0, 30, groups)] == [3, 1010]
+    assert [s.rank for s in straggler.stragglers(compute, 2.0, 30, groups)] == [3, 1010]
 
 
 @pytest.mark.parametrize("block, bad", [
@@ -183,7 +183,7 @@ def test_client_counts_time_inside_collectives(tmp_path, monkeypatch):
 def test_monitor_reports_a_straggler_once_without_stopping_the_ranks(tmp_path):
     from robust_plugins.launcher.monitor import Monitor
 
-    cfg = WatchdogConfig(straggler_factor=2.0, straggler_window=5)
+    cfg = WatchdogConfig(straggler_factor=2.0, straggler_window=5, straggler_min_s=0)  # 7 s episode
     mon = Monitor(cfg, tmp_path, host="node7")
     assert mon.worker_env()[protocol.ENV_STRAGGLER] == "1"
     try:
@@ -229,7 +229,7 @@ def test_monitor_compares_each_pipeline_stage_with_itself(tmp_path):
     computes 3 x its stage peer from step 4: reported, against rank 0 alone."""
     from robust_plugins.launcher.monitor import Monitor
 
-    cfg = WatchdogConfig(straggler_factor=2.0, straggler_window=5)
+    cfg = WatchdogConfig(straggler_factor=2.0, straggler_window=5, straggler_min_s=0)  # 7 s episode
     mon = Monitor(cfg, tmp_path, host="node7")
     try:
         mon.begin_incarnation({0: 100, 1: 101, 2: 102, 3: 103})
@@ -257,7 +257,7 @@ def test_monitor_compares_each_pipeline_stage_with_itself(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_an_episode_ends_only_after_a_window_of_fast_steps_and_sums_up_its_slow_ones():
-    ep = detect.StragglerEpisode(rank=2, first_step=4, onset_wall=100.0, detected_wall=103.0,
+    ep = straggler.StragglerEpisode(rank=2, first_step=4, onset_wall=100.0, detected_wall=103.0,
                                  last_slow_step=4, last_slow_wall=100.0, seen_step=3)
     walls = iter(range(100, 200))
     for step in range(4, 30):
@@ -268,6 +268,9 @@ def test_an_episode_ends_only_after_a_window_of_fast_steps_and_sums_up_its_slow_
             assert not ep.over(5)  # two fast steps: still the same episode
     ep.observe(29, 0.3, 0.05, 2.0, 500.0)  # already judged: ignored
     assert ep.over(5)
+    # 12 fast steps spanning 12 s of the rank's clock: not over while the gap asks for 13 s.
+    assert ep.over(5, gap_s=12.0) and not ep.over(5, gap_s=13.0)
+    assert ep.lasted(13.0) and not ep.lasted(13.5)  # slow from wall 100 to 113
     sm = ep.summary()
     assert sm["slow_steps"] == 12 and sm["last_slow_step"] == 17 and sm["ratio"] == pytest.approx(6.0)
     assert sm["duration_s"] == pytest.approx(113.0 - 100.0) and sm["compute_s"] == pytest.approx(0.3)
@@ -279,7 +282,9 @@ def test_monitor_reports_a_flapping_straggler_once_per_episode_when_it_ends(tmp_
     # episode ends), then slow again to the job's end (a second episode). Two rows, not one a move.
     from robust_plugins.launcher.monitor import Monitor
 
-    mon = Monitor(WatchdogConfig(straggler_factor=2.0, straggler_window=5), tmp_path, host="n")
+    # Steps of 1 s: a 5 s gap lets the 12 fast seconds end the first episode.
+    cfg = WatchdogConfig(straggler_factor=2.0, straggler_window=5, straggler_min_s=0, straggler_gap_s=5)
+    mon = Monitor(cfg, tmp_path, host="n")
     tx = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     slow_steps = set(range(3, 15)) | set(range(17, 23)) | set(range(35, 45))
     try:
@@ -304,3 +309,63 @@ def test_monitor_reports_a_flapping_straggler_once_per_episode_when_it_ends(tmp_
     rows = read_faults(tmp_path / "faults.jsonl")
     assert len(rows) == 2 and rows[1]["step"] == 35 and rows[1]["detail"]["ended"] == "job end"
     assert len(mon.reports) == 2 and mon.all_faults == []
+
+
+def _straggler_rows(cfg: WatchdogConfig, compute_of, steps: int, step_s: float, tmp_path) -> list:
+    """The straggler rows the monitor's detectors write for 4 ranks whose compute time at each
+    step is ``compute_of(rank, step)``, steps ``step_s`` apart on the ranks' clock, judged after
+    every step as the monitor's check does, the job ending after ``steps``."""
+    import threading
+
+    from robust_plugins.launcher.monitor.detectors import Detectors
+    from robust_plugins.launcher.monitor.faultlog import FaultBook, Injections
+    from robust_plugins.launcher.monitor.state import _RankState
+
+    lock = threading.Lock()
+    book = FaultBook(tmp_path, lock, Injections())
+    det = Detectors(cfg, tmp_path, "n", lock, book, record=None, drain=lambda: None)
+    ranks = {r: _RankState(registered=True) for r in range(4)}
+    for step in range(1, steps + 1):
+        for r, st in ranks.items():
+            st.compute.append((step, compute_of(r, step), 1000.0 + step * step_s))
+        det._check_stragglers(ranks, 0, 1000.0 + step * step_s)
+    det.end_straggler_episodes(ranks, 0, "job end")
+    return det.reports
+
+
+@pytest.mark.timeout(60)
+def test_hysteresis_a_steady_slow_rank_is_one_episode_however_it_wobbles(tmp_path):
+    # Rank 2 computes 3 x its peers for 200 steps of 0.5 s, except 6 fast steps (3 s) every
+    # 40 (the other job on its cores pauses): without the gap each pause ends the episode.
+    def compute(r, step):
+        return 0.3 if r == 2 and step >= 10 and step % 40 >= 6 else 0.1
+
+    plain = WatchdogConfig(straggler_window=5, straggler_min_s=0, straggler_gap_s=0)
+    assert len(_straggler_rows(plain, compute, 200, 0.5, tmp_path / "a")) == 5  # one row a pause
+    (row,) = _straggler_rows(WatchdogConfig(straggler_window=5), compute, 200, 0.5, tmp_path / "b")
+    assert (row.suspect_ranks, row.step, row.detail["ended"]) == ([2], 10, "job end")
+    assert row.detail["duration_s"] == pytest.approx((199 - 10) * 0.5)
+    assert row.detail["ratio"] == pytest.approx(3.0) and row.detail["gap_s"] == 60.0
+    assert read_faults(tmp_path / "b" / "faults.jsonl")[0]["suspect_ranks"] == [2]
+
+
+@pytest.mark.timeout(60)
+def test_hysteresis_a_noisy_fair_machine_reports_no_straggler(tmp_path):
+    # Every rank the same work; 0.5 s steps with +-20 % jitter, and now and then one rank starved
+    # 3 x for 4-12 steps (2-6 s: another job's burst on a shared machine).
+    import random
+
+    rng = random.Random(37)
+    bursts = {}
+    for start in range(20, 1200, 45):
+        rank, length = rng.randrange(4), rng.randrange(4, 13)
+        bursts.update({(rank, s): 3.0 for s in range(start, start + length)})
+    jitter = {(r, s): rng.uniform(0.8, 1.2) for r in range(4) for s in range(1, 1201)}
+
+    def compute(r, step):
+        return 0.1 * jitter[r, step] * bursts.get((r, step), 1.0)
+
+    plain = WatchdogConfig(straggler_window=5, straggler_min_s=0, straggler_gap_s=0)
+    flapping = _straggler_rows(plain, compute, 1200, 0.5, tmp_path / "a")
+    assert len(flapping) >= 20  # the flapping the knobs stop: rows every ~30 s of a 10-minute run
+    assert _straggler_rows(WatchdogConfig(straggler_window=5), compute, 1200, 0.5, tmp_path / "b") == []

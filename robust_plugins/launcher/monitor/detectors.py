@@ -16,7 +16,6 @@ from robust_plugins.watchdog import flight as _flight
 from robust_plugins.launcher.monitor import stacks as _stacks
 from robust_plugins.watchdog.detect import (
     RunningMedian,
-    StragglerEpisode,
     collectives_block_host,
     hang_verdict,
     in_collective,
@@ -24,10 +23,9 @@ from robust_plugins.watchdog.detect import (
     learned_timeout,
     localize,
     localize_by_sequence,
-    peer_median,
     stalled_ranks,
-    stragglers,
 )
+from robust_plugins.watchdog.straggler import StragglerEpisode, peer_median, stragglers
 from robust_plugins.watchdog.faults import Fault
 from robust_plugins.launcher.monitor.faultlog import FaultBook
 from robust_plugins.launcher.monitor.state import _RankState
@@ -74,6 +72,8 @@ class Detectors:
         self._learned: tuple[float, float] | None = None
         """(monotonic time, value) of the latest learned hang timeout; None: compute anew."""
         self._warned_unregistered = False
+        self.short_straggles = 0
+        """Straggler episodes dropped for being named less than ``straggler_min_s`` (blips)."""
 
     def relearn(self) -> None:
         """Compute the learned hang timeout anew at the next check (new ranks or new history)."""
@@ -255,10 +255,14 @@ class Detectors:
 
     def _check_stragglers(self, ranks: dict[int, _RankState], incarnation: int, now_wall: float) -> None:
         """Follow stragglers (ranks whose compute time stays above their peers'), never restarting
-        for one: an episode starts when the detector names the rank (said in the log) and is
-        written to ``faults.jsonl`` once, when it ends
-        (:class:`~robust_plugins.watchdog.detect.StragglerEpisode`)."""
+        for one (:class:`~robust_plugins.watchdog.straggler.StragglerEpisode`). Hysteresis both ways:
+        an episode starts when the detector names the rank and is confirmed (a warning) once the
+        detector kept naming it for ``straggler_min_s`` seconds of its slow run; named for less, it
+        is a blip, dropped. A confirmed episode ends after ``straggler_window`` fast steps spanning
+        ``straggler_gap_s`` and is written to ``faults.jsonl`` once, then."""
         window, factor = self.cfg.straggler_window, self.cfg.straggler_factor
+        gap_s, min_s = self.cfg.straggler_gap_s, self.cfg.straggler_min_s
+        confirmed = []
         ended = []
         with self._lock:
             # The detector judges the last `window` steps: copy only those (the deque keeps 512,
@@ -283,9 +287,21 @@ class Detectors:
                 for step, c, t in st.compute:
                     if step > ep.seen_step:  # from the slow run's first step, once each
                         ep.observe(step, c, peers, factor, t)
-                if r not in found and ep.over(window):
+                if not ep.announced and r not in found:
+                    st.straggling = None  # named for less than straggler_min_s
+                    ended.append((ep, "blip"))
+                    continue
+                if not ep.announced and ep.lasted(min_s):
+                    ep.announced = True
+                    confirmed.append(ep)
+                if r not in found and ep.over(window, gap_s):
                     st.straggling = None
                     ended.append((ep, "recovered"))
+        for ep in confirmed:
+            log.warning("robust watchdog: straggler rank %d on %s since step %d (%.1f s so far, %.1f x its "
+                        "peers' median: %s; time in collectives excluded); reported in faults.jsonl when "
+                        "it ends", ep.rank, self.host, ep.first_step, ep.last_slow_wall - ep.onset_wall,
+                        ep.ratios[-1] if ep.ratios else 0.0, _peers_of(ep.group))
         for ep, why in ended:
             self._write_episode(ep, why, incarnation)
 
@@ -299,21 +315,30 @@ class Detectors:
         ep = StragglerEpisode(rank=rank, first_step=step, onset_wall=onset, detected_wall=now_wall,
                               last_slow_step=step, last_slow_wall=onset, seen_step=step - 1,
                               group=st.straggler_group)
-        log.warning("robust watchdog: straggler rank %d on %s from step %d: it computes %.0f ms a step, "
-                    "%.1f x its peers' median %.0f ms (%s; time in collectives excluded); reported in "
-                    "faults.jsonl when it ends", rank, self.host, step, s.compute_s * 1e3, s.ratio,
-                    s.peers_s * 1e3, _peers_of(st.straggler_group))
+        log.info("robust watchdog: rank %d on %s may straggle from step %d: it computes %.0f ms a step, "
+                 "%.1f x its peers' median %.0f ms (%s); a straggler if it lasts %g s", rank, self.host,
+                 step, s.compute_s * 1e3, s.ratio, s.peers_s * 1e3, _peers_of(st.straggler_group),
+                 self.cfg.straggler_min_s)
         return ep
 
     def _write_episode(self, ep: StragglerEpisode, why: str, incarnation: int) -> None:
         """Write the one ``faults.jsonl`` row of an episode of ``incarnation`` that ended (``why``:
-        ``recovered``, ``restart``, ``job end``)."""
+        ``recovered``, ``restart``, ``job end``; ``blip``: dropped, as is any episode not confirmed
+        by lasting ``straggler_min_s``)."""
         sm = ep.summary()
+        if not ep.announced:
+            with self._lock:
+                self.short_straggles += 1
+            log.info("robust watchdog: rank %d on %s was slow for %.1f s only (< straggler_min_s %g s, "
+                     "%d slow steps): not a straggler", ep.rank, self.host, sm["duration_s"],
+                     self.cfg.straggler_min_s, sm["slow_steps"])
+            return
         fault = Fault(
             kind="straggler", step=ep.first_step, suspect_ranks=[ep.rank], suspect_hosts=[self.host],
             detected_after_s=round(max(0.0, ep.detected_wall - ep.onset_wall), 3), action="report",
             incarnation=incarnation,
             detail={**sm, "factor": self.cfg.straggler_factor, "window": self.cfg.straggler_window,
+                    "min_s": self.cfg.straggler_min_s, "gap_s": self.cfg.straggler_gap_s,
                     "ended": why, "reported_at_step": ep.seen_step,
                     "reason": f"rank {ep.rank} computes {sm['compute_s'] * 1e3:.0f} ms a step over "
                               f"{sm['slow_steps']} slow steps from step {ep.first_step} to "
@@ -344,6 +369,7 @@ class Detectors:
             injected = {r: st.injected for r, st in ranks.items() if st.injected}
             oldest = min(ranks[r].progress.last_progress for r in stalled)
             kinds = [st.device_type for st in ranks.values()]
+            named = {str(r): st.straggler_group for r, st in ranks.items() if st.straggler_group}
         t0 = time.monotonic()
         tag = f"hang-inc{incarnation}"
         # The flight recorder first: on NCCL a healthy rank's stack does not show that it waits
@@ -383,7 +409,9 @@ class Detectors:
                     "collectives_block_host": block_host,
                     # Per rank, per process group: progress from its flight recorder (None: unreadable).
                     "flight_recorder": {str(r): v for r, v in views.items()},
-                    "verdict": hang_verdict(where, block_host)},
+                    "verdict": hang_verdict(where, block_host),
+                    # Per rank that named one: its straggler group (a pipeline stage, ``pp<rank>``).
+                    "straggler_groups": named},
         )
         return self._record(fault)
 

@@ -30,7 +30,7 @@ class _RankState:
     compute: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     """(step, compute seconds, wall time) of the latest steps: step time minus collective time."""
     straggling: Any = None
-    """Its open straggler episode (:class:`~robust_plugins.watchdog.detect.StragglerEpisode`), None
+    """Its open straggler episode (:class:`~robust_plugins.watchdog.straggler.StragglerEpisode`), None
     when it is not straggling."""
     straggler_group: str | None = None
     """The ranks its compute time is compared with: those of the same group (``watchdog.straggler_group``)."""
