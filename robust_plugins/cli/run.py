@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(--nnodes MIN:MAX, c10d --rdzv-endpoint, --rdzv-id), started once or "
                            "after they run; it waits beyond MAX and joins when a node is lost or "
                            "excluded, so the job keeps its world size. Its ranks start cold.")
+    ours.add_argument("--no-slurm-drain", dest="slurm_drain", action="store_false",
+                      help="under srun: do not drain an excluded node in SLURM (default: its agent runs "
+                           "`scontrol update NodeName=<node> State=DRAIN` and records it in scheduler.jsonl)")
     ours.add_argument("--slurm-spares", type=int, default=0, metavar="N",
                       help="under srun: the last N nodes of the allocation start as hot spares "
                            "(--spare) and --nnodes is the rest (default 0)")
@@ -151,8 +154,10 @@ def apply_slurm(args: argparse.Namespace, env: dict | os._Environ = os.environ) 
     if is_spare(step, args.slurm_spares):
         args.spare = True
     taken = ", ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "nothing (all flags given)"
+    drain = ("a node excluded from the job is drained in SLURM (--no-slurm-drain: not)" if args.slurm_drain
+             else "excluded nodes are not drained (--no-slurm-drain)")
     return (f"robust run: SLURM job {step.job_id}, node {step.node_name} ({step.node_id + 1} of "
-            f"{step.nnodes}{', hot spare' if args.spare else ''}): took {taken}")
+            f"{step.nnodes}{', hot spare' if args.spare else ''}): took {taken}; {drain}")
 
 
 def _restart_default(action: argparse.Action) -> argparse.Action:
@@ -223,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     from robust_plugins.launcher.agent import check_spare, launch
     from robust_plugins.launcher.monitor import Monitor
     from robust_plugins.launcher.nodes import EXIT_EXCLUDED, NodeExcluded
+    from robust_plugins.launcher.slurm import SCHEDULER_FILE, drain_excluded
 
     injections = _inject.parse(args.inject)
     cfg = watchdog_config(args.watchdog_config, args.watchdog)
@@ -261,6 +267,11 @@ def run(args: argparse.Namespace) -> int:
         # One line a scheduler can grep, then the reason; the ranks of this node were stopped.
         print(f"robust run: EXCLUDED NODE {exc.record['node']}", file=sys.stderr, flush=True)
         print(f"robust run: {exc} Record: {run_dir / 'excluded_nodes.json'}", file=sys.stderr, flush=True)
+        if getattr(args, "slurm_node", None) and args.slurm_drain:
+            entry = drain_excluded(exc.record, run_dir)
+            print(f"robust run: node {entry['node']} " + ("DRAINED in SLURM" if entry["ok"] else
+                  f"NOT drained in SLURM: {entry['error']}") + f"; see {run_dir / SCHEDULER_FILE}",
+                  file=sys.stderr, flush=True)
         return EXIT_EXCLUDED
     except SignalException as exc:
         print(f"robust run: stopped by signal {exc.sigval}; ranks were shut down.", file=sys.stderr)

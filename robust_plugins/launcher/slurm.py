@@ -20,10 +20,14 @@ Flags given on the command line (or through torchrun's ``PET_*`` variables) win 
 
 from __future__ import annotations
 
+import datetime
+import json
+import os
 import re
 import subprocess
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
 from robust_plugins._logging import get_logger
 from robust_plugins.errors import ConfigError, RobustPluginsError
@@ -38,6 +42,9 @@ RDZV_PORT_SPAN = 1000
 
 #: ``scontrol`` talks to slurmctld; 30 s is 3x its default MessageTimeout (10 s).
 SCONTROL_TIMEOUT_S = 30.0
+
+#: One line per action taken through the scheduler, in the node's run directory (``FORMAT.md``).
+SCHEDULER_FILE = "scheduler.jsonl"
 
 _RANGE_RE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -159,9 +166,10 @@ def rendezvous_settings(step: SlurmStep, given: set[str], *, rdzv_conf: str = ""
     """torchrun settings (by argparse ``dest``) this step implies, except those in ``given``.
 
     ``spares`` nodes of the allocation are hot spares (``robust run --spare`` on the last
-    ``spares`` node ids): ``--nnodes`` is the rest. ``is_host`` is added to ``rdzv_conf`` for
-    node 0 (the endpoint's host) unless it names ``is_host`` already, so the store does not depend
-    on the endpoint's name matching the host's own name.
+    ``spares`` node ids): ``--nnodes`` is the rest. ``is_host`` (true on node 0, the endpoint's
+    host) is added to ``rdzv_conf``, given or not, unless it names ``is_host`` already or the
+    endpoint was given: the store then does not depend on the endpoint's name matching the
+    host's own name.
     """
     if not 0 <= spares < step.nnodes:
         raise SlurmError(f"{spares} spare node(s) in a {step.nnodes}-node allocation: at least one "
@@ -172,10 +180,12 @@ def rendezvous_settings(step: SlurmStep, given: set[str], *, rdzv_conf: str = ""
         "rdzv_id": f"slurm-{step.job_id}",
         "nnodes": str(step.nnodes - spares),
     }
-    if "is_host" not in rdzv_conf:
+    out = {k: v for k, v in out.items() if k not in given}
+    # Added to a given --rdzv-conf too: it only says which node hosts the store.
+    if "is_host" not in rdzv_conf and "rdzv_endpoint" not in given:
         host = f"is_host={'true' if step.node_id == 0 else 'false'}"
         out["rdzv_conf"] = f"{rdzv_conf},{host}" if rdzv_conf else host
-    return {k: v for k, v in out.items() if k not in given}
+    return out
 
 
 def is_spare(step: SlurmStep, spares: int) -> bool:
@@ -218,3 +228,32 @@ def run_scontrol(argv: Sequence[str], *, timeout_s: float = SCONTROL_TIMEOUT_S) 
     if proc.returncode != 0:
         raise SlurmError(f"`{' '.join(argv)}` failed (exit {proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout
+
+
+def drain_excluded(record: Mapping[str, Any], run_dir: str | os.PathLike, *,
+                   runner: Callable[[Sequence[str]], str] = run_scontrol) -> dict[str, Any]:
+    """Drain the node of an exclusion record (``excluded_nodes.json`` entry) and say so.
+
+    Appends ``{"time", "action": "drain", "node", "reason", "command", "ok", "error"}`` to
+    ``<run_dir>/scheduler.jsonl`` and logs it. A failed ``scontrol`` is reported (``ok`` false,
+    a warning naming the command to run by hand), never raised: the job's own exclusion stands
+    either way. Returns the line written.
+    """
+    node = str(record.get("node"))
+    reason = f"blamed {record.get('blames')} times by robust run; last: {record.get('reason')}"
+    entry: dict[str, Any] = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+                             "action": "drain", "node": node, "reason": reason, "command": None,
+                             "ok": False, "error": None}
+    try:
+        argv = drain_command(node, reason)
+        entry["command"] = argv
+        runner(argv)
+        entry["ok"] = True
+        log.warning("robust run: node %s DRAINED in SLURM (%s); `scontrol update NodeName=%s State=RESUME` "
+                    "returns it to service", node, reason, node)
+    except SlurmError as exc:
+        entry["error"] = str(exc)
+        log.error("robust run: could not drain node %s in SLURM: %s", node, exc)
+    with open(Path(run_dir) / SCHEDULER_FILE, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return entry

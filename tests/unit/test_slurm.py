@@ -64,7 +64,8 @@ def test_rendezvous_from_step():
     got = rendezvous_settings(step, set())
     assert got == {"rdzv_backend": "c10d", "rdzv_endpoint": "gpu07:29642", "rdzv_id": "slurm-4242",
                    "nnodes": "3", "rdzv_conf": "is_host=true"}
-    other = rendezvous_settings(slurm_step(_env(node_id=2)), {"nnodes"}, rdzv_conf="join_timeout=60", spares=1)
+    other = rendezvous_settings(slurm_step(_env(node_id=2)), {"nnodes", "rdzv_conf"}, rdzv_conf="join_timeout=60",
+                                spares=1)
     assert other == {"rdzv_backend": "c10d", "rdzv_endpoint": "gpu07:29642", "rdzv_id": "slurm-4242",
                      "rdzv_conf": "join_timeout=60,is_host=false"}
     with pytest.raises(SlurmError, match="at least one node must train"):
