@@ -1,8 +1,8 @@
 """The control plane at scale: real ``robust run`` agents, monitors and c10d rendezvous, fake ranks.
 
 ``nodes`` agents on this machine (loopback addresses ``127.0.0.<i+1>``, one c10d rendezvous),
-``ranks`` fake ranks each (``benchmarks/fake_rank.py``: the step protocol, nothing trained, forked
-from each agent's warm fork server). One job, in this order:
+``ranks`` fake ranks each (``benchmarks/fake_rank.py``: the step protocol, nothing trained, fresh
+interpreters: ``--no-standby``, see ``STANDBY``). One job, in this order:
 
 1. launch to every node's ranks started (rendezvous + start): ``start_s``;
 2. a steady window: the agents' CPU (``/proc/<pid>/stat``, user + system, every thread of the
@@ -14,11 +14,12 @@ from each agent's warm fork server). One job, in this order:
 4. ``hang:rank=<middle>``: detection latency, less the hang timeout (``hang_overhead_s``: stack
    dumps, verdict), and whether it names that rank.
 
-Run (sizes 8, 64, 256, 1024 ranks; the largest take minutes on 2 cores)::
+Run (sizes 8, 64, 256 ranks; minutes on 2 cores; 1,024 ranks need about 20 GB for the fake ranks
+alone, see ``STANDBY``)::
 
-    python benchmarks/control_plane_scale.py --layout 1x8 8x8 16x16 32x32 --out runs/scale.json
+    python benchmarks/control_plane_scale.py --layout 1x8 8x8 16x16 --out runs/scale.json
 
-It prints one markdown row per layout. ``tests/fault/test_control_plane_scale.py`` runs 8 x 8.
+It prints one markdown row per layout. ``tests/fault/test_control_plane_scale.py`` runs 2 x 8.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ HANG_AFTER = 20
 #: by two busy cores is not called a hang.
 HANG_MIN_S = 5
 WATCHDOG = ("hang_min_timeout_s=5", "hang_warmup_steps=3", "straggler_factor=0", "sdc_every_steps=0")
+#: Fake ranks start as fresh interpreters (``--no-standby``): one imports only the watchdog, 19 MB
+#: of private memory; forked from the agent's fork server (which imported torch) one held 157 MB
+#: private (smaps_rollup, 8 x 8 here), too much for hundreds on one machine.
+STANDBY = False
 #: The product's default: how long stacks may take, and how long a node whose ranks only wait for
 #: a peer of another node holds its restart for that node's verdict (``agent._hold_for_peer``).
 STACK_DUMP_TIMEOUT_S = 15.0
@@ -96,7 +101,7 @@ class Job:
     """The agents of one scale run and their clean-up (every exit path)."""
 
     def __init__(self, work: Path, nodes: int, ranks: int, inject: str, step_s: float,
-                 stack_dump_timeout_s: float) -> None:
+                 stack_dump_timeout_s: float, standby: bool) -> None:
         self.work, self.nodes, self.ranks = work, nodes, ranks
         self.state = work / "state"
         self.state.mkdir(parents=True, exist_ok=True)
@@ -113,6 +118,7 @@ class Job:
                    "--local-addr", f"127.0.0.{i + 1}", "--max-restarts", "3", "--monitor-interval", "0.1",
                    *[a for w in WATCHDOG for a in ("--watchdog", w)],
                    "--watchdog", f"stack_dump_timeout_s={stack_dump_timeout_s:g}", "--inject", inject,
+                   *([] if standby else ["--no-standby"]),
                    FAKE_RANK, "--state", str(self.state), "--step-s", str(step_s)]
             log = open(d / "launcher.log", "wb")
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -159,7 +165,8 @@ class Job:
 
 
 def run_scale(work: Path, nodes: int, ranks: int, *, step_s: float = STEP_S, timeout_s: float = 600.0,
-              steady_steps: int = STEADY_STEPS, stack_dump_timeout_s: float = STACK_DUMP_TIMEOUT_S) -> dict:
+              steady_steps: int = STEADY_STEPS, stack_dump_timeout_s: float = STACK_DUMP_TIMEOUT_S,
+              standby: bool = STANDBY) -> dict:
     """One job of ``nodes`` x ``ranks`` fake ranks through a crash and a hang; the measures."""
     world = nodes * ranks
     kill_rank, hang_rank = world - 1, world // 2
@@ -168,7 +175,7 @@ def run_scale(work: Path, nodes: int, ranks: int, *, step_s: float = STEP_S, tim
     inject = f"kill:rank={kill_rank},step={kill_step};hang:rank={hang_rank},step={hang_step}"
     deadline = time.monotonic() + timeout_s
     t0 = time.time()
-    job = Job(work, nodes, ranks, inject, step_s, stack_dump_timeout_s)
+    job = Job(work, nodes, ranks, inject, step_s, stack_dump_timeout_s, standby)
     watcher = _Watcher(job.dirs)
     watcher.start()
     try:
@@ -232,12 +239,13 @@ def main() -> int:
     p.add_argument("--work", default="runs/control_plane_scale", help="run directories")
     p.add_argument("--out", help="write the measures here (JSON)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="bound on each layout's job")
+    p.add_argument("--standby", action="store_true", help="fork the fake ranks from the agents' fork servers")
     args = p.parse_args()
     rows = []
     print(HEADER, flush=True)
     for layout in args.layout:
         n, m = (int(x) for x in layout.lower().split("x"))
-        r = run_scale(Path(args.work) / layout, n, m, timeout_s=args.timeout_s)
+        r = run_scale(Path(args.work) / layout, n, m, timeout_s=args.timeout_s, standby=args.standby)
         r["attributed"] = "yes" if (r["crash_ranks"] == [r["kill_rank"]] and r["hang_rank"] in r["hang_ranks"]) \
             else f"no (crash {r['crash_ranks']}, hang {r['hang_ranks']})"
         r["agree"] = "n/a (1 node)" if r["agree_s"] is None else f"{r['agree_s']:.2f}"

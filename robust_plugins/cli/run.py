@@ -86,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ours.add_argument("--no-slurm-drain", dest="slurm_drain", action="store_false",
                       help="under srun: do not drain an excluded node in SLURM (default: its agent runs "
                            "`scontrol update NodeName=<node> State=DRAIN` and records it in scheduler.jsonl)")
+    ours.add_argument("--slurm-requeue", type=int, default=0, metavar="N",
+                      help="under srun: when the job fails for good (restart budget spent, too few "
+                           "nodes left), node 0 requeues it (scontrol requeue; drained nodes are left "
+                           "out), at most N times in all (SLURM_RESTART_COUNT). Default 0: never")
     ours.add_argument("--slurm-spares", type=int, default=0, metavar="N",
                       help="under srun: the last N nodes of the allocation start as hot spares "
                            "(--spare) and --nnodes is the rest (default 0)")
@@ -137,12 +141,13 @@ def apply_slurm(args: argparse.Namespace, env: dict | os._Environ = os.environ) 
 
     step = slurm_step(env)
     if step is None:
-        if args.slurm_spares:
-            raise ConfigError(f"--slurm-spares {args.slurm_spares} needs a SLURM step (run under srun); "
-                              f"outside SLURM start spare nodes with --spare.")
+        if args.slurm_spares or args.slurm_requeue:
+            raise ConfigError("--slurm-spares and --slurm-requeue need a SLURM step (run `robust run` under "
+                              "srun); outside SLURM start spare nodes with --spare.")
         return None
     given = given_flags(args, env)
     args.slurm_node = step.node_name
+    args.slurm_step = step
     if args.run_dir is None:
         # Nodes of a job often share the working directory (NFS): one run directory each.
         args.run_dir = str(Path("runs") / f"slurm-{step.job_id}" / step.node_name)
@@ -206,6 +211,18 @@ def _resolve_rendezvous(args: argparse.Namespace) -> None:
             args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = _TORCHRUN_MASTER_PORT
+
+
+def _maybe_requeue(args: argparse.Namespace, run_dir: Path, why: str) -> None:
+    from robust_plugins.launcher.slurm import SCHEDULER_FILE, requeue_decision, requeue_job
+
+    not_now = requeue_decision(args.slurm_step, os.environ, args.slurm_requeue)
+    if not_now is None:
+        entry = requeue_job(args.slurm_step, run_dir, why)
+        print(f"robust run: job {args.slurm_step.job_id} " + ("REQUEUED in SLURM" if entry["ok"] else
+              f"NOT requeued: {entry['error']}") + f"; see {run_dir / SCHEDULER_FILE}", file=sys.stderr, flush=True)
+    elif args.slurm_requeue:
+        print(f"robust run: not requeueing the job: {not_now}", file=sys.stderr, flush=True)
 
 
 def _new_run_dir(base: Path) -> Path:
@@ -296,6 +313,8 @@ def run(args: argparse.Namespace) -> int:
                else f"restart budget exhausted (--max-restarts {config.max_restarts})")
         print(f"robust run: job FAILED: {what}{f' (exit codes {failed})' if failed else ''}; "
               f"{why}. Faults: {run_dir / 'faults.jsonl'}", file=sys.stderr, flush=True)
+        if getattr(args, "slurm_step", None) is not None:
+            _maybe_requeue(args, run_dir, why)
         kept = job_files(job_key())
         if kept:
             print(f"robust run: {len(kept)} in-memory snapshot file(s) of this job are kept in /dev/shm "

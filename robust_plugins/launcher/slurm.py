@@ -202,8 +202,27 @@ def drain_command(node: str, reason: str) -> list[str]:
 
 
 def requeue_command(job_id: str) -> list[str]:
-    """``scontrol`` argv that requeues ``job_id`` (held back from nodes drained meanwhile)."""
+    """``scontrol`` argv that requeues ``job_id`` (SLURM places it again, on no drained node)."""
     return ["scontrol", "requeue", job_id]
+
+
+def requeue_decision(step: SlurmStep | None, env: Mapping[str, str], max_requeues: int) -> str | None:
+    """Why this agent of a job that failed for good must NOT requeue it, or ``None`` when it must.
+
+    Only node 0 asks (one request a job), only under SLURM, only with ``--slurm-requeue N`` and
+    fewer than N requeues so far (``SLURM_RESTART_COUNT``), so a job that fails on every start
+    stops after N tries instead of cycling through the queue.
+    """
+    if step is None:
+        return "not a SLURM step"
+    if max_requeues <= 0:
+        return "--slurm-requeue not given"
+    if step.node_id != 0:
+        return f"node {step.node_name} is not node 0 (node 0 asks for the job)"
+    done = int(env.get("SLURM_RESTART_COUNT") or 0)
+    if done >= max_requeues:
+        return f"requeued {done} time(s) already (--slurm-requeue {max_requeues})"
+    return None
 
 
 def nodes_to_drain(excluded: Sequence[Mapping[str, object]], drained: set[str]) -> list[str]:
@@ -254,6 +273,26 @@ def drain_excluded(record: Mapping[str, Any], run_dir: str | os.PathLike, *,
     except SlurmError as exc:
         entry["error"] = str(exc)
         log.error("robust run: could not drain node %s in SLURM: %s", node, exc)
+    with open(Path(run_dir) / SCHEDULER_FILE, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return entry
+
+
+def requeue_job(step: SlurmStep, run_dir: str | os.PathLike, why: str, *,
+                runner: Callable[[Sequence[str]], str] = run_scontrol) -> dict[str, Any]:
+    """Requeue ``step``'s job (``scontrol requeue``) and say so in ``scheduler.jsonl`` and the log;
+    a failure is reported, never raised. Returns the line written."""
+    argv = requeue_command(step.job_id)
+    entry: dict[str, Any] = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+                             "action": "requeue", "node": step.node_name, "reason": why, "command": argv,
+                             "ok": False, "error": None}
+    try:
+        runner(argv)
+        entry["ok"] = True
+        log.warning("robust run: job %s REQUEUED in SLURM (%s); drained nodes are left out", step.job_id, why)
+    except SlurmError as exc:
+        entry["error"] = str(exc)
+        log.error("robust run: could not requeue job %s: %s", step.job_id, exc)
     with open(Path(run_dir) / SCHEDULER_FILE, "a") as f:
         f.write(json.dumps(entry) + "\n")
     return entry

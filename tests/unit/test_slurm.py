@@ -7,8 +7,11 @@ import pytest
 from robust_plugins.cli.main import build_parser
 from robust_plugins.cli.run import apply_slurm
 from robust_plugins.errors import ConfigError
+import json
+
 from robust_plugins.launcher.slurm import (
-    SlurmError, drain_command, expand_hostlist, nodes_to_drain, rendezvous_settings, slurm_step,
+    SCHEDULER_FILE, SlurmError, drain_command, drain_excluded, expand_hostlist, nodes_to_drain, rendezvous_settings,
+    requeue_decision, requeue_job, slurm_step,
 )
 
 
@@ -102,7 +105,7 @@ def test_apply_slurm_spares_and_outside():
     args = _args("--slurm-spares", "1")
     apply_slurm(args, _env(node_id=2))
     assert args.spare and args.nnodes == "2"
-    with pytest.raises(ConfigError, match="needs a SLURM step"):
+    with pytest.raises(ConfigError, match="need a SLURM step"):
         apply_slurm(_args("--slurm-spares", "1"), {})
     plain = _args()
     assert apply_slurm(plain, {}) is None and plain.nnodes == "1:1" and plain.rdzv_backend == "static"
@@ -114,3 +117,30 @@ def test_drain_command_and_pending():
     with pytest.raises(SlurmError, match="not a SLURM node name"):
         drain_command("gpu08 State=IDLE", "x")
     assert nodes_to_drain([{"node": "a"}, {"node": "b"}, {"node": "a"}], {"b"}) == ["a"]
+
+
+def test_requeue_only_node_0_only_when_asked_and_bounded():
+    step0, step1 = slurm_step(_env(node_id=0)), slurm_step(_env(node_id=1))
+    assert requeue_decision(step0, {}, 2) is None
+    assert requeue_decision(step0, {"SLURM_RESTART_COUNT": "1"}, 2) is None
+    assert "requeued 2 time(s) already" in requeue_decision(step0, {"SLURM_RESTART_COUNT": "2"}, 2)
+    assert "not given" in requeue_decision(step0, {}, 0)
+    assert "not node 0" in requeue_decision(step1, {}, 2)
+    assert requeue_decision(None, {}, 2) == "not a SLURM step"
+
+
+def _failing(argv):
+    raise SlurmError(f"`{' '.join(argv)}` failed (exit 1): Invalid node name specified")
+
+
+def test_scheduler_actions_are_recorded_whether_or_not_scontrol_succeeds(tmp_path):
+    ran = []
+    ok = drain_excluded({"node": "gpu08", "blames": 2, "reason": "rank 3 died by SIGKILL"}, tmp_path, runner=ran.append)
+    bad = drain_excluded({"node": "gpu09", "blames": 2, "reason": "x"}, tmp_path, runner=_failing)
+    req = requeue_job(slurm_step(_env(node_id=0)), tmp_path, "restart budget exhausted", runner=ran.append)
+    assert ran == [drain_command("gpu08", "blamed 2 times by robust run; last: rank 3 died by SIGKILL"),
+                   ["scontrol", "requeue", "4242"]]
+    lines = [json.loads(x) for x in (tmp_path / SCHEDULER_FILE).read_text().splitlines()]
+    assert [(x["action"], x["node"], x["ok"]) for x in lines] == [("drain", "gpu08", True), ("drain", "gpu09", False),
+                                                                   ("requeue", "gpu07", True)]
+    assert "Invalid node name" in lines[1]["error"] and ok["ok"] and not bad["ok"] and req["ok"]
