@@ -4,7 +4,7 @@
 ``ranks`` fake ranks each (``benchmarks/fake_rank.py``: the step protocol, nothing trained, fresh
 interpreters: ``--no-standby``, see ``STANDBY``). One job, in this order:
 
-1. launch to every node's ranks started (rendezvous + start): ``start_s``;
+1. launch to every rank started (rendezvous, interpreters, imports; the ranks' first barrier): ``start_s``;
 2. a steady window: the agents' CPU (``/proc/<pid>/stat``, user + system, every thread of the
    agent: its monitor, detectors, rendezvous keep-alive) per rank and second: ``cpu_ms_per_rank_s``;
 3. ``kill:rank=<last>``: detection latency (``faults.jsonl``'s ``detected_after_s``), whether the
@@ -179,9 +179,9 @@ def run_scale(work: Path, nodes: int, ranks: int, *, step_s: float = STEP_S, tim
     watcher = _Watcher(job.dirs)
     watcher.start()
     try:
-        job.wait("every node's ranks to start", lambda: all((d / "workers.jsonl").exists() for d in job.dirs), deadline)
+        ready = job.state / "ready-0"
+        job.wait("every rank at the first barrier", lambda: ready.is_dir() and len(os.listdir(ready)) >= world, deadline)
         start_s = time.time() - t0
-        (job.state / "go").touch()
         job.wait("the steady window", lambda: job.progress() >= kill_step // 3, deadline)
         cpu0, w0 = [_cpu_s(p.pid) for p in job.procs], time.monotonic()
         job.wait("the steady window's end", lambda: job.progress() >= 2 * kill_step // 3, deadline)
