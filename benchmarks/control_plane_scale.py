@@ -11,7 +11,8 @@ interpreters: ``--no-standby``, see ``STANDBY``). One job, in this order:
    fault names that rank alone, how long until every node's ``job_faults.jsonl`` holds it after it
    reached the killed node's ``faults.jsonl`` (``agree_s``), and the restart's rendezvous: the
    fault's detection to the last node's next round in ``membership.jsonl`` (``rdzv_s``);
-4. ``hang:rank=<middle>``: detection latency, less the hang timeout (``hang_overhead_s``: stack
+4. the middle rank hangs (``benchmarks/fake_rank.py``'s hang file, set ``HANG_AFTER`` steps into
+   the incarnation after the crash): detection latency, less the hang timeout (``hang_overhead_s``: stack
    dumps, verdict), and whether it names that rank.
 
 Run (sizes 8, 64, 256 ranks; minutes on 2 cores; 1,024 ranks need about 20 GB for the fake ranks
@@ -42,9 +43,9 @@ FAKE_RANK = str(Path(__file__).with_name("fake_rank.py"))
 STEP_S = 0.2
 #: Steps of the steady window before the crash (CPU sampled over the middle of it).
 STEADY_STEPS = 30
-#: Steps after the crash's restart before the hang: the new incarnation's learned timeout needs
+#: Steps into the incarnation after the crash before the hang: its learned timeout needs
 #: ``hang_warmup_steps`` (3 here) of them.
-HANG_AFTER = 20
+HANG_AFTER = 10
 #: Hang timeout floor: 0.2 s steps x hang_factor 10 = 2 s, raised to 5 s so that a step delayed
 #: by two busy cores is not called a hang.
 HANG_MIN_S = 5
@@ -171,8 +172,7 @@ def run_scale(work: Path, nodes: int, ranks: int, *, step_s: float = STEP_S, tim
     world = nodes * ranks
     kill_rank, hang_rank = world - 1, world // 2
     kill_step = steady_steps
-    hang_step = kill_step + HANG_AFTER
-    inject = f"kill:rank={kill_rank},step={kill_step};hang:rank={hang_rank},step={hang_step}"
+    inject = f"kill:rank={kill_rank},step={kill_step}"
     deadline = time.monotonic() + timeout_s
     t0 = time.time()
     job = Job(work, nodes, ranks, inject, step_s, stack_dump_timeout_s, standby)
@@ -190,6 +190,11 @@ def run_scale(work: Path, nodes: int, ranks: int, *, step_s: float = STEP_S, tim
         crash_dir, hang_dir = job.dirs[kill_rank // ranks], job.dirs[hang_rank // ranks]
         job.wait("the crash's record", lambda: any(f["kind"] == "crash" for f in _lines(crash_dir / "faults.jsonl")),
                  deadline)
+        first = job.state / "start-1"  # the incarnation after the crash (every node restarts with it)
+        job.wait("the next incarnation's steps", lambda: first.exists() and job.progress() >= int(first.read_text())
+                 + HANG_AFTER, deadline)
+        (job.state / f"hang-{hang_rank}").write_text("1")
+        hang_step = job.progress()
         job.wait("the hang's record", lambda: any(f["kind"] == "hang" for f in _lines(hang_dir / "faults.jsonl")),
                  deadline)
         job.wait("steps after the hang", lambda: job.progress() >= hang_step + 5, deadline)

@@ -7,8 +7,10 @@ every rank of its incarnation at a barrier (``<state>/ready-<incarnation>/<rank>
 Rank 0 writes the last step to ``<state>/step`` (atomically); before the barrier it writes the
 incarnation's first step (``<state>/start-<incarnation>``: the step after it), which every rank
 starts from, as ranks resuming from one checkpoint would, however late its interpreter started.
-Injected faults (``robust run --inject kill:...``, ``hang:...``) fire inside ``step_end``, as in a
-real script.
+Injected faults (``robust run --inject kill:...``) fire inside ``step_end``, as in a real script;
+a rank whose ``<state>/hang-<rank>`` file names its incarnation stops making progress (a Python
+sleep loop, as ``--inject hang`` does), which the harness sets once the incarnation has stepped
+past the watchdog's warm-up.
 """
 
 from __future__ import annotations
@@ -53,7 +55,11 @@ def main() -> None:
     with open(state / "starts.jsonl", "a") as f:  # one line a rank and incarnation (O_APPEND)
         f.write(json.dumps({"rank": rank, "inc": int(inc), "start": start, "t": time.time()}) + "\n")
     step = start
+    hang = state / f"hang-{rank}"
     while not (state / "stop").exists():
+        if hang.exists() and hang.read_text() == inc:
+            while True:
+                time.sleep(1.0)
         # A fixed sleep, no catching up: a rank held up (CPU starved) is late, as a real one is.
         time.sleep(args.step_s)
         watchdog.step_end(step, loss=1.0)
