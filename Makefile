@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export DS_ACCELERATOR := cpu
 
-.PHONY: install demo test lint bench clean browser
+.PHONY: install demo test lint bench clean browser slurm
 
 install: $(STAMP)
 
@@ -29,6 +29,14 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
 	  timeout 900 sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium'; } || \
 	  echo "make: chromium is not installed and could not be installed here (needs root + apt-get)."
+
+# The SLURM tests (tests/_slurm.py) need Debian's slurm-wlm and munge: installed here when missing,
+# from the package registry only, bounded; without root or apt-get the tests skip and say why.
+slurm:
+	@{ command -v slurmctld && command -v slurmd && command -v munged; } >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  timeout 900 sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge'; } || \
+	  echo "make: slurm-wlm/munge are not installed and could not be installed here (needs root + apt-get)."
 
 # The layer contracts in pyproject.toml ([tool.importlinter]), checked on the layout the wheel
 # ships: setup.py maps patches/ and recipes/ into robust_plugins, which the source tree keeps at

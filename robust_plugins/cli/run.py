@@ -83,6 +83,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            "(--nnodes MIN:MAX, c10d --rdzv-endpoint, --rdzv-id), started once or "
                            "after they run; it waits beyond MAX and joins when a node is lost or "
                            "excluded, so the job keeps its world size. Its ranks start cold.")
+    ours.add_argument("--no-slurm-drain", dest="slurm_drain", action="store_false",
+                      help="under srun: do not drain an excluded node in SLURM (default: its agent runs "
+                           "`scontrol update NodeName=<node> State=DRAIN` and records it in scheduler.jsonl)")
+    ours.add_argument("--slurm-requeue", type=int, default=0, metavar="N",
+                      help="under srun: when the job fails for good (restart budget spent, too few "
+                           "nodes left), node 0 requeues it (scontrol requeue; drained nodes are left "
+                           "out), at most N times in all (SLURM_RESTART_COUNT). Default 0: never")
+    ours.add_argument("--slurm-spares", type=int, default=0, metavar="N",
+                      help="under srun: the last N nodes of the allocation start as hot spares "
+                           "(--spare) and --nnodes is the rest (default 0)")
     # Reuse torchrun's parser actions as they are: same names, defaults, PET_* environment
     # fallbacks and help, so a torchrun command line works after `robust run`.
     for action in get_args_parser()._actions:
@@ -90,7 +100,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         if action.dest == "max_restarts":
             action = _restart_default(action)
+        if action.dest in _SLURM_DERIVED:
+            action = _noting_given(action)
         parser._add_action(action)
+
+
+#: torchrun settings ``robust run`` derives from SLURM under srun unless given
+#: (:func:`robust_plugins.launcher.slurm.rendezvous_settings`).
+_SLURM_DERIVED = ("nnodes", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "standalone")
+
+
+def _noting_given(action: argparse.Action) -> argparse.Action:
+    # The same action, which also notes in the namespace that its flag was on the command line:
+    # a flag the user gave wins over what SLURM implies, even when it equals torchrun's default.
+    action = copy.copy(action)
+    base = type(action)
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: N807
+        given = getattr(namespace, "_given", set())
+        given.add(self.dest)
+        setattr(namespace, "_given", given)
+        base.__call__(self, parser, namespace, values, option_string)
+
+    action.__class__ = type(f"Noting{base.__name__}", (base,), {"__call__": __call__})
+    return action
+
+
+def given_flags(args: argparse.Namespace, env: dict | os._Environ = os.environ) -> set[str]:
+    """The SLURM-derivable settings the user gave: on the command line or as torchrun's ``PET_*``."""
+    given = set(getattr(args, "_given", set()))
+    given.update(d for d in _SLURM_DERIVED if env.get(f"PET_{d.upper()}"))
+    return given
+
+
+def apply_slurm(args: argparse.Namespace, env: dict | os._Environ = os.environ) -> str | None:
+    """Fill the rendezvous settings from the SLURM step this agent runs in (see
+    :mod:`robust_plugins.launcher.slurm`); flags given win. Returns a line saying what was taken,
+    or ``None`` outside ``srun``."""
+    from robust_plugins.launcher.slurm import is_spare, rendezvous_settings, slurm_step
+
+    step = slurm_step(env)
+    if step is None:
+        if args.slurm_spares or args.slurm_requeue:
+            raise ConfigError("--slurm-spares and --slurm-requeue need a SLURM step (run `robust run` under "
+                              "srun); outside SLURM start spare nodes with --spare.")
+        return None
+    given = given_flags(args, env)
+    args.slurm_node = step.node_name
+    args.slurm_step = step
+    if args.run_dir is None:
+        # Nodes of a job often share the working directory (NFS): one run directory each.
+        args.run_dir = str(Path("runs") / f"slurm-{step.job_id}" / step.node_name)
+    if "standalone" in given:
+        return f"robust run: SLURM job {step.job_id}: --standalone given, rendezvous not taken from SLURM"
+    settings = rendezvous_settings(step, given, rdzv_conf=args.rdzv_conf, spares=args.slurm_spares)
+    for dest, value in settings.items():
+        setattr(args, dest, value)
+    if is_spare(step, args.slurm_spares):
+        args.spare = True
+    taken = ", ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "nothing (all flags given)"
+    drain = ("a node excluded from the job is drained in SLURM (--no-slurm-drain: not)" if args.slurm_drain
+             else "excluded nodes are not drained (--no-slurm-drain)")
+    return (f"robust run: SLURM job {step.job_id}, node {step.node_name} ({step.node_id + 1} of "
+            f"{step.nnodes}{', hot spare' if args.spare else ''}): took {taken}; {drain}")
 
 
 def _restart_default(action: argparse.Action) -> argparse.Action:
@@ -141,6 +213,18 @@ def _resolve_rendezvous(args: argparse.Namespace) -> None:
         args.master_port = _TORCHRUN_MASTER_PORT
 
 
+def _maybe_requeue(args: argparse.Namespace, run_dir: Path, why: str) -> None:
+    from robust_plugins.launcher.slurm import SCHEDULER_FILE, requeue_decision, requeue_job
+
+    not_now = requeue_decision(args.slurm_step, os.environ, args.slurm_requeue)
+    if not_now is None:
+        entry = requeue_job(args.slurm_step, run_dir, why)
+        print(f"robust run: job {args.slurm_step.job_id} " + ("REQUEUED in SLURM" if entry["ok"] else
+              f"NOT requeued: {entry['error']}") + f"; see {run_dir / SCHEDULER_FILE}", file=sys.stderr, flush=True)
+    elif args.slurm_requeue:
+        print(f"robust run: not requeueing the job: {not_now}", file=sys.stderr, flush=True)
+
+
 def _new_run_dir(base: Path) -> Path:
     # Two launches in the same second must not share (and append to) one faults.jsonl.
     stem = base / time.strftime("run-%Y%m%d-%H%M%S")
@@ -161,9 +245,11 @@ def run(args: argparse.Namespace) -> int:
     from robust_plugins.launcher.agent import check_spare, launch
     from robust_plugins.launcher.monitor import Monitor
     from robust_plugins.launcher.nodes import EXIT_EXCLUDED, NodeExcluded
+    from robust_plugins.launcher.slurm import SCHEDULER_FILE, drain_excluded
 
     injections = _inject.parse(args.inject)
     cfg = watchdog_config(args.watchdog_config, args.watchdog)
+    slurm_line = apply_slurm(args)
     _resolve_rendezvous(args)
     config, cmd, cmd_args = config_from_args(args)
     _inject.check_world(injections, config.nproc_per_node * config.max_nodes)
@@ -184,17 +270,25 @@ def run(args: argparse.Namespace) -> int:
         "standby": args.standby, "spare": args.spare,
     }, indent=1) + "\n")
     print(f"robust run: run directory {run_dir} ({cfg.describe()})", flush=True)
+    if slurm_line:
+        print(slurm_line, flush=True)
 
     # One id for every incarnation of this job: names the ranks' in-memory snapshots
     # (checkpoint.memory_every), which a restarted rank restores from.
     os.environ.setdefault(ENV_JOB, str(run_dir.resolve()))
-    monitor = Monitor(cfg, run_dir, injections, host=args.local_addr or None)
+    monitor = Monitor(cfg, run_dir, injections,
+                      host=args.local_addr or getattr(args, "slurm_node", None) or None)
     try:
         result = launch(config, cmd, cmd_args, monitor, standby=args.standby, spare=args.spare)
     except NodeExcluded as exc:
         # One line a scheduler can grep, then the reason; the ranks of this node were stopped.
         print(f"robust run: EXCLUDED NODE {exc.record['node']}", file=sys.stderr, flush=True)
         print(f"robust run: {exc} Record: {run_dir / 'excluded_nodes.json'}", file=sys.stderr, flush=True)
+        if getattr(args, "slurm_node", None) and args.slurm_drain:
+            entry = drain_excluded(exc.record, run_dir)
+            print(f"robust run: node {entry['node']} " + ("DRAINED in SLURM" if entry["ok"] else
+                  f"NOT drained in SLURM: {entry['error']}") + f"; see {run_dir / SCHEDULER_FILE}",
+                  file=sys.stderr, flush=True)
         return EXIT_EXCLUDED
     except SignalException as exc:
         print(f"robust run: stopped by signal {exc.sigval}; ranks were shut down.", file=sys.stderr)
@@ -219,6 +313,8 @@ def run(args: argparse.Namespace) -> int:
                else f"restart budget exhausted (--max-restarts {config.max_restarts})")
         print(f"robust run: job FAILED: {what}{f' (exit codes {failed})' if failed else ''}; "
               f"{why}. Faults: {run_dir / 'faults.jsonl'}", file=sys.stderr, flush=True)
+        if getattr(args, "slurm_step", None) is not None:
+            _maybe_requeue(args, run_dir, why)
         kept = job_files(job_key())
         if kept:
             print(f"robust run: {len(kept)} in-memory snapshot file(s) of this job are kept in /dev/shm "
