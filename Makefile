@@ -56,7 +56,7 @@ lint: $(STAMP)
 # compute (tests/conftest.py sets the groups and priorities).
 # TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 3
-test: $(STAMP) browser lint
+test: $(STAMP) browser slurm lint
 	@set +e; $(PY) -m pytest -ra --durations=40 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) \
 	  $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests: failing on purpose"; exit 1; fi; \
