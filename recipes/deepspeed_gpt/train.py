@@ -329,9 +329,11 @@ def train_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     with torch.no_grad():
         val = sum(engine(*batch("val", i)).item() for i in range(VAL_BATCHES)) / VAL_BATCHES
     engine.train()
-    stats = torch.tensor([losses, [float(b) for b in wire["backward"]]], dtype=torch.float64).reshape(2, -1)
+    # On the engine's device: NCCL moves CUDA tensors only.
+    stats = torch.tensor([losses, [float(b) for b in wire["backward"]]], dtype=torch.float64,
+                         device=engine.device).reshape(2, -1)
     dist.all_reduce(stats)
-    val_t = torch.tensor([val], dtype=torch.float64)
+    val_t = torch.tensor([val], dtype=torch.float64, device=engine.device)
     dist.all_reduce(val_t)
     mean_losses = (stats[0] / world).tolist()
     digest = param_sha256(engine.module)

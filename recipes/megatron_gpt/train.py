@@ -47,6 +47,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from robust_plugins.device import collective_device
 from robust_plugins.errors import ConfigError
 from robust_plugins.recipes.megatron_gpt.model import OPTIMIZERS, PRESETS, Preset, build
 from robust_plugins.workloads import get_batch, load_corpus
@@ -178,7 +179,8 @@ def train_step(parts: dict[str, Any], preset: Preset, corpus, seed: int, step: i
     if slice_losses is not None:
         for m, loss in enumerate(losses):
             slice_losses[layout.dp_rank * gas + m] = loss.double()
-    mean = torch.stack(losses).double().mean() if losses else torch.zeros((), dtype=torch.float64)
+    # On the rank's device (the losses' own): the broadcast below runs on NCCL on GPU presets.
+    mean = torch.stack(losses).double().mean() if losses else torch.zeros((), dtype=torch.float64, device=device)
     if layout.pp > 1:  # the last stage computed it: every stage reports the same loss
         group = ps.get_pipeline_model_parallel_group()
         dist.broadcast(mean, src=dist.get_process_group_ranks(group)[-1], group=group)
@@ -250,7 +252,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for step in range(start + 1, args.steps + 1):
             t_step = time.perf_counter()
-            slices = torch.zeros(dp * gas, dtype=torch.float64) if args.global_batch else None
+            slices = (torch.zeros(dp * gas, dtype=torch.float64, device=collective_device())
+                      if args.global_batch else None)
             loss = train_step(parts, preset, corpus, args.seed, step, gas=gas, slice_losses=slices)
             losses.append(loss)
             if slices is not None:
