@@ -34,6 +34,7 @@ from robust_plugins.config import CheckpointConfig, PluginConfig
 from robust_plugins.device import collective_device, device_rng_state, set_device_rng_state
 from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
 from robust_plugins.patches import megatron_checkpoint as mcore
+from robust_plugins.watchdog.protocol import pg_timeout
 
 log = get_logger(__name__)
 
@@ -129,7 +130,7 @@ def apply_rank_order(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, topo
     backend = dist.get_backend()
     dist.destroy_process_group()
     dist.init_process_group(backend, store=dist.PrefixStore("robust_plugins/rank_order/", store), rank=new,
-                            world_size=world, timeout=timeout or datetime.timedelta(minutes=10))
+                            world_size=world, timeout=timeout or pg_timeout(600))
     if new == 0:
         log.info("robust_plugins: megatron rank order from %s: process %s -> megatron ranks 0..%d",
                  topo.source, list(order), world - 1)

@@ -402,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-init config dump drowns ours
     specs = build_specs(args)
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    # DeepSpeed's default 10 min, raised to what robust run needs to judge a hang before NCCL aborts.
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
+                               timeout=watchdog.pg_timeout(600))
     rank = dist.get_rank()
     out_dir = Path(args.out_dir)
     for spec in specs:

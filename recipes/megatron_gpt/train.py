@@ -35,7 +35,6 @@ group stays inside a node whatever order the launcher started the processes in;
 import robust_plugins  # noqa: F401,I001
 
 import argparse
-import datetime
 import functools
 import hashlib
 import json
@@ -47,6 +46,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from robust_plugins import watchdog
 from robust_plugins.device import collective_device
 from robust_plugins.errors import ConfigError
 from robust_plugins.recipes.megatron_gpt.model import OPTIMIZERS, PRESETS, Preset, build
@@ -226,7 +226,6 @@ def _accumulation(args: argparse.Namespace, preset: Preset, dp: int, ckpt) -> in
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train as ``args`` say in an initialized process group; returns the rank's result dict."""
     import robust_plugins.megatron as rpm
-    from robust_plugins import watchdog
 
     preset = PRESETS[args.preset]
     tp = args.tp if args.tp is not None else preset.tp
@@ -308,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         backend = "nccl" if PRESETS[args.preset].device == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
+        # NCCL's default 10 min, raised to what robust run needs to judge a hang before NCCL aborts.
+        dist.init_process_group(backend, timeout=watchdog.pg_timeout(600))
     try:
         if args.rank_order == "topology":
             import robust_plugins.megatron as rpm
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
             preset = PRESETS[args.preset]
             args.rank_order_info = rpm.apply_rank_order(tp=args.tp or preset.tp, pp=args.pp or preset.pp,
                                                         topology_file=args.topology_file,
-                                                        timeout=datetime.timedelta(seconds=600))
+                                                        timeout=watchdog.pg_timeout(600))
         result = run(args)
         if dist.get_rank() == 0:
             long = ("losses", "global_losses", "param_sums", "param_abs_sums", "param_numels", "digests",
