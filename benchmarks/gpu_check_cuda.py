@@ -60,6 +60,7 @@ import torch.distributed as dist  # noqa: E402
 import gpu_check_faults as faults  # noqa: E402
 import gpu_check_hosts as hosts  # noqa: E402
 from gpu_check_hosts import Skip, _equal, _sync, need_cuda  # noqa: E402
+from robust_plugins.watchdog.flight import recorder_env as flight_env  # noqa: E402
 
 
 # -- parts ------------------------------------------------------------------------------------------
@@ -291,7 +292,8 @@ def _init_group() -> tuple[str, torch.device]:
         dev = torch.device("cuda", torch.cuda.device_count() - 1)
         torch.cuda.set_device(dev)
         # What `robust run` gives its ranks: a flight recorder that records (part flight).
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        for name, value in flight_env(os.environ).items():
+            os.environ.setdefault(name, value)
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
         return "nccl", dev
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
