@@ -7,7 +7,8 @@ Run under torchrun (or ``robust run``, which adds fault detection and restarts):
 
 Presets (:data:`PRESETS`, ``model.py``): ``cpu-tiny`` (2-4 CPU ranks over gloo, fp32, a few
 seconds of training), ``cpu-3d`` (4 CPU ranks: PP 2 x DP 2, bf16, megatron's distributed
-optimizer), and GPU presets ``gpu-125m`` (TP 1), ``gpu-1.3b`` (TP 2 x PP 2) and ``gpu-8b``
+optimizer), and GPU presets ``gpu-3d-tiny`` (``cpu-3d``'s shape on 4+ GPUs), ``gpu-125m`` (TP 1),
+``gpu-1.3b`` (TP 2 x PP 2) and ``gpu-8b``
 (TP 4 x PP 2, one 8-GPU node): NCCL, bf16, configs only, never run here (untested on GPU).
 ``--tp``, ``--pp``, ``--vpp`` and ``--bf16`` override a preset's layout.
 
