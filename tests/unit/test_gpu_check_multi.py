@@ -139,3 +139,12 @@ def test_judge_of_the_three_faults_in_one_run():
     unresumed = [*run[:3], {**run[3], "resumed_at_step": None}]
     assert not check.judge("mcore_3d_faults", 0, [{**run[0], "suspect_ranks": [1]}, *unresumed[1:]],
                            results, True, gpus=4)["resumed"]
+
+
+def test_judge_on_cpu_takes_the_stacks_verdict():
+    check = _load()
+    hang = [{"kind": "hang", "suspect_ranks": [3], "resumed_at_step": 14,
+             "detail": {"verdict": {"by": "stacks", "stuck": [], "blame": True}}}]
+    results = [{"losses": [5.5]}]
+    assert all(check.judge("hang", 0, hang, results, True, gpus=4, cpu=True).values())
+    assert not all(check.judge("hang", 0, hang, results, True, gpus=4).values())

@@ -110,3 +110,50 @@ def test_megatron_agrees_on_sigterm_at_agreed_steps_only(monkeypatch):
     peer["term"] = 1  # the peer was signalled: this rank learns it at the agreed step
     assert not rpm.MegatronCheckpointer._term_agreed(ckpt, 44)
     assert rpm.MegatronCheckpointer._term_agreed(ckpt, 45)
+
+
+def test_host_copies_of_optimizer_state_go_in_batches():
+    import torch
+
+    from robust_plugins.patches.megatron_optim import copy_to_host, host_batches
+
+    f32 = [torch.randn(n) for n in (10, 20, 30)]
+    bf = [torch.randn(5).bfloat16()]
+    tensors = [f32[0], f32[1], bf[0], f32[2]]
+    # One batch per run of one dtype and device within the byte bound; a tensor over it alone.
+    assert host_batches(tensors, 1 << 20) == [[0, 1], [2], [3]]
+    assert host_batches(f32, 100) == [[0], [1], [2]]  # 40 + 80 > 100
+    assert host_batches(f32, 120) == [[0, 1], [2]]
+    big = [torch.randn(4, 8), torch.randn(3)]
+    out = copy_to_host(big)
+    assert [t.shape for t in out] == [(4, 8), (3,)] and all(torch.equal(a, b) for a, b in zip(out, big))
+    assert out[0].data_ptr() != big[0].data_ptr()  # copies, not the live state
+
+
+def test_distributed_optimizer_state_is_staged_on_host_for_a_save():
+    import types
+
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from robust_plugins.patches import megatron_optim
+
+    model = [torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(2, 3))]
+    main = [p.detach().clone().requires_grad_() for p in model]
+    inner = torch.optim.AdamW(main, lr=0.1)
+    for p in main:
+        p.grad = torch.ones_like(p)
+    inner.step()
+    opt = object.__new__(DistributedOptimizer)  # megatron's own getter, on a hand-built instance
+    opt.optimizer = inner
+    opt.config = types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+    opt.model_param_group_index_map = {model[0]: (0, 0), model[1]: (0, 1)}
+    live = {p: opt._get_main_param_and_optimizer_states(p) for p in model}
+    with megatron_optim.states_on_host(opt):
+        staged = {p: opt._get_main_param_and_optimizer_states(p) for p in model}
+    for p in model:
+        assert set(staged[p]) == set(live[p]) and staged[p]["step"] is live[p]["step"]
+        for key in ("param", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(staged[p][key], live[p][key])
+            assert staged[p][key].data_ptr() != live[p][key].data_ptr()  # from the batched copy
+    assert "_get_main_param_and_optimizer_states" not in vars(opt)  # unbound after the save
