@@ -178,3 +178,35 @@ def test_a_recorded_sigabrt_without_a_cause_is_no_evidence():
     # A faults.jsonl line judged on the signal alone (no "cause"): SIGABRT does not count.
     assert node_blame(_crash([1], "SIGABRT"), {1}) is None
     assert node_blame(_crash([1], "SIGKILL"), {1}) is not None
+
+
+def test_the_monitor_records_the_cause_from_the_order_and_the_ranks_logs(tmp_path):
+    # Monitor.on_crash on torch's ProcessFailure fields: exit codes, times, and the stderr.log
+    # torch writes beside each rank's error.json under --redirects/--tee.
+    from types import SimpleNamespace
+
+    from robust_plugins.config import WatchdogConfig
+    from robust_plugins.launcher.monitor.monitor import Monitor
+
+    def failure(rank, code, t, log=None):
+        rank_dir = tmp_path / "logs" / str(rank)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        if log is not None:
+            (rank_dir / "stderr.log").write_text("x" * 100_000 + log)  # the tail is what is read
+        return SimpleNamespace(exitcode=code, timestamp=t, error_file=str(rank_dir / "error.json"))
+
+    mon = Monitor(WatchdogConfig(), tmp_path / "run", host="h")
+    try:
+        one = mon.on_crash({0: failure(0, ABORT, 11, NCCL_PEER_LOSS), 1: failure(1, KILL, 10),
+                            2: failure(2, TERM, 12)}, will_restart=True)
+        survivors = mon.on_crash({4: failure(4, ABORT, 11, NCCL_TIMEOUT), 5: failure(5, ABORT, 11, "")},
+                                 will_restart=True)
+    finally:
+        mon.close()
+    assert one.suspect_ranks == [1] and one.detail["cause"] == "failed"
+    assert one.detail["causes"] == {"1": "failed", "0": "peer_loss", "2": "stopped"}
+    assert node_blame(one, {0, 1, 2}) is not None
+    # Rank 4's log names NCCL's timeout: aborted by NCCL. Rank 5's log was read and names none,
+    # and no death came before it: its abort is its own, the evidence.
+    assert survivors.detail["causes"] == {"5": "aborted", "4": "peer_loss"}
+    assert survivors.suspect_ranks == [5] and node_blame(survivors, {4, 5}) is not None
