@@ -25,6 +25,13 @@ local shard. With ``topology.hierarchical`` or ``codec: auto`` both go through
 node first in fp32, then compressed across nodes, in megatron's shard layout). A bucket group whose buckets all go uncompressed (codec ``none``, warm-up, below
 ``min_numel``) runs megatron's own method, bitwise identical to vanilla.
 
+Mixture of experts: expert bucket groups reduce over the expert-data-parallel group (the group
+megatron gives them), every route included: :meth:`GradientSync.prepare
+<robust_plugins.comm.gradient_sync.GradientSync.prepare>` builds each group's own hierarchy at
+:func:`enable` (dense first, then expert, on every rank), ``auto`` decides per group, and a group
+of one rank runs megatron's own method (nothing sent or quantized). Layouts not served are
+refused (:func:`refuse_moe`).
+
 With ``overlap_grad_reduce`` the compressed sync overlaps backward as megatron's own does: when a
 bucket group's last gradient is ready, its dispatch (on the training thread, inside backward) runs
 megatron's preamble and hands the group's collectives to one background thread, and the handle
@@ -179,14 +186,16 @@ class MegatronPlugin:
         return (self.sync is not None and self.ddp.ddp_config.overlap_grad_reduce
                 and (self.sync.config.compresses or self.sync.hierarchical))
 
+    def process_groups(self) -> list:
+        """The distinct process groups the bucket groups reduce over, dense first (the
+        data-parallel group, or the distributed optimizer's instance group) then expert (the
+        expert-data-parallel group), in the same order on every rank."""
+        return list({id(pg): pg for pg in (_group_pg(g) for _, g in self.groups)}.values())
+
     def _start_thread(self) -> None:
         """Clone the process groups the bucket groups reduce over and start the sync thread
         (collective: every rank calls it from :func:`enable`)."""
-        use_distopt = self.ddp.ddp_config.use_distributed_optimizer
-        pgs = [g.intra_distributed_optimizer_instance_group if use_distopt else g.data_parallel_group
-               for _, g in self.groups]
-        unique = list({id(g): g for g in pgs}.values())
-        self.clones = clone_groups(unique)
+        self.clones = clone_groups(self.process_groups())
         device = self.groups[0][1].buckets[0].grad_data.device if self.groups else None
         self.thread = SyncThread("robust-mcore-grad-sync", "megatron bucket group", self._emit, device=device)
 
@@ -272,17 +281,16 @@ def enable(ddp, config: Any = None) -> MegatronPlugin:
             "save through robust_plugins.megatron.MegatronCheckpointer.save(step) (see README)."
         )
     _refuse_pipeline(ddp)
+    refuse_moe(getattr(ddp, "config", None), "robust_plugins.megatron.enable")
     _refuse_config(cfg, ddp)
     if cfg.compression is not None:
         _refuse(ddp)
     plugin = MegatronPlugin(ddp, cfg)
-    if plugin.sync is not None and plugin.sync.hierarchical:
-        # Build the node and rail groups now, on every rank (a collective), rather than at the
-        # first bucket, which may run on the sync thread; refuses a DP group smaller than the job.
-        first = ddp.bucket_groups[0] if ddp.bucket_groups else None
-        pg = None if first is None else (first.intra_distributed_optimizer_instance_group
-                                         if ddp.ddp_config.use_distributed_optimizer else first.data_parallel_group)
-        plugin.sync._hierarchy(pg)
+    if plugin.sync is not None:
+        # Build every group's node and rail groups now, on every rank (a collective, in the same
+        # order everywhere: dense then expert groups), rather than at the first bucket, which may
+        # run on the sync thread; each group's hierarchy is planned inside its own ranks.
+        plugin.sync.prepare(plugin.process_groups())
     if plugin.uses_thread:
         plugin._start_thread()
     if cfg.telemetry is not None:
@@ -325,6 +333,38 @@ def _refuse_pipeline(ddp) -> None:
             f"pipeline_model_parallel_size = 2 and batch_p2p_comm = True trains silently wrong over gloo (two "
             f"sends to one peer in one batch are matched in posting order). Set batch_p2p_comm = False with "
             f"overlap_p2p_comm = True (Megatron-LM's default with virtual stages), or use NCCL.")
+
+
+#: megatron token dispatchers served with mixture of experts (``flex`` needs DeepEP on CUDA and was never run).
+MOE_DISPATCHERS = ("alltoall", "allgather")
+
+
+def refuse_moe(config, where: str) -> None:
+    """Mixture-of-experts layouts robust_plugins serves (``config``: the model's
+    ``TransformerConfig``; nothing without ``num_moe_experts``): the alltoall or allgather token
+    dispatcher, expert MLPs without grouped GEMM, no tensor or expert-tensor parallelism and no
+    pipeline parallelism (the layouts the MoE tests run: EP 2 on 2 ranks, DP 2 x EP 2 on 4).
+    Anything else raises UnsupportedError naming ``where``, the key, its value and what is allowed."""
+    if config is None or not getattr(config, "num_moe_experts", None):
+        return
+    checks = (
+        ("moe_token_dispatcher_type", getattr(config, "moe_token_dispatcher_type", "allgather"),
+         lambda v: v in MOE_DISPATCHERS, f"one of {', '.join(MOE_DISPATCHERS)}"),
+        ("moe_grouped_gemm", getattr(config, "moe_grouped_gemm", False), lambda v: not v,
+         "False (the sequential expert MLPs)"),
+        ("tensor_model_parallel_size", getattr(config, "tensor_model_parallel_size", 1), lambda v: v == 1,
+         "1 with experts"),
+        ("expert_tensor_parallel_size", getattr(config, "expert_tensor_parallel_size", 1),
+         lambda v: v in (None, 1), "1"),
+        ("pipeline_model_parallel_size", getattr(config, "pipeline_model_parallel_size", 1), lambda v: v == 1,
+         "1 with experts"),
+    )
+    for key, value, ok, allowed in checks:
+        if not ok(value):
+            raise UnsupportedError(
+                f"{where}: a mixture-of-experts model with {key} = {value!r} is not served by robust_plugins "
+                f"(allowed: {allowed}; tested: expert parallelism with data parallelism, alltoall and allgather "
+                f"dispatchers). Change {key}, or run without robust_plugins.")
 
 
 def _refuse_config(cfg: PluginConfig, ddp) -> None:
@@ -384,6 +424,13 @@ def _ddp_finish_grad_sync(ddp, plugin: MegatronPlugin):
     return finish_grad_sync
 
 
+def _group_pg(group):
+    """The process group a megatron bucket group reduces over (megatron's own choice in
+    ``start_grad_sync``): for expert bucket groups, the expert-data-parallel group."""
+    cfg = group.ddp_config
+    return group.intra_distributed_optimizer_instance_group if cfg.use_distributed_optimizer else group.data_parallel_group
+
+
 def _reduce_buckets(plugin: MegatronPlugin, buckets: list, keys: list, locals_: list, pg, op: str, reduce_op) -> None:
     """The collectives of one bucket group (training thread, or the sync thread with cloned ``pg``).
 
@@ -429,7 +476,10 @@ def _start_grad_sync(group, name: str, plugin: MegatronPlugin):
     def start_grad_sync(force_all_reduce=False):
         if group.is_first_batch and group.grad_reduce_handle is not None:
             return  # megatron: already dispatched during the first batch
-        keys = [plugin.sync.compress_key(f"mcore.{name}.b{i}", b.grad_data.numel()) for i, b in enumerate(group.buckets)]
+        pg = _group_pg(group)
+        size = torch.distributed.get_world_size(pg)  # 1: megatron's own sync, which sends nothing
+        keys = [plugin.sync.compress_key(f"mcore.{name}.b{i}", b.grad_data.numel(), size)
+                for i, b in enumerate(group.buckets)]
         threaded = plugin.thread is not None and cfg.overlap_grad_reduce
         if not threaded and all(k is None for k in keys):
             return original(force_all_reduce=force_all_reduce)
@@ -448,7 +498,6 @@ def _start_grad_sync(group, name: str, plugin: MegatronPlugin):
         op = "avg" if cfg.average_in_collective else "sum"
         reduce_op = torch.distributed.ReduceOp.AVG if cfg.average_in_collective else torch.distributed.ReduceOp.SUM
         scatter = cfg.use_distributed_optimizer and not force_all_reduce
-        pg = group.intra_distributed_optimizer_instance_group if cfg.use_distributed_optimizer else group.data_parallel_group
         locals_ = []
         for idx, bucket in enumerate(group.buckets):
             if not scatter:

@@ -18,6 +18,13 @@ For tests and CPU presets. megatron-core 0.16 assumes CUDA in places that a CPU 
   ``clip_grad_by_total_norm_fp32`` asserts it on every gradient.
 * ``Tensor.cuda()``: tied embeddings with pipeline parallelism move the output-layer weight
   (``language_module.py``), the grad scaler's ``load_state_dict`` its scale.
+* Mixture of experts (both token dispatchers, alltoall and allgather): the alltoall dispatcher
+  makes a ``torch.cuda.Stream`` at construction and moves its split sizes to the host on it
+  (``token_dispatcher.py``, ``_maybe_dtoh_and_synchronize``); ``moe_utils.maybe_move_tensor_to_cpu``
+  turns split sizes into numpy arrays for CUDA tensors only, so on the CPU they reach
+  ``all_to_all_single`` as tensors, which it rejects; the router's GEMM reads ``te_general_gemm``,
+  a name bound only when Transformer Engine imports (a megatron-core 0.16 bug without TE); the
+  aux-loss tracker has a ``device="cuda"`` literal (``moe_utils.py``).
 
 It refuses to install when CUDA is available: on a GPU machine megatron-core must run unchanged,
 and a shim that moved its buffers to the CPU would silently cost orders of magnitude. It is
@@ -135,7 +142,68 @@ _CUDA_LITERAL_MODULES = (
     "megatron.core.optimizer.clip_grads",  # total norm, overflow buffers, zero counts
     "megatron.core.optimizer.grad_scaler",  # scale, min_scale, growth and backoff factors
     "megatron.core.utils",  # local_multi_tensor_l2_norm (the fallback for apex/TE kernels)
+    "megatron.core.transformer.moe.moe_utils",  # the MoE aux-loss tracker's values
 )
+
+
+class _CpuEvent:
+    """Stand-in for a CUDA event on the CPU: work before it is already done."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def wait(self, stream=None) -> None:
+        """Nothing to wait for."""
+
+
+class _CpuStream:
+    """Stand-in for a CUDA stream on the CPU, where every op runs synchronously in program order."""
+
+    def wait_stream(self, stream) -> None:
+        """Program order already holds."""
+
+    def record_event(self, event=None) -> _CpuEvent:
+        """An event that is complete at once."""
+        return _CpuEvent()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
+_CPU_STREAM = _CpuStream()
+
+
+class _CpuStreamFacade:
+    """What ``token_dispatcher`` sees as ``torch.cuda``: streams that order nothing (CPU ops are
+    synchronous), everything else torch.cuda's own."""
+
+    Stream = _CpuStream
+    current_stream = staticmethod(lambda device=None: _CPU_STREAM)
+    stream = staticmethod(lambda stream=None: contextlib.nullcontext())
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _TorchWithCpuStreams:
+    """A view of the ``torch`` module whose ``cuda`` attribute is :class:`_CpuStreamFacade`
+    (the module global of ``token_dispatcher`` only)."""
+
+    cuda = _CpuStreamFacade()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _cpu_maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` for CPU tensors: what the CUDA branch returns (a
+    host copy, a numpy array with ``as_numpy``), so split sizes reach ``all_to_all_single`` as
+    the integer sequence it accepts."""
+    if torch.is_tensor(tensor):
+        tensor = tensor.detach().clone()
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
 
 _ABSENT = object()  # an attribute the owner's own __dict__ did not have (inherited): delete on undo
 
@@ -184,6 +252,9 @@ def _with_cuda_type_names(original):
     return replacement
 
 
+_MODULE_VIEWS = (_TorchOnCpu, _TorchWithCpuRng, _TorchWithCpuStreams)
+
+
 def active() -> bool:
     """True while the shim is installed."""
     return bool(_installed)
@@ -196,6 +267,7 @@ def _targets() -> list[tuple[object, str, object]]:
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.optimizer import optimizer as mcore_optimizer
     from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     float16 = mcore_optimizer.Float16OptimizerWithFloat16Params
     distopt = distrib_optimizer.DistributedOptimizer
@@ -215,6 +287,12 @@ def _targets() -> list[tuple[object, str, object]]:
     for name in _CUDA_LITERAL_MODULES:
         targets.append((importlib.import_module(name), "torch", _TorchOnCpu()))
     targets.append((tp_random, "torch", _TorchWithCpuRng()))
+    targets += [
+        (token_dispatcher, "torch", _TorchWithCpuStreams()),
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _cpu_maybe_move_tensor_to_cpu),
+    ]
+    if "te_general_gemm" not in vars(moe_utils):  # the router's GEMM then takes its torch branch
+        targets.append((moe_utils, "te_general_gemm", None))
     return targets
 
 
@@ -251,9 +329,9 @@ def install() -> None:
     if active():
         return
     for owner, name, replacement in _targets():
-        original = getattr(owner, name)
+        original = getattr(owner, name, _ABSENT)
         own = vars(owner).get(name, _ABSENT) if isinstance(owner, type) else original
-        if not isinstance(replacement, (_TorchOnCpu, _TorchWithCpuRng)):  # functions; module views as they are
+        if callable(original) and not isinstance(replacement, _MODULE_VIEWS):  # functions; views as they are
             replacement = _guard.wrap(original, replacement)
         setattr(owner, name, replacement)
         _installed.append((owner, name, own))
@@ -261,7 +339,8 @@ def install() -> None:
              "torch.cuda.synchronize, Tensor.cuda (no move), the RNG tracker's CUDA state calls (CPU "
              "generator), the torch global of %s (device='cuda' factories -> CPU), and "
              "Float16OptimizerWithFloat16Params.__init__, DistributedOptimizer.__init__ and "
-             "clip_grad_by_total_norm_fp32 (CPU tensors typed torch.cuda.* inside)",
+             "clip_grad_by_total_norm_fp32 (CPU tensors typed torch.cuda.* inside), and for MoE the token "
+             "dispatcher's streams, its split sizes' host copies and moe_utils.te_general_gemm (None without TE)",
              ", ".join(m.rsplit(".", 1)[-1] for m in _CUDA_LITERAL_MODULES))
 
 

@@ -14,7 +14,10 @@ forward. Gradient bytes and time: a hook on each chunk's output opens one
 order, so every chunk's bucket syncs, on the sync thread too, fall inside); collectives on
 megatron's model-parallel groups (TP reductions, pipeline p2p, the tied-embedding all-reduce)
 are not counted, nor, with a pipeline of 2, those on the default group (megatron's unbatched p2p
-sends one direction there). Loss and grad norm come from :meth:`MegatronPlugin.step_end`; FLOPs per token
+sends one direction there), nor the MoE token dispatcher's (expert model-parallel groups).
+``grad_bytes_by_kind`` counts the gradient bytes handed to the sync since the start, dense and
+expert apart (before compression; the expert ones reduce over the expert-data-parallel group).
+Loss and grad norm come from :meth:`MegatronPlugin.step_end`; FLOPs per token
 from the whole model (every stage, virtual stage and TP shard); each rank's step time is in the
 record (``step_s`` by rank: per pipeline stage with the layout).
 """
@@ -81,7 +84,11 @@ def _build(chunks: list, plugins: list) -> None:
 
     model_parallel = {id(g) for g in (ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
                                       ps.get_model_parallel_group(), ps.get_embedding_group(check_initialized=False),
-                                      ps.get_position_embedding_group(check_initialized=False))
+                                      ps.get_position_embedding_group(check_initialized=False),
+                                      # MoE: the token dispatcher's all-to-all / all-gather in backward
+                                      ps.get_expert_model_parallel_group(check_initialized=False),
+                                      ps.get_expert_tensor_parallel_group(check_initialized=False),
+                                      ps.get_expert_tensor_and_model_parallel_group(check_initialized=False))
                       if g is not None}
     if dist.get_world_size(ps.get_pipeline_model_parallel_group()) == 2:
         # megatron's unbatched p2p (_p2p_ops, batch_p2p_comm = False, as interleaved runs) sends one
@@ -97,6 +104,7 @@ def _build(chunks: list, plugins: list) -> None:
     grad_dtype = torch.float32 if c.grad_reduce_in_fp32 else next(chunks[0].module.parameters()).dtype
     dp = ps.get_data_parallel_world_size()
     syncs = [p.sync for p in plugins if p.sync is not None]
+    element_size = torch.finfo(grad_dtype).bits // 8
     states = tuple(st for s in syncs for st in s.states.values())  # every codec's under auto
 
     def sync_info() -> dict[str, Any]:
@@ -106,7 +114,13 @@ def _build(chunks: list, plugins: list) -> None:
                 by_codec[k] = by_codec.get(k, 0) + v
         total = sum(by_codec.values())
         decisions = [d for s in syncs for d in s.stats.auto_decisions]
+        # Sites are "mcore.dense<g>.b<i>" / "mcore.expert<g>.b<i>" (patches/megatron.py).
+        by_kind = {"dense": 0, "expert": 0}
+        for s in syncs:
+            for site, n in s.stats.by_site.items():
+                by_kind["expert" if site.startswith("mcore.expert") else "dense"] += n
         return {"codec_share": {k: v / total for k, v in by_codec.items()} if total else {},
+                "grad_bytes_by_kind": {k: n * element_size for k, n in by_kind.items()},
                 "auto_decisions": [d.to_dict() if hasattr(d, "to_dict") else d for d in decisions]}
 
     run_config = {"robust_plugins": dict(first.config.raw),

@@ -20,6 +20,7 @@ from robust_plugins.errors import (
 
 if TYPE_CHECKING:
     from robust_plugins.config import CompressionConfig, PluginConfig
+    from robust_plugins.snapshot import Snapshotter
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "HostVersionError",
     "PluginConfig",
     "RobustPluginsError",
+    "Snapshotter",
     "UnsupportedError",
     "__version__",
 ]
@@ -42,6 +44,10 @@ def __getattr__(name: str) -> Any:
         from robust_plugins import config
 
         return getattr(config, name)
+    if name == "Snapshotter":  # in-memory snapshots of a plain PyTorch loop (imports the watchdog)
+        from robust_plugins.snapshot import Snapshotter
+
+        return Snapshotter
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

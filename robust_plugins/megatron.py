@@ -266,11 +266,14 @@ class MegatronCheckpointer:
         import torch.distributed as dist
 
         from robust_plugins.checkpoint import DiskCheckpointer
-        from robust_plugins.patches.megatron import check_megatron_version, megatron_version, name_pipeline_stage
+        from robust_plugins.patches.megatron import (check_megatron_version, megatron_version, name_pipeline_stage,
+                                                     refuse_moe)
 
         check_megatron_version()
         name_pipeline_stage()  # robust run's straggler detector compares each stage with itself
         self.chunks = _chunks(ddp, mcore.virtual_pipeline_size())
+        for chunk in self.chunks:
+            refuse_moe(getattr(chunk, "config", None), "robust_plugins.megatron.MegatronCheckpointer")
         """The model chunks saved (one DDP each; several with virtual pipeline stages)."""
         self.plugins = _chunk_plugins(self.chunks, plugin)
         """Each chunk's plugin (None where a chunk has none), in chunk order."""

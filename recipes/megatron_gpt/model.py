@@ -50,6 +50,14 @@ class Preset:
     first and last stages keep copies that megatron all-reduces over its embedding group."""
     ranks: int = 2
     """Ranks the preset is laid out for (``robust recipe compare``'s default ``--nproc``)."""
+    experts: int | None = None
+    """Mixture of experts: experts per MoE layer (every layer's MLP); None: a dense GPT."""
+    ep: int = 1
+    """Expert-parallel size (experts are split over ``ep`` ranks of each data-parallel group)."""
+    topk: int = 2
+    """Experts each token is routed to."""
+    dispatcher: str = "alltoall"
+    """megatron's ``moe_token_dispatcher_type``: ``alltoall`` or ``allgather``."""
 
 
 PRESETS: dict[str, Preset] = {
@@ -62,6 +70,11 @@ PRESETS: dict[str, Preset] = {
     "cpu-3d": Preset(num_layers=4, hidden_size=64, num_attention_heads=2, seq_len=64, micro_batch=2,
                      tp=1, pp=2, bf16=True, micro_batches=4, device="cpu", lr=1e-3, bucket_size=40_000, ranks=4,
                      tie_embeddings=True),
+    # Mixture of experts on 4 CPU ranks: 4 experts top-2, EP 2 x expert-DP 2 (dense DP 4), bf16,
+    # megatron's distributed optimizer; dense and expert bucket groups reduce over different groups.
+    "cpu-moe": Preset(num_layers=2, hidden_size=64, num_attention_heads=2, seq_len=64, micro_batch=4,
+                      tp=1, bf16=True, device="cpu", lr=1e-3, bucket_size=40_000, ranks=4, experts=4, ep=2,
+                      topk=2),
     # cpu-3d's shape on GPUs (NCCL): PP 2 x DP (GPUs / 2); what benchmarks/gpu_check_multi.py runs
     # under robust run with faults. Untested here (no GPU).
     "gpu-3d-tiny": Preset(num_layers=4, hidden_size=64, num_attention_heads=2, seq_len=64, micro_batch=2,
@@ -82,6 +95,9 @@ PRESETS: dict[str, Preset] = {
                      tie_embeddings=True),
 }
 
+#: megatron token dispatchers the recipe (and robust_plugins' CPU shim) runs; ``flex`` needs DeepEP (CUDA).
+DISPATCHERS = ("alltoall", "allgather")
+
 #: ``--optimizer`` choices: megatron-core's own (default), a torch AdamW stepped on ``main_grad``,
 #: or :class:`~robust_plugins.recipes.megatron_gpt.sharded_adamw.ShardedAdamW`.
 OPTIMIZERS = ("megatron", "torch-adamw", "sharded-adamw")
@@ -101,6 +117,8 @@ class Layout:
     distopt: bool
     optimizer: str
     fp16: bool = False
+    experts: int | None = None
+    ep: int = 1
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a plain dict (the result JSON)."""
@@ -108,7 +126,8 @@ class Layout:
 
 
 def _model_chunks(preset: Preset, config, vpp: int | None) -> list[torch.nn.Module]:
-    """One ``GPTModel`` per virtual pipeline stage of this rank (``Float16Module`` for bf16)."""
+    """One ``GPTModel`` per virtual pipeline stage of this rank (``Float16Module`` for bf16); with
+    ``config.num_moe_experts`` every layer's MLP is a MoE layer (local spec, no grouped GEMM)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -117,7 +136,8 @@ def _model_chunks(preset: Preset, config, vpp: int | None) -> list[torch.nn.Modu
     chunks = []
     for vp in range(vpp or 1):
         stage = vp if vpp else None
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=256,
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False),
+                         vocab_size=256,
                          max_sequence_length=preset.seq_len,
                          share_embeddings_and_output_weights=preset.tie_embeddings,
                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
@@ -167,6 +187,23 @@ def _check_layout(preset: Preset, tp: int, pp: int, vpp: int | None, bf16: bool,
                           f"would step the 16-bit parameters themselves. Use --optimizer megatron.")
 
 
+def _check_moe(experts: int | None, ep: int, topk: int, dispatcher: str, tp: int, pp: int) -> None:
+    if experts is None:
+        if ep != 1:
+            raise ConfigError(f"--ep {ep} needs --experts (expert parallelism splits the experts of a MoE model).")
+        return
+    world = dist.get_world_size()
+    if experts < 1 or ep < 1 or experts % ep:
+        raise ConfigError(f"--experts {experts} must be a positive multiple of --ep {ep}.")
+    if not 1 <= topk <= experts:
+        raise ConfigError(f"--topk {topk}: allowed 1 .. --experts ({experts}).")
+    if dispatcher not in DISPATCHERS:
+        raise ConfigError(f"--dispatcher {dispatcher!r}: allowed {', '.join(DISPATCHERS)}.")
+    if (world // (tp * pp)) % ep:
+        raise ConfigError(f"--ep {ep} must divide the data-parallel size {world // (tp * pp)} "
+                          f"(world {world} / tp {tp} / pp {pp}).")
+
+
 def _check_optimizer(optimizer: str, distopt: bool) -> None:
     if optimizer == "sharded-adamw" and not distopt:
         raise ConfigError("--optimizer sharded-adamw steps the distributed optimizer's shards; it needs "
@@ -177,7 +214,8 @@ def _check_optimizer(optimizer: str, distopt: bool) -> None:
                           "or sharded-adamw with it.")
 
 
-def _transformer_config(preset: Preset, tp: int, pp: int, vpp: int | None, bf16: bool, fp16: bool):
+def _transformer_config(preset: Preset, tp: int, pp: int, vpp: int | None, bf16: bool, fp16: bool,
+                        moe: dict | None = None):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
@@ -191,13 +229,15 @@ def _transformer_config(preset: Preset, tp: int, pp: int, vpp: int | None, bf16:
         # separate isend/irecv, not one batch_isend_irecv. On gloo a batch holding two sends to
         # the same peer (interleaved, pp = 2) is matched in posting order: silently wrong.
         overlap_p2p_comm=vpp is not None, batch_p2p_comm=vpp is None,
+        **(moe or {}),
     )
 
 
 def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: bool, distopt: bool | None,
           bucket_size: int | None = None, block: dict | None = None, pp: int | None = None,
           vpp: int | None = None, bf16: bool | None = None, optimizer: str = "megatron", fp16: bool = False,
-          grad_reduce_in_fp32: bool = True, optimizer_config: dict | None = None) -> dict[str, Any]:
+          grad_reduce_in_fp32: bool = True, optimizer_config: dict | None = None, experts: int | None = None,
+          ep: int | None = None, topk: int | None = None, dispatcher: str | None = None) -> dict[str, Any]:
     """Initialize megatron's parallel state and build model chunks, DDP, optimizer and plugin.
 
     Expects an initialized default process group. ``pp``, ``vpp`` and ``bf16`` default to the
@@ -208,7 +248,9 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     ``grad_reduce_in_fp32=False`` keeps 16-bit gradient buffers (Megatron-LM's default without
     ``--accumulate-allreduce-grads-in-fp32``). Returns a dict with ``model`` (the DDP chunks), ``ddp`` (the first chunk),
     ``optimizer``, ``plugins`` (one per chunk; None without a block), ``plugin`` (the first),
-    ``config`` and ``layout`` (:class:`Layout`).
+    ``config`` and ``layout`` (:class:`Layout`). ``experts``, ``ep``, ``topk`` and ``dispatcher``
+    (default: the preset's) make every layer's MLP a mixture of experts over ``ep`` expert-parallel
+    ranks (megatron's expert-data-parallel group is then ``dp / ep`` ranks).
     """
     if preset.device == "cpu":
         from robust_plugins.patches import megatron_cpu
@@ -224,18 +266,28 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
     pp = preset.pp if pp is None else pp
     vpp = preset.vpp if vpp is None else vpp
     bf16 = preset.bf16 if bf16 is None else bf16
+    experts = preset.experts if experts is None else experts
+    ep = (preset.ep if experts == preset.experts else 1) if ep is None else ep
+    topk = preset.topk if topk is None else topk
+    dispatcher = preset.dispatcher if dispatcher is None else dispatcher
     _check_layout(preset, tp, pp, vpp, bf16, fp16, optimizer)
+    _check_moe(experts, ep, topk, dispatcher, tp, pp)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vpp)
+                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=1 if experts else None)
+    # Expert MLPs are not tensor-parallel (megatron allows biases, which the local spec has, only then).
+    moe = None if experts is None else dict(
+        num_moe_experts=experts, moe_router_topk=topk, moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     dp = ps.get_data_parallel_world_size()
     if distopt is None:
         distopt = dp > 1 and optimizer != "torch-adamw"
     _check_optimizer(optimizer, distopt)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    config = _transformer_config(preset, tp, pp, vpp, bf16, fp16)
+    config = _transformer_config(preset, tp, pp, vpp, bf16, fp16, moe)
     chunks = _model_chunks(preset, config, vpp)
     size = bucket_size if bucket_size is not None else preset.bucket_size
     ddp_config = DistributedDataParallelConfig(
@@ -256,6 +308,6 @@ def build(preset: Preset, *, tp: int, seed: int, codec: str | None, overlap: boo
         config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     layout = Layout(tp=tp, pp=pp, vpp=vpp, dp=dp, dp_rank=ps.get_data_parallel_rank(),
                     pp_rank=ps.get_pipeline_model_parallel_rank(), bf16=bf16, distopt=distopt, optimizer=optimizer,
-                    fp16=fp16)
+                    fp16=fp16, experts=experts, ep=ep)
     return {"model": model, "ddp": model[0], "optimizer": opt, "plugins": plugins,
             "plugin": plugins[0] if plugins else None, "config": config, "layout": layout}

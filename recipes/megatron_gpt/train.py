@@ -7,8 +7,10 @@ Run under torchrun (or ``robust run``, which adds fault detection and restarts):
 
 Presets (:data:`PRESETS`, ``model.py``): ``cpu-tiny`` (2-4 CPU ranks over gloo, fp32, a few
 seconds of training), ``cpu-3d`` (4 CPU ranks: PP 2 x DP 2, bf16, megatron's distributed
-optimizer), and GPU presets ``gpu-3d-tiny`` (``cpu-3d``'s shape on 4+ GPUs), ``gpu-125m`` (TP 1),
-``gpu-1.3b`` (TP 2 x PP 2) and ``gpu-8b``
+optimizer), ``cpu-moe`` (4 CPU ranks: 4 experts top-2, EP 2 x expert-DP 2, bf16, distributed
+optimizer; ``--experts``, ``--ep``, ``--topk`` and ``--dispatcher`` make any preset MoE), and GPU
+presets ``gpu-3d-tiny`` (``cpu-3d``'s shape on 4+ GPUs), ``gpu-125m`` (TP 1), ``gpu-1.3b`` (TP 2 x
+PP 2) and ``gpu-8b``
 (TP 4 x PP 2, one 8-GPU node): NCCL, bf16, configs only, never run here (untested on GPU).
 ``--tp``, ``--pp``, ``--vpp`` and ``--bf16`` override a preset's layout.
 
@@ -50,7 +52,7 @@ import torch.distributed as dist
 from robust_plugins import watchdog
 from robust_plugins.device import collective_device
 from robust_plugins.errors import ConfigError
-from robust_plugins.recipes.megatron_gpt.model import OPTIMIZERS, PRESETS, Preset, build
+from robust_plugins.recipes.megatron_gpt.model import DISPATCHERS, OPTIMIZERS, PRESETS, Preset, build
 from robust_plugins.workloads import get_batch, load_corpus
 
 __all__ = ["PRESETS", "Preset", "build", "train_step", "global_loss", "param_digest", "run", "main"]
@@ -68,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                            "(default: the preset's, none)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 parameters in Float16Module, fp32 main parameters (default: the preset's)")
+    p.add_argument("--experts", type=int, help="mixture of experts: experts per layer (default: the preset's; "
+                                              "cpu-moe has 4)")
+    p.add_argument("--ep", type=int, help="expert-parallel size (default: the preset's)")
+    p.add_argument("--topk", type=int, help="experts per token (default: the preset's, 2)")
+    p.add_argument("--dispatcher", choices=DISPATCHERS, help="megatron MoE token dispatcher (default: alltoall)")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="megatron",
                    help="megatron (default): get_megatron_optimizer; torch-adamw; sharded-adamw")
     p.add_argument("--distributed-optimizer", action=argparse.BooleanOptionalAction, default=None,
@@ -232,7 +239,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tp = args.tp if args.tp is not None else preset.tp
     parts = build(preset, tp=tp, seed=args.seed, codec=args.codec, overlap=args.overlap_grad_reduce,
                   distopt=args.distributed_optimizer, block=plugin_block(args.codec, args.plugin_json),
-                  pp=args.pp, vpp=args.vpp, bf16=args.bf16, optimizer=args.optimizer)
+                  pp=args.pp, vpp=args.vpp, bf16=args.bf16, optimizer=args.optimizer, experts=args.experts,
+                  ep=args.ep, topk=args.topk, dispatcher=args.dispatcher)
     rpm.name_pipeline_stage()  # robust run's straggler detector: each stage against itself
     corpus = load_corpus()
     ckpt = None
@@ -315,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
             import robust_plugins.megatron as rpm
 
             preset = PRESETS[args.preset]
-            args.rank_order_info = rpm.apply_rank_order(tp=args.tp or preset.tp, pp=args.pp or preset.pp,
+            ep = args.ep or (preset.ep if (args.experts or preset.experts) else 1)
+            args.rank_order_info = rpm.apply_rank_order(tp=args.tp or preset.tp, pp=args.pp or preset.pp, ep=ep,
                                                         topology_file=args.topology_file,
                                                         timeout=watchdog.pg_timeout(600))
         result = run(args)

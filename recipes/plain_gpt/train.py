@@ -11,7 +11,12 @@ The recipe is the reference for the resume contract of ``robust run`` (``watchdo
   resumed run sees exactly the batches the uninterrupted run would have seen;
 - a step whose batch spiked again after a rollback (``robust_plugins.watchdog.skip_batch``) is
   skipped: no update, the step numbering goes on;
+- with ``--memory-every N`` it also snapshots its whole state into shared memory every N steps
+  (:class:`robust_plugins.Snapshotter`) and on start restores the newest snapshot every rank
+  holds when it is newer than the newest disk checkpoint (a restart then loses at most one step
+  with ``--memory-every 1``, not up to ``--save-every``);
 - after each optimizer step it calls ``robust_plugins.watchdog.step_end(step, loss, grad_norm)``
+  (through ``Snapshotter.step_end`` with ``--memory-every``)
   and ``robust_plugins.watchdog.check_params(step, model)``, and saves only when the replicas'
   parameter hashes agree and ``robust_plugins.watchdog.ok_to_save(step)`` says no fault was seen.
 
@@ -51,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100, help="total optimizer steps to reach")
     p.add_argument("--ckpt-dir", required=True, help="checkpoint directory (shared by all ranks)")
     p.add_argument("--save-every", type=int, default=10, help="checkpoint every N steps")
+    p.add_argument("--memory-every", type=int, default=0,
+                   help="in-memory snapshot every N steps (robust_plugins.Snapshotter; 0: off)")
     p.add_argument("--out", help="rank 0 writes the result JSON here at the end")
     p.add_argument("--preset", default="tiny", help="GPT size (default tiny)")
     p.add_argument("--seed", type=int, default=0, help="model init and data seed")
@@ -60,8 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pg-timeout-s", type=float, default=300.0,
                    help="process-group timeout; the watchdog usually acts long before it")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.save_every < 1:
-        p.error(f"--steps ({args.steps}) and --save-every ({args.save_every}) must be >= 1")
+    if args.steps < 1 or args.save_every < 1 or args.memory_every < 0:
+        p.error(f"--steps ({args.steps}) and --save-every ({args.save_every}) must be >= 1, "
+                f"--memory-every ({args.memory_every}) >= 0")
     return args
 
 
@@ -111,7 +119,20 @@ def main(argv: list[str] | None = None) -> None:
     ckpt_dir = Path(args.ckpt_dir)
     start = 1
     ckpt = newest_checkpoint(ckpt_dir)
-    if ckpt is not None:
+    snap = None
+    snap_step = None
+    if args.memory_every:
+        import robust_plugins
+
+        snap = robust_plugins.Snapshotter(model, optimizer, {"memory_every": args.memory_every})
+        # The snapshot when it is newer than the disk checkpoint (the same on every rank).
+        snap_step = snap.restore(disk_step=int(_CKPT.match(ckpt.name).group(1)) if ckpt is not None else None)
+    if snap_step is not None:
+        start = snap_step + 1
+        ckpt = None
+        if rank == 0:
+            print(f"[rank 0] resumed from memory (step {snap_step}): continuing at step {start}", flush=True)
+    elif ckpt is not None:
         state = torch.load(ckpt, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
@@ -131,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
             if rank == 0:
                 print(f"[rank 0] skipping the batch of step {step}: it spiked again after a "
                       f"rollback (robust run)", flush=True)
-            watchdog.step_end(step)
+            (snap.step_end if snap is not None else watchdog.step_end)(step)
             continue
         x, y = get_batch(corpus, "train", seed=args.seed, step=step, rank=rank, world_size=world,
                          micro_batch=args.micro_batch, seq_len=model.cfg.seq_len)
@@ -151,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         grad_norm = float(torch.linalg.vector_norm(flat[:-1]))
         optimizer.step()
         losses[step] = mean_loss
-        watchdog.step_end(step, loss=mean_loss, grad_norm=grad_norm)
+        (snap.step_end if snap is not None else watchdog.step_end)(step, loss=mean_loss, grad_norm=grad_norm)
         # Compare parameter hashes across replicas (every sdc_every_steps) before saving: a
         # checkpoint written from a corrupted replica would make the corruption permanent.
         replicas_agree = watchdog.check_params(step, model)
@@ -160,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
             save_checkpoint(ckpt_dir, step, model, optimizer, mean_loss)
         step_times.append(time.perf_counter() - t_step)
     dist.barrier()
+    if snap is not None:
+        snap.close()
     if rank == 0:
         result = {"steps": args.steps, "started_at": start, "final_loss": losses.get(args.steps),
                   "losses": {str(k): v for k, v in losses.items()}, "params_hash": params_hash(model),

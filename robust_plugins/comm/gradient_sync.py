@@ -21,7 +21,9 @@ on its own ranks). With ``codec: auto`` the route is the decision of
 ``topology.hierarchical`` "the hierarchy may be used"), among them ``flat bf16_allreduce``, one bf16
 all-reduce of the whole bucket, with error feedback of the cast's rounding only with
 ``auto_bf16_error_feedback``; each codec keeps its own residuals, dropped when a bucket's route
-changes. Reduce-scatters (:meth:`GradientSync.reduce_scatter_sum`: megatron-core's distributed
+changes. A host with several data-parallel groups (megatron-core's dense and expert groups) gets
+one hierarchy and one set of ``auto`` decisions per group: :meth:`GradientSync.prepare` builds the
+groups' hierarchies up front, in the same order on every rank; a group of one rank sends nothing. Reduce-scatters (:meth:`GradientSync.reduce_scatter_sum`: megatron-core's distributed
 optimizer, DeepSpeed ZeRO-3) take the same settings with the reduce-scatter's time model.
 """
 
@@ -111,7 +113,8 @@ class GradientSync:
         self.stats = SyncStats()
         self._key_step: Optional[int] = None
         self._site_calls: collections.Counter = collections.Counter()
-        self._groups = None
+        self._hierarchies: dict = {}
+        """:func:`group_key` of a process group -> its :class:`~robust_plugins.topology.builder.TopologyGroups`."""
         self._last_codec: dict = {}
         self._route_decisions: dict = {}
 
@@ -130,9 +133,11 @@ class GradientSync:
         return self.states[self.config.codec]
 
     # -- decisions -------------------------------------------------------------------------------
-    def passthrough_reason(self, numel: int) -> Optional[str]:
-        """Why a bucket of ``numel`` elements goes uncompressed (the host's own collective), or
-        ``None``: compress it."""
+    def passthrough_reason(self, numel: int, group_size: Optional[int] = None) -> Optional[str]:
+        """Why a bucket of ``numel`` elements reduced over ``group_size`` ranks goes uncompressed
+        (the host's own collective, which sends nothing on one rank), or ``None``: compress it."""
+        if group_size == 1:
+            return "one rank"
         if not self.config.compresses and not self.hierarchical:
             return "codec none"
         if self._step_fn() < self.config.warmup_steps:
@@ -156,15 +161,16 @@ class GradientSync:
         self._site_calls[site] += 1
         return f"{site}:{n}"
 
-    def compress_key(self, site: str, numel: int) -> Optional[str]:
-        """Account for one bucket of ``numel`` elements reduced at ``site``.
+    def compress_key(self, site: str, numel: int, group_size: Optional[int] = None) -> Optional[str]:
+        """Account for one bucket of ``numel`` elements reduced at ``site`` over ``group_size`` ranks
+        (None: not known to the host integration, taken as several).
 
         Returns the error-feedback key to compress it under, or ``None`` when the host's own
-        collective must run (codec ``none``, warm-up, small bucket): that path stays bitwise
-        identical to the host.
+        collective must run (codec ``none``, warm-up, small bucket, a group of one rank): that
+        path stays bitwise identical to the host.
         """
         key = self.next_key(site)
-        reason = self.passthrough_reason(numel)
+        reason = self.passthrough_reason(numel, group_size)
         if reason is not None:
             self.count_passthrough(site, numel, reason)
             return None
@@ -220,8 +226,14 @@ class GradientSync:
                                 self.auto.min_gain)
 
     def _hierarchy(self, group):
-        """The topology groups, built once at the first hierarchical bucket (a collective)."""
-        if self._groups is None:
+        """The node and rail groups planned inside ``group`` (``None``: the whole job), built at the
+        first call for a group with those ranks and kept (a sync thread's clone of ``group`` finds
+        the host group's). Building is a collective over the whole job: every rank must ask for
+        its groups in the same order, so a host with several data-parallel groups (megatron's
+        dense and expert groups) builds them all up front with :meth:`prepare`."""
+        key = group_key(group)
+        groups = self._hierarchies.get(key)
+        if groups is None:
             import torch.distributed as dist
 
             from robust_plugins.topology import build_dp_groups, build_groups, discover
@@ -231,27 +243,41 @@ class GradientSync:
             k8s = K8sEnv(t.k8s_node_env, t.k8s_switch_envs, t.k8s_domain_env) if t.k8s_node_env else None
             topo = discover(t.file, k8s=k8s)
             if group is not None and dist.get_world_size(group) != dist.get_world_size():
-                # Tensor/pipeline parallelism: the data-parallel group is a subset of the job. Every
-                # rank learns every rank's group (one all-gather over the job, at the first bucket)
-                # and plans each group's hierarchy on its own ranks.
+                # Tensor/pipeline/expert parallelism: the data-parallel group is a subset of the
+                # job. Every rank learns every rank's group (one all-gather over the job) and plans
+                # each group's hierarchy on its own ranks.
                 everyone: list = [None] * dist.get_world_size()
                 dist.all_gather_object(everyone, dist.get_process_group_ranks(group))
                 dp_groups = sorted({tuple(sorted(g)) for g in everyone})
-                self._groups = build_dp_groups(topo.records, dp_groups, group)
+                groups = build_dp_groups(topo.records, dp_groups, group)
             else:
-                self._groups = build_groups(topo.records)
+                groups = build_groups(topo.records)
+            self._hierarchies[key] = groups
             log_rank0(log, logging.INFO,
-                      "hierarchical gradient all-reduce over %s: node of %d ranks, rail of %d ranks%s", topo.source,
-                      len(self._groups.intra_ranks), len(self._groups.rail_ranks),
-                      f" (FLAT fallback: {self._groups.fallback_reason})" if self._groups.plan is None else "")
-        return self._groups
+                      "hierarchical gradient sync over %s (group of %d ranks): node of %d ranks, rail of %d ranks%s",
+                      topo.source, len(key), len(groups.intra_ranks), len(groups.rail_ranks),
+                      f" (FLAT fallback: {groups.fallback_reason})" if groups.plan is None else "")
+        return groups
+
+    def prepare(self, groups: list) -> None:
+        """``topology.hierarchical``: build the hierarchy of each process group in ``groups`` now, in
+        order (a collective over the whole job: every rank passes its own groups of the same kinds
+        in the same order, e.g. its dense then its expert data-parallel group). A group of one rank
+        has none (it sends nothing: :meth:`passthrough_reason`); a group seen before is kept."""
+        import torch.distributed as dist
+
+        if not self.hierarchical:
+            return
+        for group in groups:
+            if dist.get_world_size(group) > 1:
+                self._hierarchy(group)
 
     def _groups_for(self, group, collective: str):
-        """``topology.hierarchical``: the node and rail groups for a bucket reduced on ``group``;
-        else None. The flat fallback (and every reduce-scatter) reduces on the group this call was
-        given (a sync thread's clone on gloo, with the same ranks in the same order), never on the
-        one the hierarchy was planned with: that is the host's, which the training thread drives
-        (comm/overlap.py)."""
+        """``topology.hierarchical``: the node and rail groups for a bucket reduced on ``group``
+        (planned inside ``group``'s own ranks); else None. The flat fallback (and every
+        reduce-scatter) reduces on the group this call was given (a sync thread's clone on gloo,
+        with the same ranks in the same order), never on the one the hierarchy was planned with:
+        that is the host's, which the training thread drives (comm/overlap.py)."""
         if not self.hierarchical:
             return None
         groups = self._hierarchy(group)
@@ -381,6 +407,18 @@ class GradientSync:
                 log_rank0(log, logging.WARNING, "auto codec: the checkpoint's %s residuals are not used: this "
                           "job does not feed back %s (its next bucket starts from a zero residual).", codec, codec)
 
+
+
+def group_key(group) -> tuple:
+    """A process group's global ranks (every rank of the job for ``None``); ``("none",)`` without
+    torch.distributed. Clones of a group (same ranks, same order) share the key."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return ("none",)
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    return tuple(dist.get_process_group_ranks(group))
 
 
 def run_route(route: str, tensor: torch.Tensor, group, groups, *, output: Optional[torch.Tensor] = None,

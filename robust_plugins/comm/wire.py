@@ -68,8 +68,8 @@ def _all_to_all_single_bytes(a: dict, rank: int, world: int) -> int:
         return 0
     row_bytes = _nbytes(inp) // rows
     splits = a.get("input_split_sizes")
-    if splits:
-        return (sum(splits) - splits[rank]) * row_bytes
+    if splits is not None and len(splits):  # a list, or a numpy array (megatron's MoE dispatcher)
+        return (int(sum(splits)) - int(splits[rank])) * row_bytes
     return _nbytes(inp) - (rows // world) * row_bytes
 
 

@@ -116,6 +116,22 @@ def hierarchical_all_reduce(
     return tensor
 
 
+_ORDERS: dict = {}  # (plan, node ranks, group ranks, device) -> staging order on that device
+
+
+def _staging_order(groups: TopologyGroups, world: int, device: torch.device) -> torch.Tensor:
+    """:func:`~robust_plugins.topology.planner.reduce_scatter_order` as an index tensor on ``device``,
+    made once per group and device: a host-to-device copy every bucket would synchronize the
+    stream the reduction runs on."""
+    group_ranks = tuple(dist.get_process_group_ranks(groups.group)) if groups.group is not None else tuple(range(world))
+    key = (groups.plan, tuple(groups.intra_ranks), group_ranks, str(device))
+    order = _ORDERS.get(key)
+    if order is None:
+        order = _ORDERS[key] = torch.tensor(reduce_scatter_order(groups.plan, groups.intra_ranks, group_ranks),
+                                            device=device)
+    return order
+
+
 def hierarchical_reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -169,8 +185,7 @@ def hierarchical_reduce_scatter(
             f"{world} x output's {shard} = {world * shard}.")
     if shard == 0:
         return output
-    group_ranks = dist.get_process_group_ranks(groups.group) if groups.group is not None else list(range(world))
-    order = torch.tensor(reduce_scatter_order(groups.plan, groups.intra_ranks, group_ranks), device=input.device)
+    order = _staging_order(groups, world, input.device)
     staged = input.view(world, shard).index_select(0, order).to(torch.float32).view(-1)
     nodes = len(groups.rail_ranks)
     node_sum = torch.empty(nodes * shard, dtype=torch.float32, device=input.device)

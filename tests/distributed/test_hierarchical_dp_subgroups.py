@@ -36,7 +36,7 @@ def _dp_sync(rank: int, world: int) -> dict:
         exact = t.clone()
         dist.all_reduce(exact, group=dp["group"])
         sync.all_reduce_sum(t, dp["group"], sync.compress_key("site", n))
-        g = sync._groups
+        g = sync._hierarchy(dp["group"])
         out[codec] = {"intra": list(g.intra_ranks), "rail": list(g.rail_ranks), "plan": g.plan is not None,
                       "world": g.plan.world_size, "hier": sync.stats.hierarchical_elements,
                       "err": float((t - exact).norm() / exact.norm()), "bits": t.sum().item()}

@@ -59,8 +59,9 @@ def one_step(stage: int, block: dict | None, corpus) -> dict:
         out["stats"] = {"hierarchical_elements": s.hierarchical_elements, "by_codec": dict(s.by_codec),
                         "compressed_elements": s.compressed_elements, "auto_decisions": s.auto_decisions,
                         "by_route": dict(s.by_route)}
-        if plugin.sync._groups is not None:
-            out["intra_ranks"], out["rail_ranks"] = plugin.sync._groups.intra_ranks, plugin.sync._groups.rail_ranks
+        if plugin.sync._hierarchies:  # one data-parallel group: one hierarchy
+            (g,) = plugin.sync._hierarchies.values()
+            out["intra_ranks"], out["rail_ranks"] = g.intra_ranks, g.rail_ranks
     return out
 
 

@@ -268,7 +268,7 @@ def hierarchy_scenarios(corpus) -> dict:
         r = {"update": before - torch.cat([p.detach().flatten() for p in params]), "absmax": absmax[0],
              "bytes": {k: c.bytes_sent for k, c in counters.items()}, "numel": before.numel()}
         if block is not None:
-            g, st = plugin.sync._groups, plugin.sync.stats
+            g, st = plugin.sync._hierarchy(e.grid.get_data_parallel_group()), plugin.sync.stats
             r.update(intra=list(g.intra_ranks), rail=list(g.rail_ranks), planned=g.plan is not None,
                      by_codec=dict(st.by_codec), by_route=dict(st.by_route), hier=st.hierarchical_elements,
                      decisions=[(d["route"], d["codec"]) for d in st.auto_decisions])

@@ -62,7 +62,7 @@ def _tp2_dp2(rank: int, world: int, steps: int) -> dict:
         plugin = parts["plugin"]
         if plugin is not None:
             sync = plugin.sync
-            g = sync._groups
+            g = sync._hierarchy(ps.get_data_parallel_group())
             res.update(intra=list(g.intra_ranks), rail=list(g.rail_ranks), planned=g.plan is not None,
                        plan_world=g.plan.world_size if g.plan is not None else None,
                        hier=sync.stats.hierarchical_elements, by_codec=dict(sync.stats.by_codec),

@@ -142,7 +142,7 @@ def test_the_hierarchys_flat_fallback_reduces_over_the_group_it_is_given(monkeyp
 
     cfg = PluginConfig.from_dict({"compression": {"codec": "int8"}, "topology": {"hierarchical": True}})
     sync = GradientSync(cfg.compression, step_fn=lambda: 100, topology=cfg.topology)
-    sync._groups = TopologyGroups(plan=None, fallback_reason="uneven layout", group="host-group")
+    sync._hierarchies[("none",)] = TopologyGroups(plan=None, fallback_reason="uneven layout", group="host-group")
     seen = []
     monkeypatch.setattr(topology, "hierarchical_all_reduce", lambda t, groups, **k: seen.append(groups.group) or t)
     sync.all_reduce_sum(torch.zeros(8), "thread-clone", "b0")

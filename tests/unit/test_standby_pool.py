@@ -53,6 +53,20 @@ def test_preimports_are_the_scripts_library_imports_never_the_script_or_user_mod
     assert "robust_plugins.recipes.plain_gpt.train" not in own and "robust_plugins.workloads" in own
 
 
+def test_what_a_host_imports_at_a_call_the_script_makes_is_imported_ahead(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nfrom transformers import Trainer\n"
+                      "def main():\n    m = torch.nn.parallel.DistributedDataParallel(net)\n")
+    names = standby.preimports(standby.Target(str(script), None, ()), str(tmp_path))
+    assert names[-2:] == ["torch._dynamo", "transformers.trainer"]  # after the hosts' HOST_LAZY
+    # A script that never builds DDP / FSDP does not pay torch._dynamo's import (seconds).
+    script.write_text("import torch\nimport torch.distributed as dist\nmodel = torch.nn.Linear(2, 2)\n")
+    names = standby.preimports(standby.Target(str(script), None, ()), str(tmp_path))
+    assert "torch._dynamo" not in names
+    script.write_text("from torch.distributed.fsdp import fully_shard\n")
+    assert "torch._dynamo" in standby.preimports(standby.Target(str(script), None, ()), str(tmp_path))
+
+
 def test_only_rank_and_incarnation_variables_may_differ():
     ours = {"ROBUST_INCARNATION"}
     per_rank = lambda k: torch_elastic.is_rank_env(k) or k in ours  # noqa: E731

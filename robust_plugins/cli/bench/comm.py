@@ -319,7 +319,7 @@ def render(args: argparse.Namespace, results: dict[str, Any], meta: dict[str, st
         "",
         *table,
         "",
-        "Targets (issue 6), from the medians above:",
+        "Targets, from the medians above:",
         "",
         "| target | measured | verdict |",
         "|---|---|---|",
@@ -365,7 +365,7 @@ def _ok_times(methods: dict[str, Any]) -> dict[str, float]:
 
 
 def train_target_rows(results: dict[str, Any]) -> list[list[str]]:
-    """Issue 6's training-step targets for ``auto`` (``ds hier auto``, else ``plugin hier auto``):
+    """The training-step targets for ``auto`` (``ds hier auto``, else ``plugin hier auto``):
     on a slow link >= 1.3x faster than DDP's fp16_compress_hook at no worse val loss; on a fast link
     within 5 % of the fastest fixed method, of its own host and of all."""
     out = []
@@ -436,7 +436,7 @@ def render_train(args: argparse.Namespace, results: dict[str, Any], meta: dict[s
         "",
         *table,
         "",
-        "Targets (issue 6), from the medians above:",
+        "Targets, from the medians above:",
         "",
         "| target | measured | verdict |",
         "|---|---|---|",

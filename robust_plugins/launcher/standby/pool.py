@@ -72,6 +72,10 @@ ALWAYS = ("torch", "robust_plugins", "robust_plugins.watchdog")
 #: imports: nothing is compiled, and the CUDA check before ``ready`` still guards the device.
 HOST_LAZY = {**host_preimports.LAZY, "robust_plugins": ("robust_plugins.comm",)}
 
+#: What a host imports lazily when the script uses one of its names (``DistributedDataParallel``
+#: imports ``torch._dynamo``; ``patches/host_preimports.py``): imported after :data:`HOST_LAZY`.
+HOST_ON_USE = {**host_preimports.ON_USE, "robust_plugins": {"Snapshotter": ("robust_plugins.snapshot",)}}
+
 #: Seconds a standby may take to import before it counts as hung (four importing on two
 #: loaded cores took up to ~20 s here).
 READY_TIMEOUT_S = 300.0
@@ -138,9 +142,11 @@ def _module_source(name: str, cwd: str) -> str | None:
 def preimports(target: Target, cwd: str) -> list[str]:
     """Modules a standby imports for ``target``: :data:`ALWAYS`, then the library modules the
     script's source imports (absolute imports under :data:`PREIMPORT_ROOTS`), in source order,
-    never the target module itself; last, :data:`HOST_LAZY` of the hosts among them."""
+    never the target module itself; last, :data:`HOST_LAZY` of the hosts among them, then
+    :data:`HOST_ON_USE` of those hosts for the names the source uses."""
     path = target.script if target.module is None else _module_source(target.module, cwd)
     names = list(ALWAYS)
+    used: set[str] = set()
     if path is not None:
         try:
             tree = ast.parse(Path(path if os.path.isabs(path) else os.path.join(cwd, path)).read_bytes())
@@ -151,10 +157,20 @@ def preimports(target: Target, cwd: str) -> list[str]:
                 names += [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names.append(node.module)
+                used.update(a.name for a in node.names)
+            elif isinstance(node, ast.Attribute):
+                used.add(node.attr)
+            elif isinstance(node, ast.Name):
+                used.add(node.id)
     own = target.module  # runpy runs it as __main__; imported before, its body would run twice
     keep = [n for n in names if n in ALWAYS or (n.split(".")[0] in PREIMPORT_ROOTS and n != own)]
-    for root in dict.fromkeys(n.split(".")[0] for n in list(keep)):
+    roots = list(dict.fromkeys(n.split(".")[0] for n in keep))
+    for root in roots:
         keep += HOST_LAZY.get(root, ())
+    for root in roots:
+        for name, modules in HOST_ON_USE.get(root, {}).items():
+            if name in used:
+                keep += modules
     return list(dict.fromkeys(keep))
 
 
