@@ -15,8 +15,8 @@ NCCL refuses two ranks on one GPU, but a 1-rank NCCL group works:
 ``heatmap``     the telemetry heat-map probe;
 ``pipelined``   the pipelined compressed all-reduce (its all-to-all/all-gather pieces) bitwise
                 equal to the unpipelined one, and WireCounter's seconds of its waits;
-``threads``     ``compressed_all_reduce`` from a thread (which sets its device) and under a side
-                stream, bitwise equal to the main thread's;
+``threads``     ``compressed_all_reduce`` run by the package's own ``SyncThread`` (its thread on
+                CPU, a side stream on CUDA), bitwise equal to the main thread's;
 ``timing``      the timing helper against raw CUDA events, host timers around NCCL (what they
                 miss), the first collective of a new group (what the warm-up hides);
 ``kernels``     kernels at n = 2**31 + 256 (int64 indexing), stochastic rounding CPU vs GPU,
@@ -24,12 +24,15 @@ NCCL refuses two ranks on one GPU, but a 1-rank NCCL group works:
 ``simulate``    ``simulate_all_reduce`` W = 2..8, CPU reference vs GPU kernels, bitwise;
 ``snapshots``, ``deepspeed``, ``megatron``: see ``gpu_check_hosts.py``;
 ``device``, ``overlap``, ``flight``, ``wire_async``, ``rng``, ``param_hash``, ``nvml``, ``stream_save``:
-                the fault paths on NCCL (issue 30), see ``gpu_check_faults.py``.
+                the fault paths on NCCL (issue 30), see ``gpu_check_faults.py``;
+``gloo_ranks``  two ranks on the one GPU over gloo with CUDA tensors (the paths that need a peer),
+                see ``gpu_check_ranks.py``.
 
 The check runs on the machine's last GPU (a device other than 0 where there are several: a device
 index taken from 0 or the global rank then fails a part; with one GPU ``device`` says it cannot
 show). Two ranks cannot share one GPU over NCCL: multi-rank paths (1-rank groups skip most
-collectives) are ``gpu_check_multi.py``'s, on an 8-GPU node.
+collectives) run over gloo with CUDA tensors (``gloo_ranks``) and over NCCL in
+``gpu_check_multi.py``, on a node of 4 or more GPUs.
 
 Without CUDA the distributed parts run over a 1-rank gloo group (so the script itself is tested on
 CPU: ``tests/unit/test_gpu_check_cuda.py``) and the parts that need a GPU print a skip line.
@@ -59,7 +62,9 @@ import torch.distributed as dist  # noqa: E402
 
 import gpu_check_faults as faults  # noqa: E402
 import gpu_check_hosts as hosts  # noqa: E402
+import gpu_check_ranks as ranks  # noqa: E402
 from gpu_check_hosts import Skip, _equal, _sync, need_cuda  # noqa: E402
+from robust_plugins.watchdog.flight import recorder_env as flight_env  # noqa: E402
 
 
 # -- parts ------------------------------------------------------------------------------------------
@@ -140,40 +145,38 @@ def part_pipelined(ctx: dict) -> dict:
 
 
 def part_threads(ctx: dict) -> dict:
+    """``compressed_all_reduce`` submitted to the package's own :class:`SyncThread` (the overlap's
+    runner: a background thread that sets its device first on CPU, a side stream on the
+    submitting thread on CUDA), bitwise equal to the main thread's."""
     from robust_plugins.comm import compressed_all_reduce
-    from robust_plugins.device import set_thread_device, thread_device
+    from robust_plugins.comm.overlap import SyncThread
 
     dev = ctx["device"]
     x = torch.randn(1 << 22 if dev.type == "cuda" else 1 << 16, device=dev)
     main = compressed_all_reduce(x.clone(), codec="int8", op="sum")
-    out: dict = {}
-    mine = thread_device()
+    got, where = x.clone(), {}
 
-    def body() -> None:
-        try:
-            set_thread_device(mine)  # the package's own first step on every thread it starts
-            out["thread"] = compressed_all_reduce(x.clone(), codec="int8", op="sum")
-            out["device"] = torch.cuda.current_device() if dev.type == "cuda" else None
-            _sync()
-        except Exception:
-            out["error"] = traceback.format_exc()[-2000:]
+    def work() -> None:
+        where["thread"] = threading.current_thread().name
+        if dev.type == "cuda":
+            where["device"] = torch.cuda.current_device()
+            where["side_stream"] = torch.cuda.current_stream(dev) != torch.cuda.default_stream(dev)
+        compressed_all_reduce(got, codec="int8", op="sum")
 
-    t = threading.Thread(target=body, name="gpu-check-thread")
-    t.start()
-    t.join(120)
-    checks = {"thread bitwise equal": "thread" in out and _equal(out["thread"], main)}
+    sync = SyncThread("gpu-check-sync", "gpu check bucket", device=dev)
+    try:
+        sync.submit("b0", work, [got]).wait(120)
+        _sync()
+    finally:
+        sync.close()
+    checks = {"bitwise equal to the main thread's": _equal(got, main)}
     if dev.type == "cuda":
-        checks["the thread ran on the rank's device"] = out.get("device") == dev.index
-    if dev.type == "cuda":
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            y = compressed_all_reduce(x.clone(), codec="int8", op="sum")
-        torch.cuda.current_stream(dev).wait_stream(side)
-        checks["side stream bitwise equal"] = _equal(y, main)
+        checks["inline on the submitting thread"] = sync.inline and where.get("thread") == threading.current_thread().name
+        checks["on the rank's device"] = where.get("device") == dev.index
+        checks["on a side stream"] = where.get("side_stream") is True
     else:
-        out["side_stream"] = "skipped: needs a CUDA device"
-    return {"error": out.get("error"), "side_stream": out.get("side_stream"), "checks": checks}
+        checks["on the package's own thread"] = where.get("thread") == "gpu-check-sync" and not sync.inline
+    return {"where": where, "checks": checks}
 
 
 def part_timing(ctx: dict) -> dict:
@@ -281,7 +284,7 @@ def _host_parts() -> dict[str, Callable[[dict], dict]]:
 
 
 PARTS = ("auto", "coord", "heatmap", "pipelined", "threads", "timing", "kernels", "simulate",
-         "snapshots", "deepspeed", "megatron", *faults.PARTS)
+         "snapshots", "deepspeed", "megatron", *faults.PARTS, *ranks.PARTS)
 
 
 def _init_group() -> tuple[str, torch.device]:
@@ -291,7 +294,8 @@ def _init_group() -> tuple[str, torch.device]:
         dev = torch.device("cuda", torch.cuda.device_count() - 1)
         torch.cuda.set_device(dev)
         # What `robust run` gives its ranks: a flight recorder that records (part flight).
-        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
+        for name, value in flight_env(os.environ).items():
+            os.environ.setdefault(name, value)
         dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=dev)
         return "nccl", dev
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -322,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     backend, device = _init_group()
     report["env"]["backend"] = backend
     ctx = {"device": device, "backend": backend, "out": args.out, "snapshot_gb": args.snapshot_gb}
-    fns = {**{p: globals()[f"part_{p}"] for p in PARTS[:8]}, **_host_parts(), **faults.PARTS}
+    fns = {**{p: globals()[f"part_{p}"] for p in PARTS[:8]}, **_host_parts(), **faults.PARTS, **ranks.PARTS}
     # What `robust run` sets; memory snapshots (the deepspeed part's memory_every) refuse to run without.
     os.environ.setdefault("ROBUST_JOB_ID", f"gpu-check-{os.getpid()}")
     failed = False

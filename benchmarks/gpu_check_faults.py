@@ -2,7 +2,9 @@
 through the package's own entry points: the device other than 0, the overlap's inline side stream,
 the flight-recorder hang verdict on a real 1-rank NCCL group with an injected stall, collective
 time from the device, RNG per device, the parameter hash, NVML's device, and the emergency path's
-save on a stream of its own beside a stalled collective.
+save on a stream of its own beside a stalled collective, asked for as the node monitor asks and
+run by the rank's own listener thread (:func:`ask_emergency_save`, also run on CPU by
+``tests/unit/test_gpu_check_cuda.py``).
 
 Same contract as ``gpu_check_hosts.py``: each part takes the check's context (``device``,
 ``backend``, ``out``; the 1-rank process group is initialized) and returns ``checks`` (name ->
@@ -11,8 +13,14 @@ bool), or raises :class:`~gpu_check_hosts.Skip` with the reason.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import sys
+import tempfile
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,29 +31,89 @@ from gpu_check_hosts import Skip, _equal, _sync, need, need_cuda
 STALL_CYCLES = 2_000_000_000
 
 
+def ask_emergency_save(out: str, save: Callable[[int], None], step: int = 7,
+                       before_ask: Callable[[], None] | None = None, timeout_s: float = 60.0) -> dict:
+    """Drive the package's NCCL emergency path as ``robust run`` does, in this process: its real
+    watchdog client (on a socket this function plays the node monitor on), ``watchdog.on_emergency``
+    and ``watchdog.step_end`` on the calling (training) thread, then the monitor's ask, which the
+    rank's listener thread answers by running ``save`` on its save thread. Returns the rank's
+    ``done`` report with ``asked_s`` (ask to report). Runs on CPU too (the save then has no device).
+    """
+    from robust_plugins import watchdog
+    from robust_plugins.watchdog import client as client_mod, emergency_rank, protocol
+
+    env = {protocol.ENV_RUN_DIR: out, protocol.ENV_INCARNATION: "0", emergency_rank.ENV_VIA: "monitor",
+           protocol.ENV_EMERGENCY_TIMEOUT: str(timeout_s)}
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved_client = (client_mod._client, client_mod._checked)
+    saved_hook, saved_emergency = sys.excepthook, dict(emergency_rank._emergency)
+    with tempfile.TemporaryDirectory() as tmp:
+        monitor = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        monitor.bind(os.path.join(tmp, "monitor.sock"))
+        monitor.settimeout(timeout_s)
+        os.environ.update(env)
+        emergency_rank._emergency.clear()
+        try:
+            client = client_mod._Client(os.path.join(tmp, "monitor.sock"))
+            client.fr_served = True  # the flight part serves the recorder; not this one's concern
+            client_mod._client, client_mod._checked = client, True
+
+            def until(pred):
+                while True:
+                    data, addr = monitor.recvfrom(1 << 16)
+                    msg = json.loads(data)
+                    if pred(msg):
+                        return msg, addr
+
+            watchdog.on_emergency(save)
+            _, listener = until(lambda m: m.get("phase") == "registered")
+            watchdog.step_end(step)  # the training thread's step: where the device stood
+            if before_ask is not None:
+                before_ask()
+            t0 = time.perf_counter()
+            monitor.sendto(json.dumps({"k": protocol.MSG_EMERGENCY_NOW}).encode(), listener)
+            done, _ = until(lambda m: m.get("phase") == "done")
+            return {**done, "asked_s": time.perf_counter() - t0}
+        finally:
+            listener_obj = emergency_rank._emergency.get("listener")
+            if listener_obj is not None:
+                listener_obj.sock.close()  # ends the listener thread
+            emergency_rank._emergency.clear()
+            emergency_rank._emergency.update(saved_emergency)
+            sys.excepthook = saved_hook
+            if client_mod._client is not None and client_mod._client is not saved_client[0]:
+                client_mod._client.sock.close()
+            client_mod._client, client_mod._checked = saved_client
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            monitor.close()
+
+
 def part_device(ctx: dict) -> dict:
-    """Work the package starts on its own threads lands on the rank's device, not GPU 0."""
+    """Work the package starts on its own threads lands on the rank's device, not GPU 0: the
+    emergency save that the listener thread runs when the node monitor asks, through the
+    package's own entry points (:func:`ask_emergency_save`)."""
     need_cuda()
     dev = ctx["device"]
     if torch.cuda.device_count() < 2:
         raise Skip("one GPU: every device is cuda:0, so a missing set_device or a device index taken "
                    "from the global rank cannot show")
-    from robust_plugins.device import set_thread_device, thread_device
+    seen = {}
 
-    mine, seen = thread_device(), {}
+    def save(step: int) -> None:
+        seen.update(thread=threading.current_thread().name, device=torch.cuda.current_device(),
+                    side_stream=torch.cuda.current_stream() != torch.cuda.default_stream())
 
-    def body() -> None:
-        seen["before"] = torch.cuda.current_device()
-        set_thread_device(mine)  # what the snapshot and emergency-save threads do first
-        seen["after"] = torch.cuda.current_device()
-
-    t = threading.Thread(target=body)
-    t.start()
-    t.join(60)
-    return {"device": str(dev), "seen": seen,
+    done = ask_emergency_save(str(ctx["out"]), save)
+    return {"device": str(dev), "seen": seen, "report": done,
             "checks": {"check runs on a device other than 0": dev.index != 0,
-                       "a new thread starts on GPU 0": seen.get("before") == 0,
-                       "set_thread_device moves it to the rank's device": seen.get("after") == dev.index}}
+                       "the save ran on the package's save thread": seen.get("thread") == "robust-emergency-save",
+                       "on the rank's device": seen.get("device") == dev.index,
+                       "on a stream of its own": seen.get("side_stream") is True,
+                       "reported done": done.get("ok") is True}}
 
 
 def part_overlap(ctx: dict) -> dict:
@@ -205,36 +273,30 @@ def part_nvml(ctx: dict) -> dict:
 
 
 def part_stream_save(ctx: dict) -> dict:
-    """The NCCL emergency path's save (``emergency_rank._run_save`` on a stream of its own) copies
-    the state off the device while a collective is stalled ahead of it on the training stream."""
+    """The NCCL emergency path's save, asked by the node monitor and run by the rank's listener
+    thread (:func:`ask_emergency_save`: the package's client, listener and save threads), copies
+    the state off the device on a stream of its own while a collective is stalled ahead of it on
+    the training stream."""
     need_cuda()
-    from robust_plugins.watchdog import emergency_rank
-
     dev = ctx["device"]
     state = torch.randn(1 << 24, device=dev)
     want = state.cpu()
-    torch.cuda._sleep(4 * STALL_CYCLES)  # ~4 s: the training stream and the collective behind it
-    dist.all_reduce(torch.ones(1 << 20, device=dev))
-    saved, sent = {}, []
+    saved = {}
 
-    class Client:  # what the save reports to (the node monitor's socket, here a list)
-        rank, incarnation = 0, 0
+    def stall() -> None:  # after the step's mark: the training stream and a collective behind it
+        torch.cuda._sleep(4 * STALL_CYCLES)  # ~4 s
+        dist.all_reduce(torch.ones(1 << 20, device=dev))
 
-        def send(self, msg, wait=False):
-            sent.append(msg)
+    def save(step: int) -> None:
+        saved.update(step=step, copy=state.cpu(), device=torch.cuda.current_device())
 
-    emergency_rank._emergency["save"] = lambda step: saved.update(step=step, copy=state.cpu())
-    t0 = time.perf_counter()
-    try:
-        emergency_rank._run_save(Client(), 7, "monitor", own_stream=True)
-    finally:
-        emergency_rank._emergency.pop("save", None)
-    took = time.perf_counter() - t0
+    done = ask_emergency_save(str(ctx["out"]), save, before_ask=stall)
     _sync()
-    done = sent[-1] if sent else {}
+    took = done.get("asked_s", float("inf"))
     return {"save_s": took, "report": done,
             "checks": {"saved while the stall lasted (< 2 s of ~4 s)": done.get("ok") is True and took < 2.0,
-                       "the copy is the state": "copy" in saved and _equal(saved["copy"], want)}}
+                       "the copy is the state": "copy" in saved and _equal(saved["copy"], want),
+                       "on the rank's device": saved.get("device") == dev.index}}
 
 
 PARTS = {"device": part_device, "overlap": part_overlap, "flight": part_flight, "wire_async": part_wire_async,

@@ -177,10 +177,23 @@ class Zero3Collectives:
     ``forward``: the parameter all-gathers (ZeRO-3 issues nothing else there). ``backward``: the
     all-gathers of parameters released after forward and the gradient reduce-scatter (DeepSpeed's
     ``reduce_scatter_tensor``, or the compressed one's ``all_to_all_single``); its seconds are both
-    together (one counter: the two interleave inside backward)."""
+    together (one counter: the two interleave inside backward).
+
+    No host sync per window: bytes are counted at the call, seconds are read without waiting
+    (:meth:`WireCounter.settled_seconds`); a window whose collectives were still running on the
+    device is read again at later windows, and :meth:`take` (rank 0, every ``log_every`` steps)
+    waits only for what is still running then. On CUDA, reading ``seconds`` at each window's end
+    waited for every all-gather of the forward (ZeRO-3 prefetches them on its own stream)."""
+
+    #: Windows whose seconds are kept open at most: older ones are read (waiting) once more pile
+    #: up, which bounds memory on ranks that never :meth:`take` (only rank 0 records); a window is
+    #: a forward or a backward, so 256 are 128 micro-batches, long finished.
+    MAX_OPEN = 256
 
     def __init__(self) -> None:
         self._sums: dict[str, float] = {}
+        self._open: list[tuple[str, Any, float]] = []
+        """(phase, counter, seconds already added) of windows with unfinished device clocks."""
 
     @contextlib.contextmanager
     def window(self, phase: str):
@@ -193,10 +206,24 @@ class Zero3Collectives:
         for kind, names in (("all_gather", _ALL_GATHER), ("reduce_scatter", _REDUCE_SCATTER)):
             key = f"{phase}_{kind}_bytes"
             self._sums[key] = self._sums.get(key, 0) + sum(by_op.get(n, 0) for n in names)
-        self._sums[f"{phase}_comm_s"] = self._sums.get(f"{phase}_comm_s", 0.0) + counter.seconds
+        self._open.append((phase, counter, 0.0))
+        self._settle(wait=False)
+
+    def _settle(self, wait: bool) -> None:
+        """Add the seconds of open windows that finished (all, waiting, with ``wait``)."""
+        still = []
+        for i, (phase, counter, added) in enumerate(self._open):
+            force = wait or i < len(self._open) - self.MAX_OPEN
+            now = counter.seconds if force else counter.settled_seconds()
+            key = f"{phase}_comm_s"
+            self._sums[key] = self._sums.get(key, 0.0) + now - added
+            if not force and counter.unsettled():
+                still.append((phase, counter, now))
+        self._open = still
 
     def take(self) -> dict[str, float]:
-        """The sums since the last call (then reset)."""
+        """The sums since the last call (then reset); waits for collectives still running."""
+        self._settle(wait=True)
         out, self._sums = self._sums, {}
         return out
 

@@ -10,6 +10,7 @@ megatron-core is imported when a function runs; the caller checks its version fi
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -117,9 +118,12 @@ class DistCheckpoint:
             if is_loading:
                 megatron_optim.prepare_load(opt)
             # The distributed optimizer's format that loads at any data-parallel size (its default
-            # in 0.16, fully_sharded_model_space, is deprecated there); the others ignore it.
-            return opt.sharded_state_dict(model_sd, is_loading=is_loading,
-                                          metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+            # in 0.16, fully_sharded_model_space, is deprecated there; dp_reshardable loads at the
+            # same data-parallel size only); the others ignore it. Its save gathers the state to the
+            # host: in batches (states_on_host), not one .cpu() per parameter and key.
+            with contextlib.nullcontext() if is_loading else megatron_optim.states_on_host(opt):
+                return opt.sharded_state_dict(model_sd, is_loading=is_loading,
+                                              metadata={"distrib_optim_sharding_type": "fully_reshardable"})
         if hasattr(opt, "sharded_state_dict"):
             return opt.sharded_state_dict(model_sd, is_loading=is_loading)
         from megatron.core.dist_checkpointing.optimizer import (

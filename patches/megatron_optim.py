@@ -25,6 +25,7 @@ creates the empty torch-Adam state a fresh process lacks before
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -232,6 +233,79 @@ def install() -> None:
         _installed.append((DistributedOptimizer, name, original))
     log.info("robust_plugins: DistributedOptimizer._set_main_param_and_optimizer_states and load_state_dict "
              "wrapped (torch Adam's per-parameter step kept and unshared; copies under no_grad)")
+
+
+#: Bytes of optimizer state copied to the host in one transfer while a disk save builds megatron's
+#: ``fully_reshardable`` state: megatron's gather (``get_parameter_state_dp_zero``) calls ``.cpu()``
+#: once per parameter and key, a host sync each (3 x 290 for a 1.3B GPT). 256 MiB batches bound the
+#: extra device memory of the staging to that.
+HOST_BATCH_BYTES = 256 << 20
+
+#: The keys megatron's gather reads from ``_get_main_param_and_optimizer_states``.
+_GATHERED = ("param", "exp_avg", "exp_avg_sq")
+
+
+def host_batches(tensors: list[torch.Tensor], batch_bytes: int = HOST_BATCH_BYTES) -> list[list[int]]:
+    """Indices of ``tensors`` in batches of consecutive tensors of one dtype and device, at most
+    ``batch_bytes`` each (a larger tensor alone) (pure): each batch is one host copy."""
+    batches: list[list[int]] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        last = tensors[batches[-1][-1]] if batches else None
+        if last is None or (last.dtype, last.device) != (t.dtype, t.device) or size + nbytes > batch_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(i)
+        size += nbytes
+    return batches
+
+
+def copy_to_host(tensors: list[torch.Tensor], batch_bytes: int = HOST_BATCH_BYTES) -> list[torch.Tensor]:
+    """Host copies of ``tensors`` (same shapes), one device-to-host transfer per
+    :func:`host_batches` batch instead of one per tensor."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    for batch in host_batches(tensors, batch_bytes):
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in batch]).cpu()
+        offset = 0
+        for i in batch:
+            n = tensors[i].numel()
+            out[i] = flat[offset:offset + n].view(tensors[i].shape)
+            offset += n
+    return out
+
+
+@contextlib.contextmanager
+def states_on_host(opt):
+    """While a disk save builds ``opt``'s sharded state: each ``DistributedOptimizer`` part answers
+    megatron's gather (``_get_main_param_and_optimizer_states``, bound on the instance) with host
+    copies made in batches (:func:`copy_to_host`), so its per-parameter ``.cpu()`` moves nothing.
+    CPU state too: one code path, the one the CPU tests run. Unbound on exit."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    bound = []
+    try:
+        for part in parts(opt):
+            if not isinstance(part, DistributedOptimizer):
+                continue
+            getter = part._get_main_param_and_optimizer_states
+            _guard.check_signature("megatron-core", type(part)._get_main_param_and_optimizer_states,
+                                   ["self", "model_param"], "megatron-core 0.16")
+            states = {p: getter(p) for p in part.model_param_group_index_map}
+            flat = [(p, k) for p, s in states.items() for k in _GATHERED if k in s]
+            host = copy_to_host([states[p][k] for p, k in flat])
+            for (p, k), t in zip(flat, host):
+                states[p] = {**states[p], k: t}
+
+            def staged(model_param, _states=states):
+                return _states[model_param]
+
+            _guard.bind_instance(part, "_get_main_param_and_optimizer_states", staged, layer="megatron.host_batches")
+            bound.append(part)
+        yield
+    finally:
+        for part in bound:
+            _guard.unbind_instance(part, "_get_main_param_and_optimizer_states")
 
 
 def undo() -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import Any, Mapping
 
 import torch
@@ -34,11 +35,28 @@ from robust_plugins.config import CheckpointConfig, PluginConfig
 from robust_plugins.device import collective_device, device_rng_state, set_device_rng_state
 from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
 from robust_plugins.patches import megatron_checkpoint as mcore
+from robust_plugins.watchdog.protocol import pg_timeout
 
 log = get_logger(__name__)
 
 #: Per-rank file written into every checkpoint next to megatron's dist_checkpointing files.
 STATE_FILE = "robust_plugins_rank{rank:05d}.pt"
+
+#: Seconds of steps between the ranks' SIGTERM agreements: of torchrun's 30 s between SIGTERM and
+#: SIGKILL, 29 s are left for the emergency save. Steps of 1 s or more agree at every step, where
+#: one host sync (about a millisecond of exposed launch latency) costs under 0.1 %.
+TERM_CHECK_S = 1.0
+
+#: Most steps between two agreements (a job of 1 ms steps still agrees every 1,000 steps).
+TERM_CHECK_MAX_STEPS = 1000
+
+
+def term_check_interval(step_s: float | None) -> int:
+    """Steps until the next SIGTERM agreement at ``step_s`` seconds a step (pure): as many as fit
+    in :data:`TERM_CHECK_S`, 1 to :data:`TERM_CHECK_MAX_STEPS`; 1 while the pace is unknown."""
+    if step_s is None or step_s <= 0:
+        return 1
+    return max(1, min(TERM_CHECK_MAX_STEPS, int(TERM_CHECK_S / step_s)))
 
 
 def enable(ddp, config: Any = None):
@@ -129,7 +147,7 @@ def apply_rank_order(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, topo
     backend = dist.get_backend()
     dist.destroy_process_group()
     dist.init_process_group(backend, store=dist.PrefixStore("robust_plugins/rank_order/", store), rank=new,
-                            world_size=world, timeout=timeout or datetime.timedelta(minutes=10))
+                            world_size=world, timeout=timeout or pg_timeout(600))
     if new == 0:
         log.info("robust_plugins: megatron rank order from %s: process %s -> megatron ranks 0..%d",
                  topo.source, list(order), world - 1)
@@ -291,6 +309,10 @@ class MegatronCheckpointer:
         self.resharded: str | None = None
         """The log line of the reshard the last :meth:`load` did (None: same data-parallel size)."""
         self._term = False
+        self._next_term_check: int | None = None
+        """The next step at which the ranks agree on SIGTERM (None: the first step_end)."""
+        self._last_term_check: tuple[int, float] | None = None
+        """(step, monotonic time) of the last agreement."""
         self._previous_handler = None
         if emergency_save:
             self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -477,12 +499,12 @@ class MegatronCheckpointer:
         """Call once per step on every rank, after the optimizer step.
 
         Sends the step signal to ``robust run`` (:func:`robust_plugins.watchdog.step_end`; a no-op
-        outside it) and feeds telemetry (through ``plugin.step_end`` when there is a plugin), then agrees with the other ranks (one tiny all-reduce) on whether any rank
-        received SIGTERM. If one did, every rank writes an emergency checkpoint of ``step`` and
-        raises ``SystemExit(143)`` (128 + SIGTERM), so the launcher sees the usual exit code.
+        outside it) and feeds telemetry (through ``plugin.step_end`` when there is a plugin), then,
+        about every :data:`TERM_CHECK_S` seconds of steps, agrees with the other ranks (one tiny
+        all-reduce) on whether any rank received SIGTERM (:meth:`_term_agreed`). If one did, every
+        rank writes an emergency checkpoint of ``step`` and raises ``SystemExit(143)`` (128 +
+        SIGTERM), so the launcher sees the usual exit code.
         """
-        import torch.distributed as dist
-
         from robust_plugins import watchdog
 
         if self.memory is not None:  # before the step signal: a fault injected there finds it taken
@@ -491,15 +513,37 @@ class MegatronCheckpointer:
             self.plugin.step_end(step, loss=loss, grad_norm=grad_norm)
         else:
             watchdog.step_end(step, loss=loss, grad_norm=grad_norm)
-        # On the default group's device: NCCL moves CUDA tensors only.
-        flag = torch.tensor([1 if self._term else 0], dtype=torch.int32, device=collective_device())
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
+        if self._term_agreed(step):
             log.warning("robust_plugins: SIGTERM received; writing an emergency checkpoint of step %d", step)
             self.save(step, root=root)
             self.emergency_tag = f"iter_{int(step):07d}"
             raise SystemExit(128 + signal.SIGTERM)
+
+    def _term_agreed(self, step: int) -> bool:
+        """Whether any rank received SIGTERM, asked at agreed steps only: a world all-reduce and
+        its ``.item()`` at every step would stall the host behind each step's device work.
+
+        Each agreement also fixes the next: every rank proposes the steps that fit in
+        :data:`TERM_CHECK_S` at its own pace since the last one (:func:`term_check_interval`)
+        and the smallest wins (one all-reduce of ``[flag, -steps]`` with MAX), so every rank
+        asks at the same steps."""
+        import torch.distributed as dist
+
+        if self._next_term_check is not None and step < self._next_term_check:
+            return False
+        now = time.monotonic()
+        step_s = None
+        if self._last_term_check is not None and step > self._last_term_check[0]:
+            step_s = (now - self._last_term_check[1]) / (step - self._last_term_check[0])
+        # On the default group's device: NCCL moves CUDA tensors only.
+        flag = torch.tensor([1 if self._term else 0, -term_check_interval(step_s)], dtype=torch.int32,
+                            device=collective_device())
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        term, interval = flag.tolist()
+        self._next_term_check = step + max(1, -interval)
+        self._last_term_check = (step, now)
+        return bool(term)
 
     def close(self) -> None:
         """Restore the SIGTERM handler that was in place before."""

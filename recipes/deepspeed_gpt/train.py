@@ -329,9 +329,11 @@ def train_one(spec: RunSpec, args: argparse.Namespace) -> dict[str, Any]:
     with torch.no_grad():
         val = sum(engine(*batch("val", i)).item() for i in range(VAL_BATCHES)) / VAL_BATCHES
     engine.train()
-    stats = torch.tensor([losses, [float(b) for b in wire["backward"]]], dtype=torch.float64).reshape(2, -1)
+    # On the engine's device: NCCL moves CUDA tensors only.
+    stats = torch.tensor([losses, [float(b) for b in wire["backward"]]], dtype=torch.float64,
+                         device=engine.device).reshape(2, -1)
     dist.all_reduce(stats)
-    val_t = torch.tensor([val], dtype=torch.float64)
+    val_t = torch.tensor([val], dtype=torch.float64, device=engine.device)
     dist.all_reduce(val_t)
     mean_losses = (stats[0] / world).tolist()
     digest = param_sha256(engine.module)
@@ -400,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-init config dump drowns ours
     specs = build_specs(args)
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    # DeepSpeed's default 10 min, raised to what robust run needs to judge a hang before NCCL aborts.
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl",
+                               timeout=watchdog.pg_timeout(600))
     rank = dist.get_rank()
     out_dir = Path(args.out_dir)
     for spec in specs:

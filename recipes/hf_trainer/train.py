@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trai
     default_data_collator
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from robust_plugins import watchdog
 from robust_plugins.workloads import load_corpus
 
 #: Model and batch per preset. cpu-tiny: 0.1 M parameters, a step takes ~10 ms on 2 CPU ranks.
@@ -119,7 +120,8 @@ def train(out: Path, ds_config, *, steps: int, preset_name: str = "cpu-tiny", se
         import deepspeed
 
         _ = args.device
-        deepspeed.init_distributed(dist_backend="gloo" if preset["use_cpu"] else "nccl")
+        deepspeed.init_distributed(dist_backend="gloo" if preset["use_cpu"] else "nccl",
+                                   timeout=watchdog.pg_timeout(600))  # above robust run's hang timeouts
     model = build_model(preset, seed)
     data = ByteWindows(windows or preset["windows"], preset["seq_len"])
     trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)

@@ -75,6 +75,11 @@ PRESETS: dict[str, Preset] = {
     "cpu-moe": Preset(num_layers=2, hidden_size=64, num_attention_heads=2, seq_len=64, micro_batch=4,
                       tp=1, bf16=True, device="cpu", lr=1e-3, bucket_size=40_000, ranks=4, experts=4, ep=2,
                       topk=2),
+    # cpu-3d's shape on GPUs (NCCL): PP 2 x DP (GPUs / 2); what benchmarks/gpu_check_multi.py runs
+    # under robust run with faults. Untested here (no GPU).
+    "gpu-3d-tiny": Preset(num_layers=4, hidden_size=64, num_attention_heads=2, seq_len=64, micro_batch=2,
+                          tp=1, pp=2, bf16=True, micro_batches=4, device="cuda", lr=1e-3, bucket_size=40_000,
+                          ranks=4, tie_embeddings=True),
     # GPT-2 small shape (byte vocabulary); TP 1, DP over every GPU. Untested here (no GPU).
     "gpu-125m": Preset(num_layers=12, hidden_size=768, num_attention_heads=12, seq_len=1024, micro_batch=8,
                        tp=1, device="cuda", lr=6e-4, bf16=True, ranks=8,

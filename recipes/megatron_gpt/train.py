@@ -8,7 +8,9 @@ Run under torchrun (or ``robust run``, which adds fault detection and restarts):
 Presets (:data:`PRESETS`, ``model.py``): ``cpu-tiny`` (2-4 CPU ranks over gloo, fp32, a few
 seconds of training), ``cpu-3d`` (4 CPU ranks: PP 2 x DP 2, bf16, megatron's distributed
 optimizer), ``cpu-moe`` (4 CPU ranks: 4 experts top-2, EP 2 x expert-DP 2, bf16, distributed
-optimizer; ``--experts``, ``--ep``, ``--topk`` and ``--dispatcher`` make any preset MoE), and GPU presets ``gpu-125m`` (TP 1), ``gpu-1.3b`` (TP 2 x PP 2) and ``gpu-8b``
+optimizer; ``--experts``, ``--ep``, ``--topk`` and ``--dispatcher`` make any preset MoE), and GPU
+presets ``gpu-3d-tiny`` (``cpu-3d``'s shape on 4+ GPUs), ``gpu-125m`` (TP 1), ``gpu-1.3b`` (TP 2 x
+PP 2) and ``gpu-8b``
 (TP 4 x PP 2, one 8-GPU node): NCCL, bf16, configs only, never run here (untested on GPU).
 ``--tp``, ``--pp``, ``--vpp`` and ``--bf16`` override a preset's layout.
 
@@ -36,7 +38,6 @@ group stays inside a node whatever order the launcher started the processes in;
 import robust_plugins  # noqa: F401,I001
 
 import argparse
-import datetime
 import functools
 import hashlib
 import json
@@ -48,6 +49,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from robust_plugins import watchdog
+from robust_plugins.device import collective_device
 from robust_plugins.errors import ConfigError
 from robust_plugins.recipes.megatron_gpt.model import DISPATCHERS, OPTIMIZERS, PRESETS, Preset, build
 from robust_plugins.workloads import get_batch, load_corpus
@@ -184,7 +187,8 @@ def train_step(parts: dict[str, Any], preset: Preset, corpus, seed: int, step: i
     if slice_losses is not None:
         for m, loss in enumerate(losses):
             slice_losses[layout.dp_rank * gas + m] = loss.double()
-    mean = torch.stack(losses).double().mean() if losses else torch.zeros((), dtype=torch.float64)
+    # On the rank's device (the losses' own): the broadcast below runs on NCCL on GPU presets.
+    mean = torch.stack(losses).double().mean() if losses else torch.zeros((), dtype=torch.float64, device=device)
     if layout.pp > 1:  # the last stage computed it: every stage reports the same loss
         group = ps.get_pipeline_model_parallel_group()
         dist.broadcast(mean, src=dist.get_process_group_ranks(group)[-1], group=group)
@@ -230,7 +234,6 @@ def _accumulation(args: argparse.Namespace, preset: Preset, dp: int, ckpt) -> in
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train as ``args`` say in an initialized process group; returns the rank's result dict."""
     import robust_plugins.megatron as rpm
-    from robust_plugins import watchdog
 
     preset = PRESETS[args.preset]
     tp = args.tp if args.tp is not None else preset.tp
@@ -257,7 +260,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for step in range(start + 1, args.steps + 1):
             t_step = time.perf_counter()
-            slices = torch.zeros(dp * gas, dtype=torch.float64) if args.global_batch else None
+            slices = (torch.zeros(dp * gas, dtype=torch.float64, device=collective_device())
+                      if args.global_batch else None)
             loss = train_step(parts, preset, corpus, args.seed, step, gas=gas, slice_losses=slices)
             losses.append(loss)
             if slices is not None:
@@ -312,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         backend = "nccl" if PRESETS[args.preset].device == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600))
+        # NCCL's default 10 min, raised to what robust run needs to judge a hang before NCCL aborts.
+        dist.init_process_group(backend, timeout=watchdog.pg_timeout(600))
     try:
         if args.rank_order == "topology":
             import robust_plugins.megatron as rpm
@@ -321,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             ep = args.ep or (preset.ep if (args.experts or preset.experts) else 1)
             args.rank_order_info = rpm.apply_rank_order(tp=args.tp or preset.tp, pp=args.pp or preset.pp, ep=ep,
                                                         topology_file=args.topology_file,
-                                                        timeout=datetime.timedelta(seconds=600))
+                                                        timeout=watchdog.pg_timeout(600))
         result = run(args)
         if dist.get_rank() == 0:
             long = ("losses", "global_losses", "param_sums", "param_abs_sums", "param_numels", "digests",

@@ -30,7 +30,6 @@ bitwise the same parameters and loss as one that never failed. Run it with::
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import json
 import os
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout_s))
+    dist.init_process_group("gloo", timeout=watchdog.pg_timeout(args.pg_timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_gpt(args.preset, args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)

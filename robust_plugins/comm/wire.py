@@ -413,6 +413,13 @@ class WireCounter:
             self._fold_done()
             return self._seconds
 
+    def unsettled(self) -> int:
+        """How many counted collectives' device clocks have not finished (0 on CPU); reading
+        :attr:`seconds` now would wait for them."""
+        with self._mutex:
+            self._fold_done()
+            return len(self._pending)
+
     def _fold(self, seconds: "float | Clock") -> None:
         # Under self._mutex. Finished clocks are read without waiting; the rest wait for a read.
         if isinstance(seconds, Clock):

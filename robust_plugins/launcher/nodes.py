@@ -16,7 +16,13 @@ dies, its peers on the *other* nodes fail too, usually with exit code 1 ("connec
 peer"), and their agents each see a crash. Only evidence that points at the local node counts:
 
 - a crash whose first cause is an announced injected fault or death by a signal other than the
-  agent's own SIGTERM (SIGKILL by the OOM killer, SIGSEGV, SIGBUS, SIGABRT...);
+  agent's own SIGTERM (SIGKILL by the OOM killer, SIGSEGV, SIGBUS...). SIGABRT counts only when
+  it is the first death and the rank's log (torch's ``stderr.log``, written with ``--redirects`` /
+  ``--tee``) is readable and shows no NCCL collective failure: under
+  ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (torch's agent sets it) NCCL's watchdog aborts every rank
+  whose collective failed because a peer died or timed out, so a SIGABRT after a peer's death,
+  one whose log names NCCL's failure, or one with no log to read is no evidence
+  (:func:`death_causes`);
 - a silent-data-corruption verdict whose minority ranks run on this node (every replica computes
   the same verdict from the all-gathered hashes);
 - a hang whose suspects on this node the flight recorder shows stuck outside every collective:
@@ -42,9 +48,12 @@ merely lost a peer.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
+import re
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +84,74 @@ _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 _PROGRAM_FRAMES = ("<module>", "_run_module_as_main", "_run_code")
 
 
+#: What torch's ProcessGroupNCCL and NCCL print when a collective failed because of a peer (its
+#: death, a network error) or timed out: a rank that printed one was aborted by NCCL's watchdog.
+NCCL_COLLECTIVE_FAILURE = re.compile(
+    r"Watchdog caught collective operation timeout|watchdog thread terminated with exception|"
+    r"ncclRemoteError|ncclSystemError|remote process exited|NCCL communicator was aborted|"
+    r"NCCL error|ProcessGroupNCCL.{0,80}(?:timed out|aborted|abort)", re.IGNORECASE)
+
+#: Causes of a rank's death, first cause first (:func:`death_causes`); the last three are no
+#: evidence against the rank's node.
+CAUSES = ("injected", "failed", "aborted", "peer_loss", "aborted_unexplained", "stopped")
+NOT_EVIDENCE = frozenset({"peer_loss", "aborted_unexplained", "stopped"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Death:
+    """One rank's exit as a launcher sees it."""
+
+    rank: int
+    exitcode: int | None
+    """Negative: killed by that signal (``-6`` SIGABRT)."""
+    t: float
+    """When it died (seconds, one clock for every rank; equal times are one poll's deaths)."""
+    injected: bool = False
+    """An announced injected fault."""
+    log: str | None = None
+    """The tail of the rank's stderr, or None when it was not written to a file."""
+
+
+def death_causes(deaths: list[Death]) -> dict[int, str]:
+    """The cause of each death (one of :data:`CAUSES`), decided from the order of deaths and the
+    ranks' logs, never from SIGABRT alone (pure).
+
+    ``injected``: announced. ``stopped``: the agent's SIGTERM/SIGINT/SIGHUP. ``failed``: any other
+    non-zero exit or signal. A SIGABRT is ``peer_loss`` when another rank's ``injected`` or
+    ``failed`` death came at the same time or earlier, or its log shows NCCL's collective
+    failure (:data:`NCCL_COLLECTIVE_FAILURE`: it was aborted because a peer died or hung, maybe
+    on another node); otherwise ``aborted`` when its log was read and is clean (the rank aborted
+    on its own), ``aborted_unexplained`` when there is no log to read.
+    """
+    abort = -int(signal.SIGABRT)
+    agent = {-int(getattr(signal, name)) for name in _AGENT_SIGNALS}
+    causes: dict[int, str] = {}
+    for d in deaths:
+        if d.injected:
+            causes[d.rank] = "injected"
+        elif d.exitcode in agent:
+            causes[d.rank] = "stopped"
+        elif d.exitcode != abort:
+            causes[d.rank] = "failed"
+    first_own = min((d.t for d in deaths if causes.get(d.rank) in ("injected", "failed")), default=None)
+    for d in deaths:
+        if d.rank in causes:
+            continue
+        if (first_own is not None and first_own <= d.t) or (d.log and NCCL_COLLECTIVE_FAILURE.search(d.log)):
+            causes[d.rank] = "peer_loss"
+        else:
+            causes[d.rank] = "aborted" if d.log is not None else "aborted_unexplained"
+    return causes
+
+
+def first_causes(deaths: list[Death]) -> tuple[list[int], dict[int, str]]:
+    """Ranks ordered first cause first (by :data:`CAUSES`, then time, then rank) and each one's
+    cause (pure): the fault's suspects are the leading ranks that share the first's cause."""
+    causes = death_causes(deaths)
+    order = sorted(deaths, key=lambda d: (CAUSES.index(causes[d.rank]), d.t, d.rank))
+    return [d.rank for d in order], causes
+
+
 class NodeExcluded(RobustPluginsError):
     """This node was blamed too often: its agent must not join the job again."""
 
@@ -103,6 +180,10 @@ def blame_reason(kind: str, step: int | None, suspects: set[int], detail: dict[s
         sig = detail.get("signal")
         if detail.get("onset") == "injected":
             return f"injected crash of rank(s) {sorted(suspects)} at step {step}"
+        if detail.get("cause") in NOT_EVIDENCE:
+            return None  # aborted by NCCL after a peer's death or hang, or nothing says otherwise
+        if sig and f"SIG{str(sig).removeprefix('SIG')}" == "SIGABRT" and detail.get("cause") != "aborted":
+            return None  # a record judged on the signal alone: SIGABRT is no evidence by itself
         if sig and f"SIG{str(sig).removeprefix('SIG')}" not in _AGENT_SIGNALS:
             return f"rank(s) {sorted(suspects)} died by {sig} at step {step}"
         return None

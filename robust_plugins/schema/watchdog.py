@@ -41,11 +41,15 @@ class WatchdogConfig(Section):
     """Floor of the learned hang timeout: a job with 10 ms steps must not be declared hung after
     a 100 ms hiccup (garbage collection, a checkpoint save)."""
 
-    hang_max_timeout_s: _Seconds = 600.0
-    """Ceiling of the learned timeout, and the longest any rank may go without progress."""
+    hang_max_timeout_s: _Seconds = 480.0
+    """Ceiling of the learned timeout, and the longest any rank may go without progress. With the
+    stack dump and a 60 s margin it stays under NCCL's default 600 s process-group timeout, so
+    a hang is judged before NCCL aborts the ranks; ``robust run`` exports the timeout scripts
+    need for larger values (``robust_plugins.watchdog.pg_timeout``)."""
 
-    hang_initial_timeout_s: _Seconds = 600.0
-    """Timeout before warm-up, counted from the start of an incarnation (or the last step)."""
+    hang_initial_timeout_s: _Seconds = 480.0
+    """Timeout before warm-up, counted from the start of an incarnation (or the last step); kept
+    under the process-group timeout as ``hang_max_timeout_s`` is."""
 
     stack_dump_timeout_s: _Seconds = 15.0
     """Bound on collecting every rank's Python stack after a hang (py-spy, then faulthandler)."""

@@ -36,6 +36,7 @@ from robust_plugins.watchdog.client import (
     straggler_group,
 )
 from robust_plugins.watchdog.emergency_rank import on_emergency
+from robust_plugins.watchdog.protocol import pg_timeout
 
-__all__ = ["check_params", "grad_accumulation", "load_state_dict", "on_emergency", "ok_to_save", "skip_batch", "state_dict", "step_end",
+__all__ = ["check_params", "grad_accumulation", "load_state_dict", "on_emergency", "ok_to_save", "pg_timeout", "skip_batch", "state_dict", "step_end",
            "straggler_group"]

@@ -127,6 +127,9 @@ class _Client:
         """An emergency saver is registered: each step_end records where the device stood."""
         self.step_mark = None
         """The CUDA event recorded at the last step_end (``mark_steps``; None on CPU)."""
+        self.device = None
+        """The training thread's current CUDA device, recorded with ``step_mark`` and at a
+        saver's registration (None on CPU): the device an emergency save on another thread uses."""
         self.params_refused: str | None = None
         """Why :func:`check_params` cannot serve this rank's parameters, or None: set by a host
         binding whose parameters have no replica (``patches/deepspeed_watchdog.py``, ZeRO-3);
@@ -226,7 +229,7 @@ class _Client:
                 comm = self.comm.settled_seconds() - self.last_comm_s
         self.last_end = now
         if self.mark_steps:
-            self.step_mark = _device_mark()
+            self.device, self.step_mark = _device_mark()
         if self.comm is not None:
             self.last_comm_s = self.comm.settled_seconds()
         bad = any(v is not None and not math.isfinite(v) for v in (loss, grad_norm))
@@ -372,10 +375,12 @@ def load_state_dict(state: dict[str, Any] | None) -> None:
 
 
 def _device_mark():
-    """An event on this thread's current CUDA stream, recorded now (no wait); None without CUDA."""
+    """This thread's current CUDA device and an event on its current stream, recorded now (no
+    wait); (None, None) without CUDA."""
     from robust_plugins.device import current_stream, record_event, thread_device
 
-    return record_event(current_stream(thread_device()))
+    device = thread_device()
+    return device, record_event(current_stream(device))
 
 
 def _die_with_parent() -> None:

@@ -92,6 +92,24 @@ def stalled_ranks(cfg: WatchdogConfig, ranks: Mapping[int, RankProgress], now: f
     return stalled, learned
 
 
+#: Seconds between the watchdog's hang verdict and the process group's timeout, besides the stack
+#: dump's bound: the monitor's poll (0.2-5 s), reading every rank's flight recorder (a few seconds
+#: for 8 ranks of 2,000 entries) and NCCL's watchdog poll; 60 s covers them with room.
+PG_TIMEOUT_MARGIN_S = 60.0
+
+#: torch's default NCCL process-group timeout (10 min): what a script that passes none gets.
+NCCL_DEFAULT_PG_TIMEOUT_S = 600.0
+
+
+def pg_timeout_floor_s(cfg: WatchdogConfig) -> float:
+    """The shortest process-group timeout under which a hang is judged (flight recorder, stacks)
+    before the backend's timeout aborts every rank, which would be recorded as a SIGABRT crash:
+    the longest hang timeout, the stack dump's bound and :data:`PG_TIMEOUT_MARGIN_S` (pure).
+    The defaults keep it under :data:`NCCL_DEFAULT_PG_TIMEOUT_S`."""
+    return (max(cfg.hang_initial_timeout_s, cfg.hang_max_timeout_s) + cfg.stack_dump_timeout_s
+            + PG_TIMEOUT_MARGIN_S)
+
+
 def restart_delay(cfg: WatchdogConfig, restart: int) -> float:
     """Seconds to wait before restart number ``restart`` (1 = the first): doubling, capped."""
     if restart < 1 or cfg.restart_backoff_s == 0:

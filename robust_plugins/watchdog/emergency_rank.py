@@ -39,7 +39,7 @@ import time
 from typing import Any
 
 from robust_plugins._logging import get_logger
-from robust_plugins.watchdog.client import WAIT_SEND_S, _Client, get_client
+from robust_plugins.watchdog.client import WAIT_SEND_S, _Client, _device_mark, get_client
 from robust_plugins.watchdog.protocol import ENV_EMERGENCY_TIMEOUT, MSG_EMERGENCY, MSG_EMERGENCY_NOW
 
 log = get_logger(__name__)
@@ -115,6 +115,9 @@ def on_emergency(save: Any) -> None:
         if via != "exception" and client.can_ask:
             _emergency["listener"] = _Listener(client)
     _emergency["save"] = save
+    # The rank's device, chosen on this (the training) thread; step_end keeps it current. The save
+    # runs on other threads, which start on GPU 0.
+    client.device, client.step_mark = _device_mark()
     client.mark_steps = True  # step_end records where the device stood (the monitor path's check)
     listener = _emergency.get("listener")
     msg = {"k": MSG_EMERGENCY, "phase": "registered", "via": via if listener is not None else "exception"}
@@ -223,9 +226,11 @@ def _run_save(client: _Client, step: int, via: str, own_stream: bool = False) ->
     client.send({"k": MSG_EMERGENCY, "phase": "start", "s": step, "via": via}, wait=True)
     t0 = time.monotonic()
     outcome: dict[str, Any] = {}
-    from robust_plugins.device import on_stream, set_thread_device, side_stream, thread_device
-
-    device = thread_device()  # a new thread starts on GPU 0: the save runs on this rank's GPU
+    # The training thread's device (recorded at registration and each step_end): this may be the
+    # listener thread, whose own current device is GPU 0 whatever the rank's is.
+    device = client.device
+    # Imported here: the watchdog package imports no torch until a rank uses a device.
+    from robust_plugins.device import on_stream, set_thread_device, side_stream
 
     def run() -> None:
         try:

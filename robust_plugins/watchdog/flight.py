@@ -127,18 +127,20 @@ HANDLERS = {"nccl": "dump_nccl_trace_json?includecollectives=true&onlyactive=fal
 
 #: Variables a rank needs for its flight recorder to record anything (torch's default ring is 0
 #: entries, which leaves ``pg_status`` and the entries empty), and the value ``robust run`` sets
-#: when the user set neither name. 2,000 records is torch's documented example; a record holds
-#: sizes and names, no tensor.
+#: when the user set neither name. torch 2.4-2.5 read only ``TORCH_NCCL_TRACE_BUFFER_SIZE``;
+#: newer ones read ``TORCH_FR_BUFFER_SIZE`` first, then the old name. 2,000 records is torch's
+#: documented example; a record holds sizes and names, no tensor.
 BUFFER_ENV = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 BUFFER_DEFAULT = "2000"
 
 
 def recorder_env(environ: Mapping[str, str]) -> dict[str, str]:
     """What ``robust run`` adds to the ranks' environment so that their flight recorder records
-    (pure): the ring size, unless the user chose one (0 included: their choice, said in the log)."""
-    if any(name in environ for name in BUFFER_ENV):
-        return {}
-    return {BUFFER_ENV[0]: BUFFER_DEFAULT}
+    on every torch of the declared range (pure): both names of the ring size, the user's value
+    where they set one name (0 included: their choice, said in the log), else the default."""
+    chosen = [environ[name] for name in BUFFER_ENV if name in environ]
+    value = chosen[0] if chosen else BUFFER_DEFAULT
+    return {name: value for name in BUFFER_ENV if name not in environ}
 
 
 def _post(path: str, handler: str, timeout: float) -> dict[str, Any] | None:

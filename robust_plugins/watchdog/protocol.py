@@ -11,7 +11,9 @@ A leaf: it imports nothing of ours, so either side can name the protocol without
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import datetime
+import os
+from collections.abc import Iterable, Mapping
 
 #: The node monitor's Unix datagram socket. Unset outside ``robust run``: every watchdog call of
 #: a rank is then a no-op.
@@ -44,6 +46,23 @@ ENV_LAUNCH_WORLD = "ROBUST_LAUNCH_WORLD_SIZE"
 #: (empty: no bound). Read by :func:`robust_plugins.checkpoint.restore.rollback_bound`, which names
 #: the variable itself (checkpoint does not import the watchdog).
 ENV_ROLLBACK_MAX_STEP = "ROBUST_ROLLBACK_MAX_STEP"
+#: Seconds of the shortest process-group timeout that lets the watchdog judge a hang before the
+#: backend's own timeout aborts the ranks (:func:`robust_plugins.watchdog.detect.pg_timeout_floor_s`);
+#: read by :func:`pg_timeout`.
+ENV_PG_TIMEOUT = "ROBUST_PG_TIMEOUT_S"
+
+
+def pg_timeout(default_s: float, environ: Mapping[str, str] | None = None) -> datetime.timedelta:
+    """The timeout to pass to ``init_process_group``: ``default_s`` (the script's own), raised to
+    what ``robust run`` sets in :data:`ENV_PG_TIMEOUT` so the watchdog acts before NCCL's watchdog
+    aborts every rank of a hang; ``default_s`` outside ``robust run``."""
+    text = (os.environ if environ is None else environ).get(ENV_PG_TIMEOUT, "")
+    try:
+        floor = float(text) if text else 0.0
+    except ValueError:
+        raise ValueError(f"{ENV_PG_TIMEOUT}={text!r} is not a number of seconds; robust run sets it, "
+                         f"unset it to launch outside robust run") from None
+    return datetime.timedelta(seconds=max(float(default_s), floor))
 
 
 # -- datagrams, rank -> node monitor ----------------------------------------------------------------

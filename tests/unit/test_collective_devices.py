@@ -2,12 +2,15 @@
 
 NCCL moves CUDA tensors only ("No backend type associated with device type cpu"). A flag, probe,
 trial or agreement tensor made with ``torch.zeros(1)`` works on gloo, where every test runs, and
-fails at the first step on a GPU cluster. This test reads the source (AST) of ``robust_plugins/``
-and ``patches/``: in every function that calls a ``torch.distributed`` collective, every tensor
+fails at the first step on a GPU cluster. This test reads the source (AST) of ``robust_plugins/``,
+``patches/``, ``recipes/`` (shipped as ``robust_plugins.recipes``) and ``benchmarks/`` (the GPU
+checks run them): in every function that calls a ``torch.distributed`` collective, every tensor
 it creates with a factory (``torch.zeros``, ``torch.tensor``, ...) must name its device with a
 ``device=`` that is not a literal (in the package: :func:`robust_plugins.device.collective_device`
 or the device of a tensor the caller passed), or be moved with ``.to(...)``; and no such function
-may default a ``device`` parameter to ``"cpu"``. A new call site that forgets fails here.
+may default a ``device`` parameter to ``"cpu"``; and a tensor so made in one function and passed
+to a function of the same module that hands that parameter to a collective is caught at the
+caller. A new call site that forgets fails here.
 
 Tensors of the caller (gradients, buckets) keep the device they have, which is right by
 construction, and are not factory calls. Files that start their own gloo group (benchmark
@@ -22,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("robust_plugins", "patches")
+PACKAGES = ("robust_plugins", "patches", "recipes", "benchmarks")
 
 COLLECTIVES = {
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
@@ -41,6 +44,11 @@ GLOO_ONLY = {
     "robust_plugins/cli/bench/comm_worker.py": ('init_process_group("gloo"', "robust bench comm's gloo worker"),
     "robust_plugins/cli/bench/step_worker.py": ('init_process_group("gloo"', "robust bench step's gloo worker"),
     "robust_plugins/cli/bench/checkpoint_worker.py": ('dist_backend="gloo"', "the checkpoint benchmark's gloo worker"),
+    "recipes/plain_gpt/train.py": ('init_process_group("gloo"', "the plain recipe trains over gloo only"),
+    "benchmarks/allreduce_pieces.py": ('init_process_group("gloo"', "a gloo link benchmark"),
+    "benchmarks/ds_fault_train.py": ('dist_backend="gloo"', "the CPU recovery benchmark's trainer"),
+    "benchmarks/reduce_scatter_hier.py": ('init_process_group("gloo"', "a gloo simulator benchmark"),
+    "benchmarks/watchdog_bench.py": ('init_process_group("gloo"', "times a gloo all-reduce on CPU"),
 }
 
 
@@ -87,6 +95,69 @@ def _functions(tree: ast.AST):
             yield node
 
 
+def _unplaced(node: ast.AST, parents: dict) -> str | None:
+    """What is wrong with ``node`` if it is a ``torch`` factory call whose tensor has no device of the
+    group's (no ``device=`` or a literal one, and not moved or copied onto one); None otherwise."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in FACTORIES and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "torch"):
+        return None
+    device = next((k.value for k in node.keywords if k.arg == "device"), None)
+    parent = parents.get(node)
+    # .to(device) moves it; dst.copy_(host_tensor) copies it to dst's device.
+    moved = isinstance(parent, ast.Attribute) and parent.attr == "to"
+    copied = (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Attribute)
+              and parent.func.attr == "copy_" and node in parent.args)
+    if moved or copied:
+        return None
+    if device is None:
+        return f"torch.{node.func.attr}(...) without device="
+    if isinstance(device, ast.Constant):
+        return f"torch.{node.func.attr}(..., device={device.value!r})"
+    return None
+
+
+def _collected_params(tree: ast.AST, aliases: set[str]) -> dict[str, list[str]]:
+    """Per module-level function name: its parameters (in order) that it passes to a collective
+    (``dist.all_reduce(param)``); functions passing none are left out."""
+    out = {}
+    for fn in _functions(tree):
+        names = [a.arg for a in fn.args.args + fn.args.kwonlyargs]
+        used = {a.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr in COLLECTIVES and _is_dist(n.func.value, aliases)
+                for a in n.args if isinstance(a, ast.Name)}
+        if used & set(names):
+            out[fn.name] = [n if n in used else "" for n in names]
+    return out
+
+
+def _passed_to_collectives(tree: ast.AST, aliases: set[str], parents: dict, path: str) -> list[str]:
+    """Tensors a function makes without the group's device and hands to a function of the same
+    module that passes that parameter to a collective (``x = torch.zeros(n); reduce_it(x)``)."""
+    collected = _collected_params(tree, aliases)
+    found = []
+    for fn in _functions(tree):
+        made = {}
+        for node in _own_nodes(fn):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                values = [node.value.body, node.value.orelse] if isinstance(node.value, ast.IfExp) else [node.value]
+                why = next((w for v in values if (w := _unplaced(v, parents)) is not None), None)
+                if why is not None:
+                    made[node.targets[0].id] = (node.lineno, why)
+        for node in _own_nodes(fn):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in collected):
+                continue
+            params = collected[node.func.id]
+            passed = [(params[i] if i < len(params) else "", a) for i, a in enumerate(node.args)]
+            passed += [(k.arg if k.arg in params else "", k.value) for k in node.keywords]
+            for param, arg in passed:
+                if param and isinstance(arg, ast.Name) and arg.id in made:
+                    line, why = made[arg.id]
+                    found.append(f"{path}:{line} {fn.name}: {why} passed to {node.func.id}({param}=...), which "
+                                 f"hands it to a collective; use robust_plugins.device.collective_device(group)")
+    return found
+
+
 def violations(source: str, path: str) -> list[str]:
     """Every factory-made collective tensor without a device, and every ``device="cpu"`` default,
     in functions of ``source`` that issue a collective (pure; the test's rule)."""
@@ -114,24 +185,11 @@ def violations(source: str, path: str) -> list[str]:
             if a.arg == "device" and isinstance(d, ast.Constant) and d.value == "cpu":
                 found.append(f"{path}:{fn.lineno} {fn.name}(device=\"cpu\"): default the device to the group's")
         for node in _own_nodes(fn):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.func.attr in FACTORIES and isinstance(node.func.value, ast.Name)
-                    and node.func.value.id == "torch"):
-                continue
-            device = next((k.value for k in node.keywords if k.arg == "device"), None)
-            parent = parents.get(node)
-            # .to(device) moves it; dst.copy_(host_tensor) copies it to dst's device.
-            moved = isinstance(parent, ast.Attribute) and parent.attr == "to"
-            copied = (isinstance(parent, ast.Call) and isinstance(parent.func, ast.Attribute)
-                      and parent.func.attr == "copy_" and node in parent.args)
-            if moved or copied:
-                continue
-            if device is None:
-                found.append(f"{path}:{node.lineno} {fn.name}: torch.{node.func.attr}(...) without device= in a "
-                             f"function that issues a collective; use robust_plugins.device.collective_device(group)")
-            elif isinstance(device, ast.Constant):
-                found.append(f"{path}:{node.lineno} {fn.name}: torch.{node.func.attr}(..., device={device.value!r}) "
-                             f"in a function that issues a collective; use collective_device(group)")
+            why = _unplaced(node, parents)
+            if why is not None:
+                found.append(f"{path}:{node.lineno} {fn.name}: {why} in a function that issues a collective; "
+                             f"use robust_plugins.device.collective_device(group)")
+    found += _passed_to_collectives(tree, aliases, parents, path)
     return found
 
 
@@ -193,4 +251,35 @@ def gradient(g, group):
     found = violations(bad, "bad.py")
     assert sorted(f.split(" ")[1] for f in found) == sorted(
         ["DiskCheckpointer(device='cpu'):", "flag:", "probe:", "agree(device=\"cpu\"):"]), found
+    assert violations(good, "good.py") == []
+
+
+def test_the_rule_catches_the_recipes_host_tensors():
+    # The recipes' call sites before they named the device: a stage's CPU loss broadcast over the
+    # pipeline group, CPU statistics all-reduced after training, and a CPU tensor made in the
+    # training loop and all-reduced by a helper it is passed to.
+    bad = '''
+import torch
+import torch.distributed as dist
+
+def train_step(losses, group):
+    mean = torch.stack(losses).double().mean() if losses else torch.zeros((), dtype=torch.float64)
+    dist.broadcast(mean, src=0, group=group)
+
+def train_one(losses, val):
+    stats = torch.tensor([losses], dtype=torch.float64).reshape(1, -1)
+    dist.all_reduce(stats)
+
+def global_loss(slice_losses):
+    dist.all_reduce(slice_losses)
+    return float(slice_losses.sum())
+
+def run(dp, gas, batch):
+    slices = torch.zeros(dp * gas, dtype=torch.float64) if batch else None
+    return global_loss(slices)
+'''
+    good = bad.replace("dtype=torch.float64)", "dtype=torch.float64, device=dev)")
+    found = violations(bad, "bad.py")
+    assert sorted(f.split(" ")[1] for f in found) == ["run:", "train_one:", "train_step:"], found
+    assert "global_loss(slice_losses=...)" in next(f for f in found if " run:" in f)
     assert violations(good, "good.py") == []

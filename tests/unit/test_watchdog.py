@@ -94,6 +94,34 @@ def test_hang_timeout_is_initial_before_warmup_then_k_p99_clamped():
     assert detect.hang_timeout(cfg, [9.0] * 50, steps_seen=50) == 60  # ceiling
 
 
+def test_hang_timeouts_stay_below_the_process_groups_timeout(tmp_path, caplog):
+    # Defaults: the longest hang timeout, the stack dump and the margin fit in NCCL's default
+    # 10 min, so a hang is judged from the flight recorder before NCCL aborts every rank.
+    default = WatchdogConfig()
+    assert detect.pg_timeout_floor_s(default) <= detect.NCCL_DEFAULT_PG_TIMEOUT_S
+    assert detect.pg_timeout_floor_s(default) >= (max(default.hang_initial_timeout_s, default.hang_max_timeout_s)
+                                                  + default.stack_dump_timeout_s + 30)
+    # Raised hang timeouts: robust run exports the floor, recipes raise their timeout to it, and
+    # the launcher says loudly that a script passing none would be aborted first.
+    cfg = WatchdogConfig(hang_max_timeout_s=900, hang_initial_timeout_s=300, stack_dump_timeout_s=20)
+    assert detect.pg_timeout_floor_s(cfg) == 900 + 20 + detect.PG_TIMEOUT_MARGIN_S
+    from robust_plugins.launcher.monitor.monitor import Monitor
+
+    with caplog.at_level("WARNING", logger="robust_plugins"):
+        mon = Monitor(cfg, tmp_path, host="h")
+    try:
+        env = mon.worker_env()
+    finally:
+        mon.close()
+    assert env[protocol.ENV_PG_TIMEOUT] == "980"
+    assert "pg_timeout" in caplog.text and "980" in caplog.text
+    assert protocol.pg_timeout(600, env).total_seconds() == 980
+    assert protocol.pg_timeout(1200, env).total_seconds() == 1200  # a longer own timeout is kept
+    assert protocol.pg_timeout(600, {}).total_seconds() == 600  # outside robust run
+    with pytest.raises(ValueError, match="ROBUST_PG_TIMEOUT_S='ten'"):
+        protocol.pg_timeout(600, {protocol.ENV_PG_TIMEOUT: "ten"})
+
+
 def test_stalled_ranks_names_only_ranks_past_the_timeout_and_skips_finished_ones():
     cfg = WatchdogConfig(hang_warmup_steps=2, hang_min_timeout_s=1, hang_initial_timeout_s=10)
     ranks = {r: detect.RankProgress() for r in range(4)}

@@ -233,7 +233,7 @@ def test_the_monitor_asks_an_nccl_ranks_listener_and_records_the_save_via_monito
 
 
 class _FakeClient:
-    rank, incarnation, last_step, can_ask = 0, 0, 5, True
+    rank, incarnation, last_step, can_ask, device = 0, 0, 5, True, None
 
     def __init__(self, mark=None):
         self.step_mark = mark
@@ -295,3 +295,49 @@ def test_a_listener_answers_an_ask_that_comes_long_after_its_registration(monkey
         assert len(asked) == _ + 1 and listener._thread.is_alive()
         listener.sock.close()
     monitor_sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_listener_thread_saves_on_the_device_the_training_thread_chose(monkeypatch, tmp_path):
+    # The current CUDA device is per thread and a new thread starts on GPU 0. Played here with a
+    # per-thread device in place of CUDA's: the training thread of local rank 3 chose cuda:3; the
+    # monitor's ask arrives on the listener thread, whose own device is cuda:0. The save must run
+    # on cuda:3, its side stream too.
+    import threading
+
+    import robust_plugins.device as device_mod
+    from robust_plugins.watchdog import emergency_rank
+
+    current = threading.local()
+    streams = []
+    monkeypatch.setattr(device_mod, "thread_device", lambda: getattr(current, "dev", "cuda:0"))
+    monkeypatch.setattr(device_mod, "set_thread_device", lambda dev: setattr(current, "dev", dev))
+    monkeypatch.setattr(device_mod, "current_stream", lambda dev: None)
+    monkeypatch.setattr(device_mod, "side_stream", lambda dev: streams.append(dev))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # on_emergency chains its hook
+    monkeypatch.setattr(emergency_rank, "_emergency", {})
+    monkeypatch.setenv(emergency_rank.ENV_VIA, "monitor")
+    monitor_sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    monitor_sock.bind(str(tmp_path / "monitor.sock"))
+    monitor_sock.settimeout(10)
+    client = _FakeClient()
+    client.address = str(tmp_path / "monitor.sock")
+    monkeypatch.setattr(emergency_rank, "get_client", lambda: client)
+    saves = []
+    current.dev = "cuda:3"  # the training thread: torch.cuda.set_device(LOCAL_RANK)
+    emergency_rank.on_emergency(lambda step: saves.append((step, threading.current_thread().name,
+                                                           device_mod.thread_device())))
+    try:
+        registration, addr = monitor_sock.recvfrom(4096)
+        assert json.loads(registration)["phase"] == "registered"
+        monitor_sock.sendto(json.dumps({"k": "emerg_now"}).encode(), addr)
+        deadline = time.monotonic() + 10
+        while not saves and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        emergency_rank._emergency["listener"].sock.close()
+        monitor_sock.close()
+    assert saves == [(5, "robust-emergency-save", "cuda:3")], saves
+    assert streams == ["cuda:3"]
+    assert getattr(current, "dev") == "cuda:3"  # the training thread's own choice is untouched
+    assert client.sent[-1]["phase"] == "done" and client.sent[-1]["ok"] is True

@@ -54,9 +54,12 @@ def test_unreadable_ranks_are_never_cleared_and_nothing_readable_means_no_answer
 
 @pytest.mark.timeout(60)
 def test_recorder_env_sizes_the_ring_unless_the_user_chose():
-    assert flight.recorder_env({}) == {"TORCH_FR_BUFFER_SIZE": flight.BUFFER_DEFAULT}
-    assert flight.recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) == {}
-    assert flight.recorder_env({"TORCH_FR_BUFFER_SIZE": "100"}) == {}
+    # Both names: torch 2.4-2.5 (the declared range starts at 2.4) read only the old one.
+    assert flight.recorder_env({}) == {"TORCH_FR_BUFFER_SIZE": flight.BUFFER_DEFAULT,
+                                       "TORCH_NCCL_TRACE_BUFFER_SIZE": flight.BUFFER_DEFAULT}
+    assert flight.recorder_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}) == {"TORCH_FR_BUFFER_SIZE": "0"}
+    assert flight.recorder_env({"TORCH_FR_BUFFER_SIZE": "100"}) == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "100"}
+    assert flight.recorder_env({"TORCH_FR_BUFFER_SIZE": "100", "TORCH_NCCL_TRACE_BUFFER_SIZE": "7"}) == {}
 
 
 def test_socket_paths_fit_unix_limits(tmp_path):

@@ -11,6 +11,7 @@ under one lock; the parts are named at the top of the class.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -21,6 +22,7 @@ from typing import Any, Iterable
 
 from robust_plugins._logging import get_logger
 from robust_plugins.config import WatchdogConfig
+from robust_plugins.launcher import nodes as _nodes
 from robust_plugins.launcher.monitor.detectors import Detectors
 from robust_plugins.launcher.monitor.emergency import EmergencySaves
 from robust_plugins.launcher.monitor.faultlog import FaultBook, Injections
@@ -30,6 +32,7 @@ from robust_plugins.watchdog import flight as _flight
 from robust_plugins.watchdog import inject as _inject
 from robust_plugins.watchdog import protocol as _protocol
 from robust_plugins.watchdog import ring as _ring
+from robust_plugins.watchdog import detect as _detect
 from robust_plugins.watchdog.detect import STEP_WINDOW
 from robust_plugins.watchdog.faults import Fault
 from robust_plugins.watchdog.protocol import (
@@ -88,6 +91,13 @@ class Monitor:
         """The incarnation whose fault ``check`` returned: its ranks are being stopped."""
         self._lock = threading.Lock()
         """Guards the state above and the book's; taken inside ``transport.lock`` when both are held."""
+        floor = _detect.pg_timeout_floor_s(cfg)
+        if floor > _detect.NCCL_DEFAULT_PG_TIMEOUT_S:
+            log.warning("robust watchdog: hang timeouts up to %.0f s need a process-group timeout of at least "
+                        "%.0f s, above NCCL's default %.0f s: pass timeout=robust_plugins.watchdog.pg_timeout(...) "
+                        "to init_process_group (robust run exports %s=%d), or NCCL aborts a hung job before "
+                        "its hang is judged.", max(cfg.hang_initial_timeout_s, cfg.hang_max_timeout_s), floor,
+                        _detect.NCCL_DEFAULT_PG_TIMEOUT_S, _protocol.ENV_PG_TIMEOUT, math.ceil(floor))
         self.book = FaultBook(self.run_dir, self._lock, self.injections)
         self.emergency = EmergencySaves(cfg.emergency_save_timeout_s, self._savers, self._typical_step_s,
                                         lambda addr, message: self.transport.send(addr, message))
@@ -114,6 +124,7 @@ class Monitor:
             _protocol.ENV_SKIP: _protocol.format_skip_steps(self.detectors.skip_steps),
             _protocol.ENV_EMERGENCY_TIMEOUT: str(self.cfg.emergency_save_timeout_s),
             _protocol.ENV_ROLLBACK_MAX_STEP: self.book.rollback_max_step(),
+            _protocol.ENV_PG_TIMEOUT: str(math.ceil(_detect.pg_timeout_floor_s(self.cfg))),
             _protocol.ENV_SPIKE: (f"{self.cfg.spike_factor:g},{self.cfg.spike_window},"
                                   f"{self.cfg.spike_warmup_steps}"),
             _protocol.ENV_SPIKE_WINDOWS: self._write_spike_windows(ranks) if ranks is not None else "",
@@ -193,15 +204,15 @@ class Monitor:
         now_wall = time.time() if seen is None else seen[0]
         with self._lock:
             states = {r: self.ranks.get(r, _RankState()) for r in failures}
-        # When one rank fails, the elastic agent stops its peers with SIGTERM, and they appear in
-        # `failures` too: rank the causes as announced injection < any other failure < SIGTERM.
-        def cause_order(r: int) -> tuple[int, float]:
-            st, code = states[r], getattr(failures[r], "exitcode", None)
-            klass = 0 if st.injected else 2 if code == -int(signal.SIGTERM) else 1
-            return klass, getattr(failures[r], "timestamp", 0) or 0
+        # When one rank fails, the elastic agent stops its peers with SIGTERM and NCCL aborts
+        # those whose collective lost the peer (SIGABRT): they appear in `failures` too. The
+        # first cause is decided from the order of deaths and the ranks' logs (nodes.death_causes).
+        ranks, causes = _nodes.first_causes([
+            _nodes.Death(rank=r, exitcode=getattr(f, "exitcode", None), t=getattr(f, "timestamp", 0) or 0,
+                         injected=bool(states[r].injected), log=_stderr_tail(f))
+            for r, f in failures.items()])
 
         emergency = self.emergency.await_saves()
-        ranks = sorted(failures, key=cause_order)
         first = ranks[0]
         st, failure = states[first], failures[first]
         exitcode = getattr(failure, "exitcode", None)
@@ -214,13 +225,14 @@ class Monitor:
         onset = st.injected["t"] if st.injected else st.last_msg_wall
         last = st.progress.last_step
         step = st.injected["s"] if st.injected else (last + 1 if last is not None else None)
-        suspects = sorted(r for r in ranks if cause_order(r)[0] == cause_order(first)[0])
+        suspects = sorted(r for r in ranks if causes[r] == causes[first])
         fault = Fault(
             kind="crash", step=step, suspect_ranks=suspects, suspect_hosts=[self.host],
             detected_after_s=None if onset is None else round(max(0.0, now_wall - onset), 3),
             action="restart" if will_restart else "report",
             detail={"exitcodes": {str(r): getattr(failures[r], "exitcode", None) for r in ranks},
                     "signal": sig, "onset": "injected" if st.injected else "last signal",
+                    "cause": causes[first], "causes": {str(r): causes[r] for r in ranks},
                     "reason": f"rank {first} exited with {sig or exitcode}",
                     "emergency_save": emergency},
         )
@@ -450,3 +462,23 @@ class Monitor:
             self.transport.send(addr, {"k": MSG_VERDICT, "s": step, "ok": ok}, block=False)
         except OSError as exc:  # the rank is gone or its buffer is full: it will time out
             log.warning("robust watchdog: could not answer a save question of step %d: %r", step, exc)
+
+
+#: Bytes of a rank's stderr read for NCCL's failure text (its last lines: NCCL prints just before
+#: the abort; 64 KiB holds a few hundred lines of traceback and warnings).
+_LOG_TAIL_BYTES = 1 << 16
+
+
+def _stderr_tail(failure: Any) -> str | None:
+    """The tail of the rank's ``stderr.log``, which torch's elastic launcher writes beside its
+    ``error.json`` under ``--redirects``/``--tee``; None when it wrote none."""
+    error_file = getattr(failure, "error_file", None)
+    if not error_file or error_file == os.devnull:
+        return None
+    path = Path(error_file).with_name("stderr.log")
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - _LOG_TAIL_BYTES))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return None
