@@ -117,9 +117,9 @@ def _noting_given(action: argparse.Action) -> argparse.Action:
     base = type(action)
 
     def __call__(self, parser, namespace, values, option_string=None):  # noqa: N807
-        given = getattr(namespace, "_given", set())
+        given = getattr(namespace, "_robust_given", set())
         given.add(self.dest)
-        setattr(namespace, "_given", given)
+        setattr(namespace, "_robust_given", given)
         base.__call__(self, parser, namespace, values, option_string)
 
     action.__class__ = type(f"Noting{base.__name__}", (base,), {"__call__": __call__})
@@ -128,7 +128,7 @@ def _noting_given(action: argparse.Action) -> argparse.Action:
 
 def given_flags(args: argparse.Namespace, env: dict | os._Environ = os.environ) -> set[str]:
     """The SLURM-derivable settings the user gave: on the command line or as torchrun's ``PET_*``."""
-    given = set(getattr(args, "_given", set()))
+    given = set(getattr(args, "_robust_given", set()))
     given.update(d for d in _SLURM_DERIVED if env.get(f"PET_{d.upper()}"))
     return given
 
