@@ -34,6 +34,7 @@ from robust_plugins.config import CheckpointConfig, PluginConfig
 from robust_plugins.device import collective_device, device_rng_state, set_device_rng_state
 from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
 from robust_plugins.patches import megatron_checkpoint as mcore
+from robust_plugins.watchdog.client import final_refusals
 
 log = get_logger(__name__)
 
@@ -45,7 +46,8 @@ def enable(ddp, config: Any = None):
     """Route ``ddp``'s gradient sync through robust_plugins; see :func:`robust_plugins.patches.megatron.enable`."""
     from robust_plugins.patches import megatron as patch
 
-    return patch.enable(ddp, config)
+    with final_refusals():  # under robust run a refusal ends the job instead of a restart
+        return patch.enable(ddp, config)
 
 
 def disable(ddp) -> None:
@@ -250,7 +252,8 @@ class MegatronCheckpointer:
         from robust_plugins.checkpoint import DiskCheckpointer
         from robust_plugins.patches.megatron import check_megatron_version, megatron_version, name_pipeline_stage
 
-        check_megatron_version()
+        with final_refusals():
+            check_megatron_version()
         name_pipeline_stage()  # robust run's straggler detector compares each stage with itself
         self.chunks = _chunks(ddp, mcore.virtual_pipeline_size())
         """The model chunks saved (one DDP each; several with virtual pipeline stages)."""
