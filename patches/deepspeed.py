@@ -92,12 +92,13 @@ def host_problem() -> Exception | None:
     """Why the installed DeepSpeed cannot be patched (a :class:`HostVersionError` naming the
     version and the range, or a changed signature), or None."""
     import deepspeed
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     try:
         RANGE.check(deepspeed.__version__)
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
         for target, expected in (
                 (DeepSpeedEngine.allreduce_bucket, _ENGINE_SIGNATURE),
                 (DeepSpeedZeroOptimizer.allreduce_bucket, _ZERO_ALLREDUCE_SIGNATURE),
@@ -109,6 +110,9 @@ def host_problem() -> Exception | None:
             _guard.check_signature("deepspeed", target, expected, SUPPORTED)
     except HostVersionError as exc:
         return exc
+    except (ImportError, AttributeError) as exc:  # a module or method the patch replaces moved
+        return HostVersionError(f"deepspeed {deepspeed.__version__}: {exc}; robust_plugins replaces it. "
+                                f"Supported: {SUPPORTED}.")
     return None
 
 

@@ -66,7 +66,7 @@ import torch
 from robust_plugins._logging import announce, get_logger
 from robust_plugins.comm.overlap import Completed, SyncThread, clone_groups
 from robust_plugins.config import PluginConfig
-from robust_plugins.errors import CheckpointError, ConfigError, RobustPluginsError, UnsupportedError
+from robust_plugins.errors import CheckpointError, ConfigError, HostVersionError, RobustPluginsError, UnsupportedError
 from robust_plugins.patches import _guard, _ranges, megatron_telemetry
 
 log = get_logger(__name__)
@@ -92,8 +92,12 @@ def megatron_version() -> str:
 def check_megatron_version(installed: str | None = None) -> None:
     """Raise HostVersionError unless megatron-core's version and the patched signatures match."""
     RANGE.check(megatron_version() if installed is None else installed)
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    try:
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    except ImportError as exc:
+        raise HostVersionError(f"megatron-core {megatron_version()}: {exc}; robust_plugins patches it. "
+                               f"Supported: {SUPPORTED}.") from exc
 
     _guard.check_signature("megatron-core", _ParamAndGradBucketGroup.start_grad_sync,
                            _GROUP_START_SIGNATURE, SUPPORTED)

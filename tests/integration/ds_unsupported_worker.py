@@ -10,7 +10,7 @@ import sys
 
 import deepspeed
 
-deepspeed.__version__ = sys.argv[sys.argv.index("--version") + 1] if "--version" in sys.argv else "0.18.9"
+deepspeed.__version__ = sys.argv[sys.argv.index("--version") + 1]
 
 import json  # noqa: E402
 import os  # noqa: E402
