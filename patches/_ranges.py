@@ -33,7 +33,7 @@ ACCELERATE = HostRange(
 #: torch's elastic agent, which ``robust run`` subclasses (``patches/torch_elastic.py``). The
 #: project never replaces a user's torch: the alternative is plain torchrun.
 TORCH_ELASTIC = HostRange(
-    "torch", (2, 4, 0), (2, 14, 0),
+    "torch", (2, 4, 0), (2, 15, 0),
     instead=("use an environment whose torch is in this range, or launch with plain torchrun (no watchdog, "
              "no gloo restarts); robust_plugins never replaces your torch"), pip=False)
 

@@ -29,8 +29,10 @@ from robust_plugins.errors import HostVersionError
 from robust_plugins.patches import _guard, _ranges
 
 #: torch 2.4 is the package's floor (pyproject ``torch>=2.4``); ``LocalElasticAgent`` has taken
-#: ``logs_specs`` since 2.3. Below 2.14 because each release can move these private members;
-#: exercised by the tests on 2.13 (CPU); the signature checks below also run on every launch.
+#: ``logs_specs`` since 2.3. Below 2.15 because each release can move these private members;
+#: exercised by the tests on 2.13 (CPU build) and 2.14.1 (CUDA build on CPU, ``make compat``): every
+#: member below is the same in both, so no per-version branch is needed; the signature checks
+#: below also run on every launch.
 RANGE = _ranges.TORCH_ELASTIC
 SUPPORTED = f"torch {RANGE.spec}"
 

@@ -10,7 +10,7 @@ def test_installed_torch_passes():
     torch_elastic.check()
 
 
-@pytest.mark.parametrize("version", ["2.14.0", "3.0.0", "2.3.1"])
+@pytest.mark.parametrize("version", ["2.15.0", "3.0.0", "2.3.1"])
 def test_unsupported_version_refused_naming_the_range(version):
     with pytest.raises(HostVersionError) as info:
         torch_elastic.check(version)
