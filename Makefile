@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 export DS_ACCELERATOR := cpu
 
-.PHONY: install demo test lint bench clean browser slurm
+.PHONY: install demo test lint bench clean browser slurm compat
 
 install: $(STAMP)
 
@@ -64,6 +64,13 @@ test: $(STAMP) browser slurm lint
 
 bench: $(STAMP)
 	$(VENV)/bin/robust bench compression --write BENCHMARKS.md
+
+# The host-version matrix (tools/compat.py): one venv per host set under COMPAT_ROOT (outside the
+# repository), a test subset in each. Not part of `make test` (tens of minutes; GBs of venvs).
+COMPAT_ROOT ?= /work/compat-venvs
+COMPAT_SETS ?=
+compat:
+	$(PYTHON) tools/compat.py --root $(COMPAT_ROOT) $(COMPAT_SETS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs

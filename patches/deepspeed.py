@@ -33,14 +33,17 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from robust_plugins._logging import announce, get_logger, warn_once
-from robust_plugins.config import PluginConfig
+from robust_plugins.config import BLOCK_KEY, PluginConfig
 from robust_plugins.checkpoint import DiskCheckpointer
-from robust_plugins.errors import CheckpointError, UnsupportedError
-from robust_plugins.patches import _guard
+from robust_plugins.errors import CheckpointError, ConfigError, HostVersionError, UnsupportedError
+from robust_plugins.patches import _guard, _ranges
+from robust_plugins.watchdog.client import final_refusals
 from robust_plugins.patches import deepspeed_universal as _universal
 from robust_plugins.patches import deepspeed_wire, torch_jit_lock
 from robust_plugins.patches.deepspeed_checkpoint import (  # noqa: F401  (CLIENT_KEYS, STATE_FILE re-exported)
@@ -61,9 +64,8 @@ from robust_plugins.patches.deepspeed_refuse import (
 
 log = get_logger(__name__)
 
-SUPPORTED_MIN = (0, 19, 0)
-SUPPORTED_BELOW = (0, 20, 0)
-SUPPORTED = "deepspeed >=0.19.0,<0.20"
+RANGE = _ranges.DEEPSPEED
+SUPPORTED = f"deepspeed {RANGE.spec}"
 
 _ENGINE_SIGNATURE = ["self", "bucket", "dp_group", "dp_world_size"]
 _ZERO_ALLREDUCE_SIGNATURE = ["self", "bucket", "communication_data_type", "rank", "log", "divide", "process_group"]
@@ -86,29 +88,48 @@ SAFE_GLOBALS = _universal.SAFE_GLOBALS
 # ---------------------------------------------------------------------------------------------
 # install / undo
 # ---------------------------------------------------------------------------------------------
-def install() -> None:
-    """Wrap ``deepspeed.initialize`` (idempotent). Raises HostVersionError on other versions."""
+def host_problem() -> Exception | None:
+    """Why the installed DeepSpeed cannot be patched (a :class:`HostVersionError` naming the
+    version and the range, or a changed signature), or None."""
     import deepspeed
-    from deepspeed.runtime.engine import DeepSpeedEngine
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    try:
+        RANGE.check(deepspeed.__version__)
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+        from deepspeed.runtime.engine import DeepSpeedEngine
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        for target, expected in (
+                (DeepSpeedEngine.allreduce_bucket, _ENGINE_SIGNATURE),
+                (DeepSpeedZeroOptimizer.allreduce_bucket, _ZERO_ALLREDUCE_SIGNATURE),
+                (DeepSpeedZeroOptimizer.gradient_reduction_w_predivide, _ZERO_PREDIVIDE_SIGNATURE),
+                (DeepSpeedEngine.save_checkpoint, _SAVE_SIGNATURE), (DeepSpeedEngine.load_checkpoint, _LOAD_SIGNATURE),
+                (DeepSpeedEngine.step, _STEP_SIGNATURE), (DeepSpeedEngine._copy_recovery_script, _COPY_SCRIPT_SIGNATURE),
+                (TorchCheckpointEngine.save, _CKPT_ENGINE_SAVE_SIGNATURE),
+                (TorchCheckpointEngine.load, _CKPT_ENGINE_LOAD_SIGNATURE)):
+            _guard.check_signature("deepspeed", target, expected, SUPPORTED)
+    except HostVersionError as exc:
+        return exc
+    except (ImportError, AttributeError) as exc:  # a module or method the patch replaces moved
+        return HostVersionError(f"deepspeed {deepspeed.__version__}: {exc}; robust_plugins replaces it. "
+                                f"Supported: {SUPPORTED}.")
+    return None
+
+
+def install() -> None:
+    """Wrap ``deepspeed.initialize`` (idempotent). On a DeepSpeed this patch does not support
+    (:func:`host_problem`), one warning says so and the wrapper refuses only configs with the
+    block (:func:`_refusing_initialize`); without the block DeepSpeed runs unchanged."""
+    import deepspeed
 
     if _guard.is_patched(deepspeed.initialize):
         return
-    _guard.check_version("deepspeed", deepspeed.__version__, SUPPORTED_MIN, SUPPORTED_BELOW)
-    _guard.check_signature("deepspeed", DeepSpeedEngine.allreduce_bucket, _ENGINE_SIGNATURE, SUPPORTED)
-    _guard.check_signature("deepspeed", DeepSpeedZeroOptimizer.allreduce_bucket, _ZERO_ALLREDUCE_SIGNATURE, SUPPORTED)
-    _guard.check_signature(
-        "deepspeed", DeepSpeedZeroOptimizer.gradient_reduction_w_predivide, _ZERO_PREDIVIDE_SIGNATURE, SUPPORTED
-    )
-    _guard.check_signature("deepspeed", DeepSpeedEngine.save_checkpoint, _SAVE_SIGNATURE, SUPPORTED)
-    _guard.check_signature("deepspeed", DeepSpeedEngine.load_checkpoint, _LOAD_SIGNATURE, SUPPORTED)
-    _guard.check_signature("deepspeed", DeepSpeedEngine.step, _STEP_SIGNATURE, SUPPORTED)
-    _guard.check_signature("deepspeed", DeepSpeedEngine._copy_recovery_script, _COPY_SCRIPT_SIGNATURE, SUPPORTED)
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-
-    _guard.check_signature("deepspeed", TorchCheckpointEngine.save, _CKPT_ENGINE_SAVE_SIGNATURE, SUPPORTED)
-    _guard.check_signature("deepspeed", TorchCheckpointEngine.load, _CKPT_ENGINE_LOAD_SIGNATURE, SUPPORTED)
-
+    problem = host_problem()
+    if problem is not None:
+        _guard.host_off("deepspeed", problem, "the robust_plugins block of deepspeed.initialize's config (a config "
+                        "with it is refused); configs without it run on DeepSpeed unchanged.")
+        deepspeed.initialize = _guard.wrap(deepspeed.initialize, _refusing_initialize(deepspeed.initialize, problem))
+        return
     # DeepSpeed JIT-loads ops under torch's build lock, which a rank killed during start-up
     # would leave behind for every later job: this lock names its holder (torch_jit_lock.py).
     torch_jit_lock.install()
@@ -121,13 +142,39 @@ def install() -> None:
         plugin_cfg = PluginConfig.from_ds_config(_find_ds_config(bound.arguments))
         if not plugin_cfg.active:
             return original(*args, **kwargs)
-        _refuse_before_init(bound.arguments, plugin_cfg)
-        result = original(*args, **kwargs)
-        attach(result[0], plugin_cfg)
+        with final_refusals():  # under robust run a refusal ends the job instead of a restart
+            _refuse_before_init(bound.arguments, plugin_cfg)
+            result = original(*args, **kwargs)
+            attach(result[0], plugin_cfg)
         return result
 
     deepspeed.initialize = _guard.wrap(original, initialize)
     log.debug("robust_plugins: replaced deepspeed.initialize (deepspeed %s)", deepspeed.__version__)
+
+
+def _refusing_initialize(original, problem: Exception):
+    """``deepspeed.initialize`` on an unsupported DeepSpeed: a config with an active block raises
+    ``problem``'s message (the block would be ignored otherwise); any other runs unchanged."""
+    signature = inspect.signature(original)
+
+    def initialize(*args, **kwargs):
+        bound = signature.bind_partial(*args, **kwargs)
+        if _asks_for_plugin(_find_ds_config(bound.arguments)):
+            with final_refusals():
+                raise HostVersionError(f"deepspeed.initialize with a robust_plugins block: {problem}")
+        return original(*args, **kwargs)
+
+    return initialize
+
+
+def _asks_for_plugin(ds_config: Any) -> bool:
+    """The config has a block that turns a feature on (a malformed block asks too)."""
+    if not isinstance(ds_config, Mapping) or not ds_config.get(BLOCK_KEY):
+        return False
+    try:
+        return PluginConfig.from_ds_config(ds_config).active
+    except ConfigError:
+        return True
 
 
 def undo() -> None:
@@ -296,6 +343,10 @@ def attach(engine, config: PluginConfig) -> DeepSpeedPlugin:
 
         # Before the resume: a restore hands the Trainer building this engine its loop's state.
         transformers_trainer.bind_engine(engine, plugin)
+    if "accelerate" in sys.modules:
+        from robust_plugins.patches import accelerate as accelerate_guard
+
+        accelerate_guard.bind_engine(engine, plugin)  # an Accelerate loop's own reason, if any
     # Last: the load goes through every wrapper bound above (memory, verified disk, watchdog).
     from robust_plugins.patches import deepspeed_resume
 

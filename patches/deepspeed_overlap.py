@@ -44,7 +44,7 @@ from robust_plugins._logging import get_logger, log_rank0, warn_once
 from robust_plugins.comm.overlap import Completed, SyncThread, clone_groups, plan_buckets
 from robust_plugins.device import default_bucket_mb
 from robust_plugins.errors import UnsupportedError
-from robust_plugins.patches import _guard
+from robust_plugins.patches import _guard, _ranges
 
 log = get_logger(__name__)
 
@@ -125,7 +125,7 @@ def attach_buckets(engine, plugin) -> "BucketedReduction | None":
                   reason)
         return None
     _guard.check_signature("deepspeed", DeepSpeedEngine.buffered_allreduce_fallback, _FALLBACK_SIGNATURE,
-                           "deepspeed >=0.19.0,<0.20")
+                           f"deepspeed {_ranges.DEEPSPEED.spec}")
     reduction = BucketedReduction(engine, plugin, overlap=cfg.overlap is not False)
     original = engine.buffered_allreduce_fallback
 

@@ -33,7 +33,7 @@ import torch
 
 from robust_plugins._logging import current_rank, get_logger
 from robust_plugins.comm.state import residuals_sq_norm
-from robust_plugins.patches import _guard
+from robust_plugins.patches import _guard, _ranges
 
 log = get_logger(__name__)
 
@@ -67,7 +67,7 @@ def attach_telemetry(engine, plugin) -> Any:
     from robust_plugins.telemetry.recorder import Telemetry
 
     _guard.check_signature("deepspeed", _undecorated(DeepSpeedEngine.backward), _BACKWARD_SIGNATURE,
-                           "deepspeed >=0.19.0,<0.20")
+                           f"deepspeed {_ranges.DEEPSPEED.spec}")
     cfg = plugin.config.telemetry
     # ZeRO-3's parameters are partitioned (numel() is this rank's share or 0): ds_numel is the whole.
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters() if p.requires_grad)

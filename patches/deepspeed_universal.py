@@ -32,11 +32,10 @@ from typing import Any, Iterator
 import torch
 
 from robust_plugins.errors import CheckpointError
-from robust_plugins.patches import _guard
+from robust_plugins.patches import _guard, _ranges
 
-SUPPORTED_MIN = (0, 19, 0)
-SUPPORTED_BELOW = (0, 20, 0)
-SUPPORTED = "deepspeed >=0.19.0,<0.20"
+RANGE = _ranges.DEEPSPEED
+SUPPORTED = f"deepspeed {RANGE.spec}"
 
 #: (module, name) of the only non-builtin types in DeepSpeed 0.19 ZeRO 0-2 checkpoint files and in
 #: the universal checkpoints converted from them (found by loading fp32 and bf16 checkpoints of
@@ -88,7 +87,7 @@ def safe_universal_loads() -> Iterator[None]:
     import deepspeed
     from deepspeed.checkpoint import universal_checkpoint as uc
 
-    _guard.check_version("deepspeed", deepspeed.__version__, SUPPORTED_MIN, SUPPORTED_BELOW)
+    RANGE.check(deepspeed.__version__)
     if getattr(uc, "torch", None) is not torch:
         raise CheckpointError(
             f"deepspeed.checkpoint.universal_checkpoint does not read files through the module-level "
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed
     from deepspeed.checkpoint import ds_to_universal
 
-    _guard.check_version("deepspeed", deepspeed.__version__, SUPPORTED_MIN, SUPPORTED_BELOW)
+    RANGE.check(deepspeed.__version__)
     original = torch.load
     torch.load = _guard.wrap(original, safe_load)
     sys.argv = [ds_to_universal.__file__, *(sys.argv[1:] if argv is None else argv)]

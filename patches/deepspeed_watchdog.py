@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from robust_plugins._logging import current_rank, get_logger
-from robust_plugins.patches import _guard
+from robust_plugins.patches import _guard, _ranges
 
 log = get_logger(__name__)
 
@@ -92,7 +92,7 @@ def attach_watchdog(engine, plugin) -> StepSignals | None:
     from robust_plugins.patches.deepspeed_telemetry import _undecorated
 
     _guard.check_signature("deepspeed", _undecorated(DeepSpeedEngine.backward), _BACKWARD_SIGNATURE,
-                           "deepspeed >=0.19.0,<0.20")
+                           f"deepspeed {_ranges.DEEPSPEED.spec}")
     signals = StepSignals()
     plugin.watchdog = signals
     inner = engine.backward

@@ -15,6 +15,7 @@ from typing import Any
 
 from robust_plugins.comm.wire import register_bound_collectives
 from robust_plugins.errors import HostVersionError
+from robust_plugins.patches import _ranges
 
 #: The backend's attribute -> the torch function it holds (DeepSpeed 0.19).
 BOUND = {"all_gather_function": "all_gather_into_tensor", "reduce_scatter_function": "reduce_scatter_tensor"}
@@ -29,8 +30,8 @@ def bound_collectives() -> list[tuple[Any, str, str]]:
     if missing:
         raise HostVersionError(
             f"DeepSpeed's comm backend ({type(cdb).__name__}) has no {', '.join(missing)}: the wire "
-            "counters cannot see ZeRO's all-gathers and reduce-scatters. robust_plugins supports "
-            "deepspeed >=0.19,<0.20 here; install it or turn telemetry off.")
+            f"counters cannot see ZeRO's all-gathers and reduce-scatters. robust_plugins supports "
+            f"deepspeed {_ranges.DEEPSPEED.spec} here; install it or turn telemetry off.")
     return [(cdb, attr, name) for attr, name in BOUND.items()]
 
 

@@ -32,7 +32,7 @@ import math
 import torch
 
 from robust_plugins.errors import UnsupportedError
-from robust_plugins.patches import _guard
+from robust_plugins.patches import _guard, _ranges
 
 #: The mangled name of ``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads``.
 _METHOD = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
@@ -70,7 +70,7 @@ def attach_zero3_reduce(engine, plugin) -> None:
     if reason is not None:
         raise UnsupportedError(f"robust_plugins.compression with ZeRO-3: {reason}.")
     _guard.check_signature("deepspeed", _nvtx_inner(getattr(DeepSpeedZeroOptimizer_Stage3, _METHOD)), _SIGNATURE,
-                           "deepspeed >=0.19.0,<0.20")
+                           f"deepspeed {_ranges.DEEPSPEED.spec}")
     opt = engine.optimizer
     original = getattr(opt, _METHOD)
 

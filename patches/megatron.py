@@ -73,14 +73,13 @@ import torch
 from robust_plugins._logging import announce, get_logger
 from robust_plugins.comm.overlap import Completed, SyncThread, clone_groups
 from robust_plugins.config import PluginConfig
-from robust_plugins.errors import CheckpointError, ConfigError, RobustPluginsError, UnsupportedError
-from robust_plugins.patches import _guard, megatron_telemetry
+from robust_plugins.errors import CheckpointError, ConfigError, HostVersionError, RobustPluginsError, UnsupportedError
+from robust_plugins.patches import _guard, _ranges, megatron_telemetry
 
 log = get_logger(__name__)
 
-SUPPORTED_MIN = (0, 16, 0)
-SUPPORTED_BELOW = (0, 17, 0)
-SUPPORTED = "megatron-core >=0.16.0,<0.17"
+RANGE = _ranges.MEGATRON
+SUPPORTED = f"megatron-core {RANGE.spec}"
 
 _GROUP_START_SIGNATURE = ["self", "force_all_reduce"]
 _GROUP_FINISH_SIGNATURE = ["self", "force_all_reduce"]
@@ -99,10 +98,13 @@ def megatron_version() -> str:
 
 def check_megatron_version(installed: str | None = None) -> None:
     """Raise HostVersionError unless megatron-core's version and the patched signatures match."""
-    _guard.check_version("megatron-core", megatron_version() if installed is None else installed,
-                         SUPPORTED_MIN, SUPPORTED_BELOW)
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    RANGE.check(megatron_version() if installed is None else installed)
+    try:
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    except ImportError as exc:
+        raise HostVersionError(f"megatron-core {megatron_version()}: {exc}; robust_plugins patches it. "
+                               f"Supported: {SUPPORTED}.") from exc
 
     _guard.check_signature("megatron-core", _ParamAndGradBucketGroup.start_grad_sync,
                            _GROUP_START_SIGNATURE, SUPPORTED)

@@ -26,14 +26,15 @@ import signal
 from typing import Any, Callable, Iterator
 
 from robust_plugins.errors import HostVersionError
-from robust_plugins.patches import _guard
+from robust_plugins.patches import _guard, _ranges
 
 #: torch 2.4 is the package's floor (pyproject ``torch>=2.4``); ``LocalElasticAgent`` has taken
-#: ``logs_specs`` since 2.3. Below 2.14 because each release can move these private members;
-#: exercised by the tests on 2.13 (CPU); the signature checks below also run on every launch.
-SUPPORTED_MIN = (2, 4, 0)
-SUPPORTED_BELOW = (2, 14, 0)
-SUPPORTED = "torch >=2.4,<2.14"
+#: ``logs_specs`` since 2.3. Below 2.15 because each release can move these private members;
+#: exercised by the tests on 2.13 (CPU build) and 2.14.1 (CUDA build on CPU, ``make compat``): every
+#: member below is the same in both, so no per-version branch is needed; the signature checks
+#: below also run on every launch.
+RANGE = _ranges.TORCH_ELASTIC
+SUPPORTED = f"torch {RANGE.spec}"
 
 #: method name -> parameter names of the torch method the agent overrides (or calls).
 OVERRIDDEN = {
@@ -283,14 +284,10 @@ def check(torch_version: str | None = None) -> None:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     installed = torch_version or torch.__version__
-    try:
-        _guard.check_version("torch", installed, SUPPORTED_MIN, SUPPORTED_BELOW)
-    except HostVersionError as exc:
-        raise HostVersionError(
-            f"robust run's elastic agent overrides private methods of torch's LocalElasticAgent and "
-            f"supports {SUPPORTED}; found torch {installed}. Launch with a supported torch, or use "
-            f"plain torchrun (no watchdog, no gloo restarts)."
-        ) from exc
+    problem = RANGE.error(installed)
+    if problem is not None:
+        raise HostVersionError(f"robust run's elastic agent overrides private methods of torch's "
+                               f"LocalElasticAgent: {problem}")
     for name, params in OVERRIDDEN.items():
         target = getattr(LocalElasticAgent, name, None)
         if target is None:

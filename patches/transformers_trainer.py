@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import sys
 from typing import Any
 
 import numpy as np
@@ -49,13 +48,18 @@ import torch
 from robust_plugins._logging import announce, current_rank, get_logger
 from robust_plugins.device import device_rng_state, set_device_rng_state
 from robust_plugins.errors import ConfigError, UnsupportedError
-from robust_plugins.patches import _guard
+from robust_plugins.patches import _guard, _ranges
 
 log = get_logger(__name__)
 
-SUPPORTED_MIN = (5, 24, 0)
-SUPPORTED_BELOW = (5, 25, 0)
-SUPPORTED = "transformers >=5.24,<5.25"
+RANGE = _ranges.TRANSFORMERS
+SUPPORTED = f"transformers {RANGE.spec}"
+
+#: What is off on a transformers this binding does not support (said once, at install).
+OFF = ("the Trainer binding: a checkpoint sub-block under the Trainer is refused (a restore would restart the "
+       "Trainer's loop at step 0), and report_to=['wandb'] with telemetry.wandb is not aligned (the Trainer's "
+       "W&B run follows WANDB_PROJECT / WANDB_MODE, default project 'huggingface', online). Compression, "
+       "telemetry and the watchdog work without it.")
 
 #: ``resume_from_checkpoint`` handed to ``_run_epoch`` on a restore: no directory, our state.
 MARKER = "robust_plugins://restore-point"
@@ -88,13 +92,14 @@ def install() -> None:
     if _guard.is_patched(Trainer._inner_training_loop):
         return
     try:
-        _guard.check_version("transformers", transformers.__version__, SUPPORTED_MIN, SUPPORTED_BELOW)
+        RANGE.check(transformers.__version__)
         for fn, sig in ((Trainer._inner_training_loop, _LOOP_SIGNATURE), (Trainer._run_epoch, _RUN_EPOCH_SIGNATURE),
                         (Trainer._maybe_log_save_evaluate, _LOG_SAVE_SIGNATURE),
                         (Trainer._load_rng_state, _LOAD_RNG_SIGNATURE)):
             _guard.check_signature("transformers", fn, sig, SUPPORTED)
     except Exception as exc:  # noqa: BLE001 - kept and raised where it matters (bind_engine)
         _INSTALL_ERROR = exc
+        _guard.host_off("transformers", exc, OFF)
         return
     original = Trainer._inner_training_loop
 
@@ -169,6 +174,12 @@ def _align_wandb(trainer) -> bool:
     return True
 
 
+def _trainer_class():
+    from transformers.trainer import Trainer
+
+    return Trainer
+
+
 def active_trainer():
     """The Trainer whose training loop is building an engine now, or None."""
     return _ACTIVE[-1] if _ACTIVE else None
@@ -179,11 +190,25 @@ def bind_engine(engine, plugin) -> "TrainerBinding | None":
     bind the Trainer building it (None when no Trainer is, or the block has no ``checkpoint``)."""
     cfg = plugin.config.checkpoint
     trainer = active_trainer()
-    if trainer is None:
-        if _INSTALL_ERROR is not None and cfg is not None and "transformers.trainer" in sys.modules:
+    if trainer is None and _INSTALL_ERROR is not None:
+        # The binding is off, so no loop registered itself: a Trainer on the call stack is
+        # building this engine (an Accelerate loop or a plain script is not one).
+        trainer = _guard.caller_instance(_trainer_class())
+        if trainer is None:
+            return None
+        if cfg is not None:
             raise UnsupportedError(f"robust_plugins.checkpoint under the Hugging Face Trainer: {_INSTALL_ERROR} "
                                    f"Without the Trainer binding a restore would restart the Trainer's loop at "
                                    f"step 0 on a restored engine.")
+        telemetry = plugin.config.telemetry
+        if telemetry is not None and telemetry.wandb is not None and "wandb" in (trainer.args.report_to or []):
+            _guard.host_off("transformers-wandb", _INSTALL_ERROR,
+                            "the W&B alignment of report_to=['wandb'] with telemetry.wandb: the Trainer's W&B run "
+                            f"follows WANDB_PROJECT / WANDB_MODE (now {os.environ.get('WANDB_PROJECT', 'unset')} / "
+                            f"{os.environ.get('WANDB_MODE', 'unset')}), not telemetry.wandb's project "
+                            f"{telemetry.wandb.project!r} and mode {telemetry.wandb.mode!r}; set them yourself.")
+        return None
+    if trainer is None:
         return None
     if cfg is None:
         return None

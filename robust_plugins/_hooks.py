@@ -4,7 +4,8 @@ Importing DeepSpeed costs seconds and may not be installed at all, so ``import r
 must not import it. Instead a ``sys.meta_path`` finder waits for ``import deepspeed`` and, right
 after the module has executed, calls :func:`robust_plugins.patches.deepspeed.install`; likewise
 ``transformers.trainer`` (imported lazily by ``from transformers import Trainer``) gets
-:func:`robust_plugins.patches.transformers_trainer.install`. A host already imported is patched at once.
+:func:`robust_plugins.patches.transformers_trainer.install`, and ``accelerate`` its version guard
+(:func:`robust_plugins.patches.accelerate.install`). A host already imported is patched at once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import threading
 
 _TARGET = "deepspeed"
 #: Module name -> the patch module whose ``install()`` runs right after it is imported.
-_TARGETS = {_TARGET: "deepspeed", "transformers.trainer": "transformers_trainer"}
+_TARGETS = {_TARGET: "deepspeed", "transformers.trainer": "transformers_trainer", "accelerate": "accelerate"}
 _lock = threading.Lock()
 _pending: set[str] = set()
 

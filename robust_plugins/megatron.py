@@ -35,6 +35,7 @@ from robust_plugins.config import CheckpointConfig, PluginConfig
 from robust_plugins.device import collective_device, device_rng_state, set_device_rng_state
 from robust_plugins.errors import CheckpointError, ConfigError, UnsupportedError
 from robust_plugins.patches import megatron_checkpoint as mcore
+from robust_plugins.watchdog.client import final_refusals
 from robust_plugins.watchdog.protocol import pg_timeout
 
 log = get_logger(__name__)
@@ -63,7 +64,8 @@ def enable(ddp, config: Any = None):
     """Route ``ddp``'s gradient sync through robust_plugins; see :func:`robust_plugins.patches.megatron.enable`."""
     from robust_plugins.patches import megatron as patch
 
-    return patch.enable(ddp, config)
+    with final_refusals():  # under robust run a refusal ends the job instead of a restart
+        return patch.enable(ddp, config)
 
 
 def disable(ddp) -> None:
@@ -269,12 +271,13 @@ class MegatronCheckpointer:
         from robust_plugins.patches.megatron import (check_megatron_version, megatron_version, name_pipeline_stage,
                                                      refuse_moe)
 
-        check_megatron_version()
+        with final_refusals():
+            check_megatron_version()
         name_pipeline_stage()  # robust run's straggler detector compares each stage with itself
         self.chunks = _chunks(ddp, mcore.virtual_pipeline_size())
+        """The model chunks saved (one DDP each; several with virtual pipeline stages)."""
         for chunk in self.chunks:
             refuse_moe(getattr(chunk, "config", None), "robust_plugins.megatron.MegatronCheckpointer")
-        """The model chunks saved (one DDP each; several with virtual pipeline stages)."""
         self.plugins = _chunk_plugins(self.chunks, plugin)
         """Each chunk's plugin (None where a chunk has none), in chunk order."""
         self._dist = mcore.DistCheckpoint(self.chunks, optimizer)  # refuses optimizers it cannot save

@@ -1,7 +1,8 @@
 """``robust check-config ds.json``: validate the block and say what it would turn on.
 
 Runs without DeepSpeed imported (fast, and usable on a login node). Besides the block's own
-validation it points out host settings that interact with it. ``--schema`` prints the block's
+validation it points out host settings that interact with it, and an installed DeepSpeed outside
+the supported range (read from pip's metadata). ``--schema`` prints the block's
 JSON Schema instead (editors complete and validate the block with it).
 """
 
@@ -12,6 +13,7 @@ import json
 
 from robust_plugins.config import BLOCK_KEY, PluginConfig, load_json
 from robust_plugins.errors import ConfigError
+from robust_plugins.patches import _guard, _ranges
 
 # ZeRO 1/2 on CPU with DeepSpeed's default 5e8-element buckets spends seconds a step allocating
 # buffers, even for a tiny model; this bound keeps CPU runs fast.
@@ -35,6 +37,10 @@ def check(path: str) -> list[str]:
         return lines
     lines.append(f"{path}: OK. With `import robust_plugins` before deepspeed.initialize this turns on:")
     lines.append(f"  {cfg.describe()}")
+    installed = _guard.installed_version("deepspeed")
+    problem = None if installed is None else _ranges.DEEPSPEED.error(installed)
+    if problem is not None:
+        lines.append(f"  ERROR: {problem} deepspeed.initialize will refuse this config.")
     zero = ds.get("zero_optimization") or {}
     stage = zero.get("stage", 0)
     if cfg.compression is not None:

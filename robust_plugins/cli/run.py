@@ -307,6 +307,10 @@ def run(args: argparse.Namespace) -> int:
         what = (f"last fault: {last.kind} at step {last.step}, suspect ranks {last.suspect_ranks}"
                 if last else "a rank failed")
         failed = {r: getattr(f, "exitcode", None) for r, f in (result.failures or {}).items()}
+        if last is not None and last.detail.get("refused"):
+            print(f"robust run: job FAILED: {last.detail['reason'].rstrip('.')}. Not restarted. Faults: "
+                  f"{run_dir / 'faults.jsonl'}", file=sys.stderr, flush=True)
+            return 1
         why = (f"ranks {last.suspect_ranks} on {', '.join(last.suspect_hosts)} corrupted the same step "
                f"again when it was replayed from the checkpoint (persistent silent data corruption): "
                f"evicted; relaunch without that machine" if last is not None and last.action == "evict"

@@ -364,6 +364,8 @@ class RobustAgent(LocalElasticAgent):
                     if self._hold_for_peer(fault):
                         return result
                     result = RunResult(state=WorkerState.FAILED)
+            if fault is not None and fault.detail.get("refused"):
+                self._remaining_restarts = 0  # refused before its first step: final (monitor.on_crash)
             if fault is not None and fault.action == "evict" and self.registry is None:
                 # A persistent SDC on a single-node job: every restart would corrupt the same
                 # step again. (Multi-node: the node's blames exclude it.)

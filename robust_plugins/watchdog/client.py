@@ -23,6 +23,7 @@ On first use a rank also
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import faulthandler
 import json
@@ -33,7 +34,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from robust_plugins._logging import get_logger, warn_once
 from robust_plugins.errors import ConfigError, UnsupportedError
@@ -62,6 +63,7 @@ from robust_plugins.watchdog.protocol import (
     MSG_HELLO,
     MSG_HISTORY,
     MSG_QUERY,
+    MSG_REFUSED,
     MSG_VERDICT,
     parse_skip_steps,
     ring_path,
@@ -407,6 +409,32 @@ def get_client() -> _Client | None:
         if address:
             _client = _Client(address)
     return _client
+
+
+#: A refusal's text is cut to this many characters (a datagram, and one line of faults.jsonl).
+REFUSAL_CHARS = 4000
+
+
+def refused(exc: BaseException) -> None:
+    """Tell ``robust run``'s node monitor that ``exc`` (a :class:`ConfigError` or
+    :class:`UnsupportedError`) refuses this job before the rank's first step: the launcher then
+    ends the job with its message instead of restarting into the same refusal. After the first
+    step, and outside ``robust run``, it does nothing (a later error is a fault like any other)."""
+    client = get_client()
+    if client is None or client.last_step is not None:
+        return
+    client.send({"k": MSG_REFUSED, "why": f"{type(exc).__name__}: {exc}"[:REFUSAL_CHARS]}, wait=True)
+
+
+@contextlib.contextmanager
+def final_refusals() -> Iterator[None]:
+    """Around the plugin's entry points (``deepspeed.initialize``, ``rpm.enable``): a
+    :class:`ConfigError` or :class:`UnsupportedError` raised inside goes to :func:`refused`, then on."""
+    try:
+        yield
+    except (ConfigError, UnsupportedError) as exc:
+        refused(exc)
+        raise
 
 
 def _as_float(value: Any) -> float | None:

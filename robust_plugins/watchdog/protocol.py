@@ -87,6 +87,9 @@ MSG_HASH = "hash"
 MSG_EMERGENCY = "emerg"
 #: The rank's interpreter exits: the monitor stops expecting its steps.
 MSG_EXIT = "exit"
+#: The rank refuses to run before its first step (a config or host-version problem, which a
+#: restart would meet again): ``why`` (the exception's type and message).
+MSG_REFUSED = "refused"
 #: The ranks the straggler detector compares this rank with: those that sent the same ``g``
 #: (:func:`.client.straggler_group`; a pipeline stage).
 MSG_GROUP = "group"

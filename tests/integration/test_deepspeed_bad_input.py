@@ -86,13 +86,17 @@ def test_pipeline_module_refuses_what_its_compression_does_not_serve():
 
 
 def test_unsupported_deepspeed_version_named(monkeypatch):
+    # On another DeepSpeed the import works (tests/integration/test_unsupported_deepspeed.py);
+    # a config with the block is refused, naming the version and the range.
     from robust_plugins.patches import deepspeed as ds_patch
 
     ds_patch.undo()
     monkeypatch.setattr(deepspeed, "__version__", "0.21.0")
     try:
-        with pytest.raises(HostVersionError, match=r"deepspeed >=0.19.0,<0.20.0; found deepspeed 0.21.0"):
-            ds_patch.install()
+        ds_patch.install()
+        with pytest.raises(HostVersionError, match=rf"deepspeed {ds_patch.RANGE.spec}; found deepspeed 0.21.0"):
+            _init({"compression": {"codec": "int8"}})
     finally:
         monkeypatch.undo()
+        ds_patch.undo()
         ds_patch.install()

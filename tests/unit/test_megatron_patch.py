@@ -12,7 +12,7 @@ from robust_plugins.patches import megatron as patch  # noqa: E402
 from robust_plugins.patches import megatron_cpu  # noqa: E402
 
 
-@pytest.mark.parametrize("version", ["0.15.2", "0.17.0", "1.0.0rc1"])
+@pytest.mark.parametrize("version", [f"{patch.RANGE.minimum[0]}.{patch.RANGE.minimum[1] - 1}.2", "0.17.0", "1.0.0rc1"])
 def test_enable_refuses_unsupported_megatron_versions(monkeypatch, version):
     from megatron.core import package_info
 
@@ -20,7 +20,7 @@ def test_enable_refuses_unsupported_megatron_versions(monkeypatch, version):
     with pytest.raises(HostVersionError) as err:
         patch.enable(object(), {"compression": {"codec": "int8"}})
     msg = str(err.value)
-    assert f"found megatron-core {version}" in msg and ">=0.16.0,<0.17" in msg
+    assert f"found megatron-core {version}" in msg and patch.RANGE.spec in msg
     with pytest.raises(HostVersionError):
         megatron_cpu.install()
 

@@ -10,12 +10,13 @@ def test_installed_torch_passes():
     torch_elastic.check()
 
 
-@pytest.mark.parametrize("version", ["2.14.0", "3.0.0", "2.3.1"])
+@pytest.mark.parametrize("version", ["2.15.0", "3.0.0", "2.3.1"])
 def test_unsupported_version_refused_naming_the_range(version):
     with pytest.raises(HostVersionError) as info:
         torch_elastic.check(version)
     msg = str(info.value)
     assert f"torch {version}" in msg and torch_elastic.SUPPORTED in msg and "torchrun" in msg
+    assert "pip install" not in msg and "never replaces your torch" in msg
 
 
 def test_renamed_parameter_of_an_overridden_method_refused(monkeypatch):
@@ -58,8 +59,10 @@ def test_worker_group_field_gone_refused(monkeypatch):
 def test_agent_is_not_built_on_a_mismatching_torch(monkeypatch):
     from robust_plugins.launcher import agent
 
-    monkeypatch.setattr(torch_elastic, "SUPPORTED_BELOW", (2, 0, 0))
-    monkeypatch.setattr(torch_elastic, "SUPPORTED_MIN", (1, 0, 0))
+    import dataclasses
+
+    monkeypatch.setattr(torch_elastic, "RANGE", dataclasses.replace(torch_elastic.RANGE, minimum=(1, 0, 0),
+                                                                     below=(2, 0, 0)))
     with pytest.raises(HostVersionError, match="elastic agent"):  # before torch's __init__ runs
         agent.RobustAgent(spec=None, logs_specs=None, monitor=None, node="n")
 

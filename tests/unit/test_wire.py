@@ -52,7 +52,7 @@ def test_a_deepspeed_backend_without_its_bound_collectives_is_an_error_not_an_un
     assert deepspeed_wire.bound_collectives() == []  # no backend built yet: nothing to wrap
     backend = types.SimpleNamespace(all_gather_function=lambda *a, **k: None)
     monkeypatch.setitem(sys.modules, "deepspeed.comm.comm", types.SimpleNamespace(cdb=backend))
-    with pytest.raises(HostVersionError, match="no reduce_scatter_function.*deepspeed >=0.19,<0.20"):
+    with pytest.raises(HostVersionError, match=r"no reduce_scatter_function.*deepspeed >=\d"):
         deepspeed_wire.bound_collectives()
     backend.reduce_scatter_function = lambda *a, **k: None
     assert [(o is backend, a, n) for o, a, n in deepspeed_wire.bound_collectives()] == [

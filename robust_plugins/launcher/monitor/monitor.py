@@ -47,6 +47,7 @@ from robust_plugins.watchdog.protocol import (
     MSG_HISTORY,
     MSG_INJECT,
     MSG_QUERY,
+    MSG_REFUSED,
     MSG_VERDICT,
 )
 
@@ -241,6 +242,15 @@ class Monitor:
         held = self.emergency.take_hold_s()
         if held is not None:  # part of stop_s: the stop waited for the saves
             fault.detail["emergency_hold_s"] = held
+        refusing = sorted(r for r in failures if states[r].refused)
+        if refusing:
+            # A refusal (a config or host-version problem) before the first step: a restart
+            # would meet it again, so the job ends with its message (the agent stops restarts).
+            why = states[refusing[0]].refused
+            fault.action, fault.suspect_ranks = "report", refusing
+            fault.detail.update(refused=why, reason=f"rank {refusing[0]} refused to run before its first step, "
+                                f"which a restart would not change: {why}")
+            return self._record(fault, detected_at=None if seen is None else seen[1])
         if self.transport.alive():
             # A NaN, SDC or spike the ranks reported before they exited is the fault to recover
             # from: restarting from the newest snapshot would restore its bad step.
@@ -394,6 +404,9 @@ class Monitor:
                 st.emergency["via"] = msg.get("via") or before.get("via")
             elif kind == MSG_EXIT:
                 st.finished = True
+            elif kind == MSG_REFUSED:
+                if st.refused is None and st.progress.last_step is None:
+                    st.refused = str(msg.get("why"))
             elif kind == MSG_COMM:
                 st.device_type = msg.get("dev")
             elif kind == MSG_GROUP:

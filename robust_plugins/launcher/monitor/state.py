@@ -36,5 +36,8 @@ class _RankState:
     """The ranks its compute time is compared with: those of the same group (``watchdog.straggler_group``)."""
     device_type: str | None = None
     """What its default group's collectives move (``cpu``: gloo, ``cuda``: NCCL), said at its first step."""
+    refused: str | None = None
+    """Why the rank refused to run before its first step (``watchdog.client.refused``): the job
+    ends with it, unrestarted."""
     emergency: dict[str, Any] | None = None
     """Its emergency saver (``watchdog.on_emergency``): ``{"phase": registered|start|done, ...}``."""
