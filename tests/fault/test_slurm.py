@@ -87,10 +87,17 @@ def _steps_saved(workdir: Path) -> int:
 
 
 def _kill_rank_of(run_dir: Path) -> int:
+    """SIGKILLs the ranks of the node's newest incarnation; returns how many were still alive (0:
+    that incarnation was already being replaced when we read its line)."""
     pids = json.loads((run_dir / "workers.jsonl").read_text().splitlines()[-1])["pids"]
+    killed = 0
     for pid in pids.values():
-        os.kill(int(pid), signal.SIGKILL)
-    return len(pids)
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+    return killed
 
 
 def test_node_killed_twice_is_drained_and_the_spare_finishes_with_the_same_weights(slurm, fault_free, tmp_path):
@@ -108,10 +115,13 @@ def test_node_killed_twice_is_drained_and_the_spare_finishes_with_the_same_weigh
             fresh = (node1 / "workers.jsonl").exists() and \
                 len((node1 / "workers.jsonl").read_text().splitlines()) > incarnations
             if fresh and _steps_saved(workdir) >= want:
-                break
+                if _kill_rank_of(node1):
+                    break
+                incarnations = len((node1 / "workers.jsonl").read_text().splitlines())  # wait for the next
             time.sleep(0.1)
+        else:
+            pytest.fail(f"node1 never reached step {want} with live ranks: {_output(workdir)[-3000:]}")
         killed_at.append(_steps_saved(workdir))
-        _kill_rank_of(node1)
     info = slurm.wait_job(job, timeout_s=max(10.0, deadline - time.monotonic()))
     out = _output(workdir)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out[-4000:]

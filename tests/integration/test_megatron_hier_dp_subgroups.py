@@ -91,7 +91,7 @@ def _dp4_distopt(preset, corpus, steps: int) -> dict:
                       optimizer="megatron")
         absmax, grads, losses = _local_absmax(parts), [], []
         for s in range(1, steps + 1):
-            hook = (lambda: grads.append(_reduced_grads(parts))) if s == 1 else None
+            hook = (lambda: grads.append(torch.cat(_reduced_grads(parts)))) if s == 1 else None
             losses.append(train_step(parts, preset, corpus, 0, s, before_step=hook))
         res = {"losses": losses, "grads": grads[0], "absmax": absmax[0],
                "inner": sorted({type(o).__name__ for o in getattr(parts["optimizer"], "chained_optimizers",

@@ -103,12 +103,19 @@ def _check(res: list, names: list, kinds=("dense", "expert")) -> None:
                     assert torch.equal(got[k], ref[k]), (rank, name, k)
                 assert got["digest"] == ref["digest"] and got["losses"] == ref["losses"], (rank, name)
                 continue
+            # auto weighs the hinted link against latencies and codec cost measured on this box's
+            # loaded cores: a small bucket may go uncompressed ("none"), exact then; the rest is int8.
+            auto = "auto" in name
             for k in kinds:
                 err = float((got[k] - ref[k]).abs().max())
                 rel = float((got[k] - ref[k]).norm() / ref[k].norm())
                 bound = 2 * INT8_HALF_STEP * absmax[k] * (1 + 1e-5)
-                assert 0 < err <= bound and rel < 3e-2, (rank, name, k, err, bound, rel)
-            assert got["by_codec"] == {"int8": sum(got["by_codec"].values())}, (rank, name, got["by_codec"])
+                assert (auto or 0 < err) and err <= bound and rel < 3e-2, (rank, name, k, err, bound, rel)
+            if auto:
+                assert set(got["by_codec"]) <= {"int8", "none"} and got["by_codec"].get("int8", 0) > 0, \
+                    (rank, name, got["by_codec"])
+            else:
+                assert got["by_codec"] == {"int8": sum(got["by_codec"].values())}, (rank, name, got["by_codec"])
 
 
 @pytest.mark.timeout(300)

@@ -203,7 +203,9 @@ def test_interleaved_checkpointer_restores_every_chunk_bitwise(two, name):
         res = r[name]
         ref, mem = res["reference"], res["memory"]
         assert ref["chunks"] == 2, (name, rank)
-        assert len(ref["compressed"]) == 2 and all(n > 0 for n in ref["compressed"]), ref["compressed"]  # residuals
+        # 2 ranks at PP 2: data-parallel size 1, so each chunk's sync sends and quantizes nothing
+        # (no residual to restore here; interleaved residuals at DP 2: tests/fault/test_megatron_3d_memory.py).
+        assert ref["compressed"] == [0, 0], ref["compressed"]
         assert (mem["start"], mem["source"]) == (2, "memory"), (name, rank, mem)
         assert mem["losses"] == ref["losses"][2:] and mem["digest"] == ref["digest"], (name, rank)
         assert mem["scalers"] == ref["scalers"][2:], (name, rank)
