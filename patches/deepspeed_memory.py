@@ -323,17 +323,6 @@ class MemorySnapshots(SnapshotBinding):
         self._unsettled = self.background or self.sdc is not None
 
     # ---------------------------------------------------------------------------------- hooks
-    def _after_commit(self, _index: int, slot) -> None:
-        # On the snapshot thread, in step order on every rank: peer copy, then (every
-        # persist_every steps) the disk checkpoint written from the same committed slot.
-        if self.peers is not None:
-            self.store.keep_step = self.peers.exchange(slot)
-        step = slot.header().step
-        # A second snapshot of one step (save_checkpoint's client_state) is not persisted twice.
-        if self.persister is not None and step % self.persist_every == 0 and step != self._persisted_step:
-            self._persisted_step = step
-            self.persister.persist(slot, step)
-
     def on_step(self, engine=None) -> None:
         """Step observer (``add_step_observer``), after every optimizer step: snapshot at every
         ``memory_every``-th step (and every ``persist_every``-th, which the background save

@@ -202,9 +202,6 @@ class MegatronMemory(SnapshotBinding):
         return [p for p in self._modules.parameters() if getattr(p, "allreduce", True)]
 
     # ---------------------------------------------------------------------------------- hooks
-    def _after_commit(self, _index: int, slot) -> None:
-        self.store.keep_step = self.peers.exchange(slot)
-
     def on_step(self, step: int) -> None:
         """After the optimizer step ``step`` (every rank): snapshot every ``memory_every``-th."""
         if step % self.every == 0 and step != self.taken_at:

@@ -254,15 +254,6 @@ class Snapshotter(SnapshotBinding):
         return self.model
 
     # ---------------------------------------------------------------------------------- hooks
-    def _after_commit(self, _index: int, slot) -> None:
-        # On the snapshot thread, in step order on every rank: peer copy, then the disk save.
-        if self.peers is not None:
-            self.store.keep_step = self.peers.exchange(slot)
-        step = slot.header().step
-        if self.persister is not None and step % self.persist_every == 0 and step != self._persisted_step:
-            self._persisted_step = step
-            self.persister.persist(slot, step)
-
     def step_end(self, step: int, loss: Any = None, grad_norm: Any = None) -> None:
         """After ``optimizer.step()`` of ``step`` (every rank): snapshot every ``memory_every``-th
         step (and every ``persist_every``-th), then send the step signal to ``robust run``

@@ -68,6 +68,11 @@ class SnapshotBinding(abc.ABC):
     """Registered state restored before the script registered it (name -> value), or None."""
     _unsettled: bool = False
     _replica_keys: Optional[set] = None
+    persister: Any = None
+    """robust_plugins.checkpoint.persist.SnapshotPersister writing every ``persist_every``-th
+    committed snapshot to disk in the background, or None."""
+    persist_every: int = 0
+    _persisted_step: Optional[int] = None
 
     @abc.abstractmethod
     def _module(self) -> torch.nn.Module:
@@ -122,6 +127,17 @@ class SnapshotBinding(abc.ABC):
         # The previous snapshot's replica verdict (a mismatch holds), then an armed bit flip.
         if self.sdc is not None:
             self.sdc.before_snapshot(step, self._replica_params)
+
+    def _after_commit(self, _index: int, slot) -> None:
+        """The store's after-commit step, on the snapshot thread, in step order on every rank: the
+        peer copy, then (every ``persist_every`` steps) the disk checkpoint written from the same
+        committed slot. A second snapshot of one step is not persisted twice."""
+        if self.peers is not None:
+            self.store.keep_step = self.peers.exchange(slot)
+        step = slot.header().step
+        if self.persister is not None and step % self.persist_every == 0 and step != self._persisted_step:
+            self._persisted_step = step
+            self.persister.persist(slot, step)
 
     def stable_tensors(self, state: dict) -> set[int] | None:
         """``data_ptr()`` of the captured tensors only the optimizer step changes (parameters and
